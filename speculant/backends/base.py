@@ -1,0 +1,102 @@
+"""The backend interface: what the engine needs from a model runtime, and nothing more.
+
+A backend owns one model and one KV cache for one sequence. The engine never imports a runtime
+(llama_cpp, torch) directly; it talks to this interface.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Optional, Sequence
+
+import numpy as np
+
+
+@dataclass
+class VocabInfo:
+    """What the vocabulary check compares between a draft and a target."""
+
+    n_vocab: int
+    kind: str  # tokenizer family, e.g. "bpe", "spm"
+    texts: list[bytes]  # token id -> raw token text
+    special_ids: dict[str, Optional[int]] = field(default_factory=dict)  # bos/eos/eot/pad -> id
+    unused: frozenset[int] = frozenset()  # ids the model never emits (padding slots, unused/control)
+
+
+class Backend(ABC):
+    """One model with one KV cache holding the tokens `self.tokens` at positions 0..len-1."""
+
+    name: str
+    n_ctx: int
+    n_vocab: int
+
+    def __init__(self) -> None:
+        self.tokens: list[int] = []  # what the KV cache holds now
+
+    # -- the two calls of the decode loop ----------------------------------------------------------------
+    @abstractmethod
+    def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
+        """Evaluate `tokens` at positions start.. after the cache was cut to `start`; return the logits of
+        the last `n_logits` of them as float32 [n_logits, n_vocab]."""
+
+    @abstractmethod
+    def _truncate(self, n_kept: int) -> None:
+        """Drop KV entries at positions >= n_kept."""
+
+    def rewind(self, n_kept: int) -> None:
+        """Forget everything after the first n_kept tokens."""
+        if n_kept < len(self.tokens):
+            self._truncate(n_kept)
+            del self.tokens[n_kept:]
+
+    def eval(self, tokens: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Append `tokens` to the cache; logits for the last n_logits of them: [n_logits, n_vocab]."""
+        if len(self.tokens) + len(tokens) > self.n_ctx:
+            raise RuntimeError(f"{self.name}: {len(self.tokens) + len(tokens)} tokens exceed n_ctx={self.n_ctx}")
+        start = len(self.tokens)
+        logits = self._decode(tokens, start, n_logits)
+        self.tokens.extend(int(t) for t in tokens)
+        return logits
+
+    def sync(self, context: Sequence[int], n_logits: int = 1) -> np.ndarray:
+        """Make the cache hold exactly `context` (keep the common prefix, evaluate the rest) and return the
+        logits of its last n_logits tokens. At least the last token is always (re-)evaluated."""
+        common = 0
+        limit = min(len(self.tokens), len(context) - n_logits)
+        while common < limit and self.tokens[common] == context[common]:
+            common += 1
+        self.rewind(common)
+        return self.eval(context[common:], n_logits)
+
+    # -- text ---------------------------------------------------------------------------------------------
+    @abstractmethod
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+
+    @abstractmethod
+    def token_bytes(self, token: int) -> bytes:
+        """The raw bytes a token renders to (special tokens render as nothing)."""
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
+
+    @abstractmethod
+    def is_eog(self, token: int) -> bool:
+        """End of generation (EOS, EOT, ...)."""
+
+    @abstractmethod
+    def chat_template(self) -> Optional[str]: ...
+
+    @abstractmethod
+    def vocab_info(self) -> VocabInfo: ...
+
+    @property
+    @abstractmethod
+    def bos_token(self) -> str: ...
+
+    @property
+    @abstractmethod
+    def eos_token(self) -> str: ...
+
+    def close(self) -> None:
+        """Release the model (optional)."""

@@ -1,0 +1,213 @@
+"""llama.cpp backend over llama-cpp-python's low-level API (GGUF models, quantized, CPU).
+
+Numerics: the engine's exactness needs a target pass over k+1 tokens to give bit-identical logits to k+1
+single-token passes. llama.cpp has three matmul paths that round differently by batch size: the llamafile
+sgemm (disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (`use_extra_bufts`, off for a
+target), and the tiled K-quant kernel taken at >= 8 rows (GGML_CPU_TILED_MM=0 turns it off). Without them
+every output is one dot-product kernel call whatever the batch, and logits are bit-identical
+(tests/test_llamacpp.py checks it). A draft needs no such care: any q is verified exactly, so drafts may
+load with repacking on (`repack=True`), which is faster.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import os
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import ModelError
+from .base import Backend, VocabInfo
+
+os.environ["GGML_CPU_TILED_MM"] = "0"  # read once by ggml at the first matmul; see the docstring
+
+try:
+    import llama_cpp as ll
+except ImportError as e:  # pragma: no cover - an install problem, reported clearly
+    raise ModelError("llama-cpp-python is not installed; run `make setup`") from e
+
+_LOG = collections.deque(maxlen=50)  # recent llama.cpp log lines, for error messages
+_VERBOSE = os.environ.get("SPECULANT_VERBOSE", "") not in ("", "0")
+
+
+@ll.llama_log_callback
+def _log_callback(level: int, text: bytes, user_data) -> None:
+    line = text.decode("utf-8", errors="replace")
+    _LOG.append(line)
+    if _VERBOSE:
+        print(line, end="", flush=True)
+
+
+ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
+ll.llama_backend_init()
+
+
+def _last_errors() -> str:
+    lines = [line.strip() for line in _LOG if line.strip()]
+    errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
+    return (errors or lines or ["no details"])[-1]
+
+
+class LlamaCppBackend(Backend):
+    """One GGUF model and one llama.cpp context (sequence 0)."""
+
+    def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
+                 n_batch: int = 512, repack: bool = False, flash_attn: int = 1):
+        super().__init__()
+        self.path = Path(path)
+        self.name = self.path.name
+        mparams = ll.llama_model_default_params()
+        mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
+        mparams.n_gpu_layers = 0
+        _LOG.clear()
+        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        if not self._model:
+            raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors()}")
+        self._vocab = ll.llama_model_get_vocab(self._model)
+        self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
+        self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
+        threads = n_threads or os.cpu_count() or 1
+        cparams = ll.llama_context_default_params()
+        cparams.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = flash_attn
+        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
+        self.n_ctx = ll.llama_n_ctx(self._ctx)
+        self.n_batch = n_batch
+        self.n_threads = threads
+        self._memory = ll.llama_get_memory(self._ctx)
+        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._piece_cache: dict[int, bytes] = {}
+        self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
+
+    # -- decode loop --------------------------------------------------------------------------------------
+    def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
+        self._truncate(start)
+        n = len(tokens)
+        out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
+        filled = 0
+        for lo in range(0, n, self.n_batch):
+            chunk = tokens[lo : lo + self.n_batch]
+            b = self._batch
+            b.n_tokens = len(chunk)
+            first_logit = n - n_logits  # index (in tokens) of the first position whose logits we return
+            n_out = 0
+            for i, tok in enumerate(chunk):
+                j = lo + i
+                b.token[i] = tok
+                b.pos[i] = start + j
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = 0
+                want = j >= first_logit
+                b.logits[i] = want
+                n_out += want
+            rc = ll.llama_decode(self._ctx, b)
+            if rc != 0:
+                raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors()})")
+            if n_out:
+                ptr = ll.llama_get_logits(self._ctx)
+                out[filled : filled + n_out] = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
+                filled += n_out
+        return out
+
+    def _truncate(self, n_kept: int) -> None:
+        ll.llama_memory_seq_rm(self._memory, 0, n_kept, -1)
+
+    # -- text ---------------------------------------------------------------------------------------------
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        data = text.encode("utf-8")
+        cap = len(data) + 16
+        buf = (ll.llama_token * cap)()
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        if n < 0:  # buffer too small: -n is the size needed
+            cap = -n
+            buf = (ll.llama_token * cap)()
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        return list(buf[:n])
+
+    def token_bytes(self, token: int) -> bytes:
+        piece = self._piece_cache.get(token)
+        if piece is None:
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
+            piece = self._piece_cache[token] = buf.raw[:n]
+        return piece
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def metadata(self, key: str) -> Optional[str]:
+        size = 1 << 16
+        while True:
+            buf = ctypes.create_string_buffer(size)
+            n = ll.llama_model_meta_val_str(self._model, key.encode(), buf, size)
+            if n < 0:
+                return None
+            if n < size:
+                return buf.value.decode("utf-8", errors="replace")
+            size = n + 1
+
+    def chat_template(self) -> Optional[str]:
+        return self.metadata("tokenizer.chat_template")
+
+    def _special_text(self, token: int) -> str:
+        if token < 0 or token >= self.n_vocab:
+            return ""
+        return (ll.llama_vocab_get_text(self._vocab, token) or b"").decode("utf-8", errors="replace")
+
+    @property
+    def bos_token(self) -> str:
+        return self._special_text(ll.llama_vocab_bos(self._vocab))
+
+    @property
+    def eos_token(self) -> str:
+        return self._special_text(ll.llama_vocab_eos(self._vocab))
+
+    def add_bos(self) -> bool:
+        return bool(ll.llama_vocab_get_add_bos(self._vocab))
+
+    def vocab_info(self) -> VocabInfo:
+        v = self._vocab
+        kinds = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}
+        texts = [ll.llama_vocab_get_text(v, t) or b"" for t in range(self.n_vocab)]
+        unused = frozenset(
+            t for t in range(self.n_vocab) if ll.llama_vocab_get_attr(v, t) & ll.LLAMA_TOKEN_ATTR_UNUSED
+        )
+        special = {
+            name: (tok if tok >= 0 else None)
+            for name, tok in (
+                ("bos", ll.llama_vocab_bos(v)),
+                ("eos", ll.llama_vocab_eos(v)),
+                ("eot", ll.llama_vocab_eot(v)),
+                ("pad", ll.llama_vocab_pad(v)),
+            )
+        }
+        return VocabInfo(self.n_vocab, kinds.get(ll.llama_vocab_type(v), "other"), texts, special, unused)
+
+    def close(self) -> None:
+        if getattr(self, "_ctx", None):
+            ll.llama_batch_free(self._batch)
+            ll.llama_free(self._ctx)
+            self._ctx = None
+        if getattr(self, "_model", None):
+            ll.llama_model_free(self._model)
+            self._model = None
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

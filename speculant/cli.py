@@ -1,0 +1,188 @@
+"""`speculant` command line: generate | pull | models | demo (flags read like llama.cpp's)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Optional
+
+from . import models
+from .errors import SpeculantError
+
+DEMO_PROMPT = (
+    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals and returns "
+    "them sorted. Include a docstring and a short example."
+)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line and exit 2, like every other error
+        self.exit(2, f"speculant: error: {message}\n")
+
+
+def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> None:
+    p.add_argument("-m", "--model", default=models.DEFAULT_TARGET if default_target else None,
+                   help="target model: registered name or GGUF path (default %(default)s)")
+    p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
+                   help="draft model of the same family (name or GGUF path); omit for plain decoding")
+    p.add_argument("--draft-max", "--draft", type=int, default=4, help="tokens drafted per step (default 4)")
+    p.add_argument("--draft-p-min", type=float, default=0.0,
+                   help="stop drafting when the draft's confidence falls below this (default 0: off)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+
+
+def _add_sampling_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
+    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p in (0, 1] (1 = off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p in [0, 1) (0 = off)")
+    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="speculant", description="Exact speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    g = sub.add_parser("generate", help="generate text (speculatively with -md)")
+    _add_model_args(g)
+    _add_sampling_args(g)
+    src = g.add_mutually_exclusive_group()
+    src.add_argument("-p", "--prompt", help="prompt text")
+    src.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin)")
+    g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object {text, tokens, stats}")
+
+    pl = sub.add_parser("pull", help="download registered models into $SPECULANT_HOME")
+    pl.add_argument("names", nargs="*", help="model names (default: the default target and draft)")
+    pl.add_argument("-q", "--quiet", action="store_true")
+
+    sub.add_parser("models", help="list registered models")
+
+    d = sub.add_parser("demo", help="plain vs speculative on a built-in coding prompt")
+    _add_model_args(d)
+    d.set_defaults(model_draft=models.DEFAULT_DRAFT)
+    d.add_argument("-n", "--n-predict", type=int, default=128)
+    d.add_argument("--temp", type=float, default=0.0)
+    d.add_argument("-p", "--prompt", default=DEMO_PROMPT)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if args.file and args.file != "-":
+        try:
+            with open(args.file, encoding="utf-8") as f:
+                return f.read()
+        except OSError as e:
+            raise SpeculantError(f"cannot read prompt file {args.file}: {e.strerror}") from None
+        except UnicodeDecodeError:
+            raise SpeculantError(f"prompt file {args.file} is not UTF-8 text") from None
+    if args.file == "-" or not sys.stdin.isatty():
+        return sys.stdin.read()
+    raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
+
+
+def cmd_generate(args) -> int:
+    from .api import load_engine
+    from .engine import Result
+    from .stats import SpecStats
+    from .verify import SamplingParams
+
+    params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    prompt = _read_prompt(args)
+    if not prompt.strip():
+        raise SpeculantError("the prompt is empty")
+    engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_p_min=args.draft_p_min,
+                         n_ctx=args.ctx_size, threads=args.threads)
+    try:
+        text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
+        result = Result("", [], SpecStats())
+        printed = 0
+        for event in engine.stream(text, max_tokens=args.n_predict, params=params, stop=args.stop,
+                                   is_chat=args.chat, result=result):
+            if not args.json and event.text:
+                sys.stdout.write(event.text)
+                sys.stdout.flush()
+                printed += len(event.text)
+    finally:
+        engine.close()
+    if args.json:
+        json.dump(result.to_dict(), sys.stdout, ensure_ascii=False)
+        sys.stdout.write("\n")
+    else:
+        sys.stdout.write(result.text[printed:] + "\n")
+        s = result.stats
+        print(f"[{s.generated_tokens} tokens, {s.tokens_per_s:.2f} tokens/s, acceptance "
+              f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f}, {s.target_calls} target calls]",
+              file=sys.stderr)
+    if result.message:
+        print(f"speculant: {result.message}", file=sys.stderr)
+    return 0
+
+
+def cmd_pull(args) -> int:
+    for name in args.names or [models.DEFAULT_TARGET, models.DEFAULT_DRAFT]:
+        path = models.pull(name, quiet=args.quiet)
+        if not args.quiet:
+            print(f"{name}: {path}")
+    return 0
+
+
+def cmd_models(args) -> int:
+    for name, desc, present in models.list_models():
+        print(f"{name:32s} {'pulled' if present else '-':7s} {desc}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .api import load_backend
+    from .drafters.model import ModelDrafter
+    from .engine import Engine
+    from .verify import SamplingParams
+    from .vocab import check_compatible
+
+    target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads)
+    draft = load_backend(args.model_draft, n_ctx=target.n_ctx, threads=args.threads, role="draft")
+    check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+    plain = Engine(target)
+    spec = Engine(target, ModelDrafter(draft, target.n_vocab, p_min=args.draft_p_min), draft_max=args.draft_max)
+    params = SamplingParams(args.temp, seed=0)
+    prompt = plain.chat_prompt([{"role": "user", "content": args.prompt}])
+    print(f"prompt: {args.prompt}\n")
+    runs = {}
+    for label, engine in (("plain", plain), ("speculative", spec)):
+        print(f"--- {label} ({target.name}{' + ' + draft.name if engine.drafter else ''}) ---")
+        runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True)
+        print(r.text)
+        print(f"[{label}: {r.stats.generated_tokens} tokens at {r.stats.tokens_per_s:.2f} tokens/s]\n")
+    p, s = runs["plain"].stats, runs["speculative"].stats
+    same = runs["plain"].tokens == runs["speculative"].tokens
+    print(f"plain:       {p.tokens_per_s:6.2f} tokens/s")
+    print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {args.draft_max}, acceptance "
+          f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f})")
+    print(f"speedup:     {s.tokens_per_s / p.tokens_per_s:.2f}x   identical output: {'yes' if same else 'NO'}")
+    target.close()
+    draft.close()
+    return 0 if same or args.temp > 0 else 1
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}[
+            args.command](args)
+    except SpeculantError as e:
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("speculant: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

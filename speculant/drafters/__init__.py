@@ -1,0 +1,4 @@
+from .base import EMPTY, Draft, Drafter
+from .model import ModelDrafter
+
+__all__ = ["Draft", "Drafter", "EMPTY", "ModelDrafter"]

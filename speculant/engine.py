@@ -1,0 +1,207 @@
+"""The decode loop: draft -> verify -> accept -> rewind.
+
+Plain decoding is the same loop with no drafter (k = 0): one target pass per token. That keeps the
+baseline and the speculative path on one code path, so greedy identity compares like with like.
+"""
+
+from __future__ import annotations
+
+import codecs
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Iterator, Optional, Sequence
+
+import numpy as np
+
+from . import chat
+from .backends.base import Backend
+from .drafters.base import EMPTY, Drafter
+from .errors import ContextOverflowError, SettingsError
+from .stats import SpecStats
+from .verify import SamplingParams, probs_from_logits, verify_greedy, verify_sampled
+
+MAX_DRAFT = 64
+
+
+@dataclass
+class TokenEvent:
+    """One emitted token and the text it completes (may be '' while a UTF-8 sequence or a possible
+    stop string is pending)."""
+
+    token: int
+    text: str
+    from_draft: bool
+
+
+@dataclass
+class Result:
+    text: str
+    tokens: list[int]
+    stats: SpecStats
+    finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (token limit or context full)
+    message: str = ""  # a note for the user, e.g. that the context window filled up
+    from_draft: list[bool] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+                "stats": self.stats.to_dict()}
+
+
+class Engine:
+    """A target model, optionally with a drafter, and the speculative decode loop."""
+
+    def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: int = 4):
+        if not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT):
+            raise SettingsError(f"--draft-max must be an integer in [0, {MAX_DRAFT}], got {draft_max!r}")
+        self.target = target
+        self.drafter = drafter
+        self.draft_max = draft_max
+
+    # -- prompts ------------------------------------------------------------------------------------------
+    def chat_prompt(self, messages: list[dict]) -> str:
+        return chat.render(self.target.chat_template(), messages, bos_token=self.target.bos_token,
+                           eos_token=self.target.eos_token)
+
+    def tokenize_prompt(self, prompt: str | Sequence[int], *, is_chat: bool = False) -> list[int]:
+        if isinstance(prompt, str):
+            if not prompt.strip() and not is_chat:
+                raise SettingsError("the prompt is empty")
+            bos = self.target.bos_token
+            add_special = not (is_chat and bos and prompt.startswith(bos))  # the template wrote BOS already
+            tokens = self.target.tokenize(prompt, add_special=add_special)
+        else:
+            tokens = [int(t) for t in prompt]
+            bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
+            if bad:
+                raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        if not tokens:
+            raise SettingsError("the prompt is empty")
+        if len(tokens) >= self.target.n_ctx:
+            raise ContextOverflowError(
+                f"the prompt has {len(tokens)} tokens but the context window holds {self.target.n_ctx}; "
+                f"shorten the prompt or raise --ctx-size"
+            )
+        return tokens
+
+    # -- generation ---------------------------------------------------------------------------------------
+    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+               params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
+               is_chat: bool = False, result: Optional[Result] = None) -> Iterator[TokenEvent]:
+        """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes."""
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
+        stop = [s for s in stop if s]
+        context = self.tokenize_prompt(prompt, is_chat=is_chat)
+        result = result if result is not None else Result("", [], SpecStats())
+        stats = result.stats
+        stats.prompt_tokens = len(context)
+        rng = np.random.default_rng(params.seed)
+        target, drafter = self.target, self.drafter if self.draft_max > 0 else None
+        text = _TextTracker(target, stop)
+
+        t0 = time.perf_counter()
+        target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
+        stats.prefill_time = time.perf_counter() - t0
+        t_decode = time.perf_counter()
+        try:
+            while True:
+                room = min(max_tokens - stats.generated_tokens, target.n_ctx - len(context))
+                if room <= 0:
+                    if stats.generated_tokens < max_tokens:
+                        result.message = f"context window full ({target.n_ctx} tokens); generation stopped"
+                    result.finish_reason = "length"
+                    return
+                # draft
+                t = time.perf_counter()
+                k = min(self.draft_max, room - 1)
+                draft = drafter.propose(context, k, params, rng) if drafter and k > 0 else EMPTY
+                stats.draft_time += time.perf_counter() - t
+                # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
+                t = time.perf_counter()
+                logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
+                if params.greedy:
+                    n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
+                else:
+                    n_accepted, next_token = verify_sampled(
+                        np.asarray(draft.tokens, dtype=np.int64), draft.probs,
+                        probs_from_logits(logits, params), rng)
+                stats.verify_time += time.perf_counter() - t
+                # accept, rewind
+                new_tokens = draft.tokens[:n_accepted] + [next_token]
+                context += new_tokens
+                target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
+                stats.record_step(draft.source, len(draft), n_accepted)
+                for i, token in enumerate(new_tokens):
+                    if target.is_eog(token):
+                        result.finish_reason = "stop"
+                        return
+                    stats.generated_tokens += 1
+                    result.tokens.append(token)
+                    result.from_draft.append(i < n_accepted)
+                    piece, stopped = text.add(token)
+                    stats.decode_time = time.perf_counter() - t_decode
+                    yield TokenEvent(token, piece, i < n_accepted)
+                    if stopped:
+                        result.finish_reason = "stop"
+                        return
+                    if stats.generated_tokens >= max_tokens:
+                        result.finish_reason = "length"
+                        return
+        finally:
+            stats.decode_time = time.perf_counter() - t_decode
+            result.text = text.finish()
+            stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+    def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
+        result = Result("", [], SpecStats())
+        for _ in self.stream(prompt, result=result, **kwargs):
+            pass
+        return result
+
+    def close(self) -> None:
+        if self.drafter:
+            self.drafter.close()
+        self.target.close()
+
+
+class _TextTracker:
+    """Incremental detokenization with stop strings: returns only text that can no longer be retracted."""
+
+    def __init__(self, backend: Backend, stop: Sequence[str]):
+        self.backend = backend
+        self.stop = list(stop)
+        self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        self.text = ""  # everything decoded (up to a stop string, once found)
+        self.emitted = 0  # how much of self.text was handed out
+        self.stopped = False
+
+    def add(self, token: int) -> tuple[str, bool]:
+        before = len(self.text)
+        self.text += self.decoder.decode(self.backend.token_bytes(token))
+        for s in self.stop:
+            at = self.text.find(s, max(0, before - len(s) + 1))
+            if at >= 0:
+                self.text = self.text[:at]
+                self.stopped = True
+                return self._emit(len(self.text)), True
+        hold = max((_overlap(self.text, s) for s in self.stop), default=0)
+        return self._emit(len(self.text) - hold), False
+
+    def _emit(self, upto: int) -> str:
+        piece = self.text[self.emitted:upto] if upto > self.emitted else ""
+        self.emitted = max(self.emitted, upto)
+        return piece
+
+    def finish(self) -> str:
+        if not self.stopped:  # flush a trailing partial UTF-8 sequence
+            self.text += self.decoder.decode(b"", final=True)
+        return self.text
+
+
+def _overlap(text: str, stop: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of stop."""
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0

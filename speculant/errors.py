@@ -1,0 +1,21 @@
+"""Errors a user can act on. The CLI prints their message on one line and exits non-zero."""
+
+
+class SpeculantError(Exception):
+    """Base class: anything caused by the user's input or environment, not by a bug."""
+
+
+class ModelError(SpeculantError):
+    """A model cannot be found, fetched, verified or loaded."""
+
+
+class VocabMismatchError(SpeculantError):
+    """The draft cannot propose tokens for the target: their vocabularies differ."""
+
+
+class SettingsError(SpeculantError, ValueError):
+    """An impossible generation setting (bad k, temperature, top-p, empty prompt, ...)."""
+
+
+class ContextOverflowError(SpeculantError):
+    """The prompt does not fit the context window."""

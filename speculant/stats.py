@@ -1,0 +1,79 @@
+"""Speculation statistics, carried by every generate call, CLI run, server response and benchmark row."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    prompt_tokens: int = 0
+    generated_tokens: int = 0
+    drafted: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # of those, accepted
+    target_calls: int = 0  # target passes during decoding (prefill excluded)
+    drafted_by_position: list[int] = field(default_factory=list)  # [i] drafts made at draft position i
+    accepted_by_position: list[int] = field(default_factory=list)  # [i] of those, accepted
+    accepted_by_source: Counter = field(default_factory=Counter)  # drafter name -> accepted tokens
+    draft_lengths: list[int] = field(default_factory=list)  # k of each step, in order
+    prefill_time: float = 0.0
+    draft_time: float = 0.0
+    verify_time: float = 0.0
+    decode_time: float = 0.0  # wall time from the end of prefill to the last token
+    peak_rss_mb: float = 0.0
+
+    def record_step(self, source: str, n_drafted: int, n_accepted: int) -> None:
+        self.target_calls += 1
+        self.drafted += n_drafted
+        self.accepted += n_accepted
+        self.draft_lengths.append(n_drafted)
+        grow = n_drafted - len(self.drafted_by_position)
+        if grow > 0:
+            self.drafted_by_position += [0] * grow
+            self.accepted_by_position += [0] * grow
+        for i in range(n_drafted):
+            self.drafted_by_position[i] += 1
+        for i in range(n_accepted):
+            self.accepted_by_position[i] += 1
+        if n_accepted:
+            self.accepted_by_source[source] += n_accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def acceptance_by_position(self) -> list[float]:
+        return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """τ: tokens produced per target call, counting the target's own (recovered or bonus) token."""
+        return self.generated_tokens / self.target_calls if self.target_calls else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        """Generation speed: generated tokens over decode time (prefill excluded)."""
+        return self.generated_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "generated_tokens": self.generated_tokens,
+            "drafted": self.drafted,
+            "accepted": self.accepted,
+            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
+            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "target_calls": self.target_calls,
+            "accepted_by_source": dict(self.accepted_by_source),
+            "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)
+            if self.draft_lengths else 0.0,
+            "prefill_s": round(self.prefill_time, 4),
+            "draft_s": round(self.draft_time, 4),
+            "verify_s": round(self.verify_time, 4),
+            "decode_s": round(self.decode_time, 4),
+            "tokens_per_s": round(self.tokens_per_s, 3),
+            "peak_rss_mb": round(self.peak_rss_mb, 1),
+        }

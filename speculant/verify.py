@@ -1,0 +1,169 @@
+"""Verification of drafted tokens: pure functions over arrays.
+
+Vocabulary (as in vLLM's rejection sampler, after Leviathan et al. 2023 / Chen et al. 2023):
+- *draft tokens* x_1..x_k, proposed by a drafter with probabilities q_i (None for a deterministic drafter,
+  which is verified as q_i = one-hot(x_i): that keeps n-gram and greedy drafts lossless at any temperature);
+- *target probabilities* p_1..p_{k+1}, from one target pass over [last token, x_1..x_k];
+- *accepted* tokens: the longest prefix that passes the test (greedy: x_i == argmax p_i; sampled: u_i < p_i(x_i) / q_i(x_i));
+- the *recovered* token, sampled from normalize(max(0, p_j - q_j)) at the first rejection j;
+- the *bonus* token, sampled from p_{k+1} when all k drafts were accepted.
+Output = accepted + (recovered or bonus): always at least one token, exactly distributed as the target's.
+
+Sampling settings (temperature, top-k, top-p, min-p) are applied by `probs_from_logits` to target and
+draft logits alike, so p and q are the distributions the user asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import numpy as np
+
+from .errors import SettingsError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to turn logits into a distribution. temperature 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    seed: Optional[int] = None
+
+    def __post_init__(self):
+        if not np.isfinite(self.temperature) or self.temperature < 0:
+            raise SettingsError(f"temperature must be a finite number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise SettingsError(f"top-k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
+        if not (0.0 <= self.min_p < 1.0):
+            raise SettingsError(f"min-p must be in [0, 1), got {self.min_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logits -> probabilities
+
+
+def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """Apply temperature, then top-k, top-p and min-p, and normalise.
+
+    logits: [n, V] (or [V]) float; returns float64 of the same shape, rows summing to 1.
+    Order (as Hugging Face): scale by 1/T; keep the k largest; keep the smallest set of most likely tokens
+    whose mass reaches top_p; drop tokens below min_p * max prob. Ties at a cut-off are all kept.
+    """
+    x = np.asarray(logits, dtype=np.float64)
+    squeeze = x.ndim == 1
+    x = np.atleast_2d(x) / params.temperature
+    x = x - x.max(axis=-1, keepdims=True)
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = -np.partition(-x, params.top_k - 1, axis=-1)[:, params.top_k - 1 : params.top_k]  # [n, 1]
+        x = np.where(x >= kth, x, -np.inf)
+    probs = np.exp(x)
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if params.top_p < 1.0:
+        probs = np.stack([_top_p_row(row, params.top_p) for row in probs])
+    if params.min_p > 0.0:
+        probs = np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs[0] if squeeze else probs
+
+
+def _top_p_row(probs: np.ndarray, top_p: float) -> np.ndarray:
+    """Nucleus filter of one normalised row [V]; only the head of the distribution is ever sorted."""
+    n = probs.shape[0]
+    m = 64
+    while True:
+        m = min(m, n)
+        head = np.argpartition(-probs, m - 1)[:m] if m < n else np.arange(n)
+        head = head[np.argsort(-probs[head], kind="stable")]
+        cum = np.cumsum(probs[head])
+        if cum[-1] >= top_p or m == n:
+            cut_prob = probs[head[min(int(np.searchsorted(cum, top_p)), m - 1)]]
+            out = np.where(probs >= cut_prob, probs, 0.0)
+            return out / out.sum()
+        m *= 8
+
+
+def sample(probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One draw from a normalised [V] distribution (inverse CDF; robust to rounding in the sum)."""
+    cdf = np.cumsum(probs)
+    return int(min(np.searchsorted(cdf, rng.random() * cdf[-1], side="right"), len(probs) - 1))
+
+
+# ---------------------------------------------------------------------------------------------------------
+# verification
+
+
+def verify_greedy(draft_tokens: np.ndarray, target_argmax: np.ndarray) -> tuple[int, int]:
+    """Greedy verification. draft_tokens: [k]; target_argmax: [k+1].
+
+    Returns (n_accepted, next_token): the longest prefix equal to the target's argmax, then the target's own
+    token after it (the recovered token on a mismatch, the bonus token when all k match).
+    """
+    k = len(draft_tokens)
+    mismatch = np.flatnonzero(np.asarray(draft_tokens) != np.asarray(target_argmax[:k]))
+    n_accepted = int(mismatch[0]) if mismatch.size else k
+    return n_accepted, int(target_argmax[n_accepted])
+
+
+def verify_sampled(
+    draft_tokens: np.ndarray,
+    draft_probs: Optional[np.ndarray],
+    target_probs: np.ndarray,
+    rng: np.random.Generator,
+) -> tuple[int, int]:
+    """Modified rejection sampling.
+
+    draft_tokens: [k] int; draft_probs: [k, V] (q, rows normalised) or None for a deterministic draft;
+    target_probs: [k+1, V] (p). Returns (n_accepted, next_token) where next_token is the recovered token
+    (from normalize(max(0, p_j - q_j)) at the first rejection j) or the bonus token (from p_{k+1}).
+    """
+    k = len(draft_tokens)
+    rows = np.arange(k)
+    p_draft = target_probs[rows, draft_tokens]  # [k] p_i(x_i)
+    q_draft = np.ones(k) if draft_probs is None else draft_probs[rows, draft_tokens]  # [k] q_i(x_i)
+    u = rng.random(k)  # [k]
+    rejected = np.flatnonzero(u * q_draft >= p_draft)  # accept iff u < p/q (q > 0 for a proposed token)
+    if rejected.size == 0:
+        return k, sample(target_probs[k], rng)
+    j = int(rejected[0])
+    return j, sample(residual(target_probs[j], None if draft_probs is None else draft_probs[j], draft_tokens[j]), rng)
+
+
+def residual(p: np.ndarray, q: Optional[np.ndarray], draft_token: int) -> np.ndarray:
+    """normalize(max(0, p - q)) for one position [V]; q None means one-hot at draft_token."""
+    if q is None:
+        r = p.copy()
+        r[draft_token] = 0.0
+    else:
+        r = np.maximum(p - q, 0.0)
+    total = r.sum()
+    if total <= 0.0:  # only reachable through rounding when p == q; then p itself is the right law
+        return p
+    return r / total
+
+
+# ---------------------------------------------------------------------------------------------------------
+# reference implementation: the textbook algorithm, one position at a time, for the tests to check against
+
+
+def reference_verify(draft_tokens, draft_probs, target_probs, rng) -> tuple[list[int], int]:
+    """Algorithm 1 of Leviathan et al., written plainly. Returns (accepted tokens, next token)."""
+    accepted: list[int] = []
+    for i, x in enumerate(draft_tokens):
+        p = target_probs[i]
+        q = np.eye(len(p))[x] if draft_probs is None else draft_probs[i]
+        if rng.random() < min(1.0, p[x] / q[x]):
+            accepted.append(int(x))
+            continue
+        r = np.maximum(p - q, 0.0)
+        return accepted, int(rng.choice(len(p), p=r / r.sum()))
+    return accepted, int(rng.choice(target_probs.shape[1], p=target_probs[len(draft_tokens)]))

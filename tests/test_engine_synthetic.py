@@ -1,0 +1,158 @@
+"""The decode loop on tiny synthetic models: exactness (greedy identity, distribution of whole sequences),
+bookkeeping (acceptance when target == draft, call counts) and stopping rules."""
+
+import itertools
+
+import numpy as np
+import pytest
+from scipy import stats as sps
+
+import speculant.engine as engine_mod
+from speculant.drafters.model import ModelDrafter
+from speculant.engine import Engine
+from speculant.errors import ContextOverflowError, SettingsError
+from speculant.verify import SamplingParams, probs_from_logits, residual
+
+from synthetic import TableBackend
+
+V = 8
+PROMPT = [1, 2, 3]
+
+
+def make_engine(k, target_seed=0, draft_seed=1, **kw):
+    target = TableBackend(V, seed=target_seed, **kw)
+    draft = TableBackend(V, seed=draft_seed, **kw)
+    return Engine(target, ModelDrafter(draft, V), draft_max=k)
+
+
+@pytest.mark.parametrize("k", [1, 4, 8])
+def test_greedy_identity(k):
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60)
+    spec = make_engine(k).generate(PROMPT, max_tokens=60)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0 and 0 < spec.stats.accepted < spec.stats.drafted
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_same_model_as_draft_accepts_everything(k):
+    eng = make_engine(k, target_seed=0, draft_seed=0)
+    r = eng.generate(PROMPT, max_tokens=24)
+    assert r.stats.acceptance_rate == 1.0
+    assert r.stats.target_calls == -(-24 // (k + 1))
+    # every (k+1)-th token is the target's own, the others come from the draft
+    assert r.from_draft == [(i % (k + 1)) != k for i in range(24)]
+
+
+def exact_joint(params, n=3):
+    target = TableBackend(V, seed=0)
+    probs = np.zeros((V,) * n)
+    for seq in itertools.product(range(V), repeat=n):
+        pr, hist = 1.0, list(PROMPT)
+        for t in seq:
+            pr *= probs_from_logits(target.logits_after(hist), params)[t]
+            hist.append(t)
+        probs[seq] = pr
+    return probs.ravel()
+
+
+def sampled_joint(params, n_runs, k=3, n=3):
+    eng = make_engine(k)
+    counts = np.zeros(V ** n, dtype=np.int64)
+    base = params.seed
+    for i in range(n_runs):
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=base + i)
+        toks = eng.generate(PROMPT, max_tokens=n, params=p).tokens
+        counts[np.ravel_multi_index(toks, (V,) * n)] += 1
+    return counts
+
+
+def pvalue(counts, probs):
+    if counts[probs == 0].sum():
+        return 0.0
+    m = probs > 0
+    expected = probs[m] * counts.sum()
+    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
+    obs, exp = counts[m][big], expected[big]
+    if (~big).any():
+        obs, exp = np.append(obs, counts[m][~big].sum()), np.append(exp, expected[~big].sum())
+    return sps.chisquare(obs, exp).pvalue
+
+
+SETTINGS = [SamplingParams(1.0, seed=10_000), SamplingParams(0.7, top_k=4, seed=20_000),
+            SamplingParams(1.3, top_p=0.8, seed=30_000), SamplingParams(0.9, min_p=0.05, seed=40_000)]
+
+
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8", "T0.9-minp"])
+def test_sampled_sequences_follow_the_target(params):
+    counts = sampled_joint(params, 20_000)
+    probs = exact_joint(params)
+    assert pvalue(counts, probs) > 1e-4
+    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
+
+
+def test_the_sequence_test_fails_a_wrong_verifier(monkeypatch):
+    def wrong(draft_tokens, draft_probs, target_probs, rng):  # accepts with min(1, q/p)
+        for i, x in enumerate(draft_tokens):
+            p, q = target_probs[i], draft_probs[i]
+            if rng.random() >= min(1.0, q[x] / p[x]):
+                return i, int(rng.choice(V, p=residual(p, q, x)))
+        return len(draft_tokens), int(rng.choice(V, p=target_probs[-1]))
+
+    monkeypatch.setattr(engine_mod, "verify_sampled", wrong)
+    params = SamplingParams(1.0, seed=10_000)
+    assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) < 1e-6
+
+
+def test_seeded_runs_are_reproducible():
+    eng = make_engine(4)
+    a = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5)).tokens
+    b = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5)).tokens
+    c = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=6)).tokens
+    assert a == b and a != c
+
+
+def test_stops_on_eos_and_token_limit():
+    target = TableBackend(V, seed=0)
+    plain = Engine(target).generate(PROMPT, max_tokens=40).tokens
+    eos = plain[5]
+    first = plain.index(eos)
+    r = Engine(TableBackend(V, seed=0, eos=eos), ModelDrafter(TableBackend(V, seed=1), V), draft_max=4).generate(
+        PROMPT, max_tokens=40)
+    assert r.tokens == plain[:first] and r.finish_reason == "stop"
+    r = make_engine(4).generate(PROMPT, max_tokens=7)
+    assert len(r.tokens) == 7 and r.finish_reason == "length"
+
+
+def test_stop_strings_cut_the_text_and_stream_nothing_past_them():
+    eng = make_engine(4)
+    full = eng.generate(PROMPT, max_tokens=30)
+    stop = full.text[10:16]
+    events = []
+    r = engine_mod.Result("", [], engine_mod.SpecStats())
+    for e in eng.stream(PROMPT, max_tokens=30, stop=[stop], result=r):
+        events.append(e.text)
+    assert r.text == full.text[: full.text.find(stop)]
+    assert "".join(events) == r.text and r.finish_reason == "stop"
+
+
+def test_context_full_stops_with_a_message():
+    eng = make_engine(4, n_ctx=20)
+    r = eng.generate(PROMPT, max_tokens=100)
+    assert len(PROMPT) + len(r.tokens) == 20
+    assert "context window full" in r.message and r.finish_reason == "length"
+    plain = Engine(TableBackend(V, seed=0, n_ctx=20)).generate(PROMPT, max_tokens=100)
+    assert plain.tokens == r.tokens
+
+
+def test_bad_settings():
+    eng = make_engine(4, n_ctx=10)
+    with pytest.raises(SettingsError):
+        eng.generate([], max_tokens=5)
+    with pytest.raises(SettingsError):
+        eng.generate(PROMPT, max_tokens=0)
+    with pytest.raises(SettingsError):
+        eng.generate([99], max_tokens=5)
+    with pytest.raises(ContextOverflowError):
+        eng.generate(list(range(8)) * 2, max_tokens=5)
+    with pytest.raises(SettingsError):
+        Engine(TableBackend(V), draft_max=-1)

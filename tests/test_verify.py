@@ -1,0 +1,147 @@
+"""The verifier: pure functions checked against the textbook reference and against exact distributions."""
+
+import numpy as np
+import pytest
+from hypothesis import given, settings, strategies as st
+from scipy import stats as sps
+
+from speculant.errors import SettingsError
+from speculant.verify import (SamplingParams, probs_from_logits, reference_verify, residual, verify_greedy,
+                              verify_sampled)
+
+V = 10
+
+
+def _random_dists(rng, n, v=V, sharp=1.5):
+    logits = rng.standard_normal((n, v)) * sharp
+    p = np.exp(logits)
+    return p / p.sum(-1, keepdims=True)
+
+
+def _wrong_verify(draft_tokens, draft_probs, target_probs, rng):
+    """A deliberately wrong verifier: accepts with min(1, q/p) (p and q swapped)."""
+    k = len(draft_tokens)
+    for i, x in enumerate(draft_tokens):
+        p, q = target_probs[i], draft_probs[i]
+        if rng.random() >= min(1.0, q[x] / p[x]):
+            return i, int(rng.choice(len(p), p=residual(p, q, x)))
+    return k, int(rng.choice(target_probs.shape[1], p=target_probs[k]))
+
+
+def _first_token_counts(verifier, p, q, n_draws, seed, deterministic=False):
+    """Draw drafts x_i ~ q_i, verify, and count the first emitted token (which must follow p_0)."""
+    rng = np.random.default_rng(seed)
+    k = q.shape[0]
+    counts = np.zeros(p.shape[1], dtype=np.int64)
+    cdf = np.cumsum(q, axis=-1)
+    u = rng.random((n_draws, k))
+    drafts = np.minimum((u[:, :, None] > cdf[None]).sum(-1), p.shape[1] - 1)  # [n_draws, k] samples of q
+    for d in drafts:
+        if deterministic:
+            d = np.argmax(q, axis=-1)
+        n_acc, nxt = verifier(d, None if deterministic else q, p, rng)
+        counts[d[0] if n_acc > 0 else nxt] += 1
+    return counts
+
+
+def _chi2_pvalue(counts, probs):
+    mask = probs > 0
+    if counts[~mask].sum() > 0:
+        return 0.0
+    return sps.chisquare(counts[mask], probs[mask] * counts.sum()).pvalue
+
+
+@pytest.mark.parametrize("k", [2, 4])
+def test_first_token_follows_target_with_100k_draws(k):
+    rng = np.random.default_rng(1)
+    p, q = _random_dists(rng, k + 1), _random_dists(rng, k)
+    counts = _first_token_counts(verify_sampled, p, q, 100_000, seed=k)
+    assert _chi2_pvalue(counts, p[0]) > 1e-4
+    tv = 0.5 * np.abs(counts / counts.sum() - p[0]).sum()
+    assert tv < 0.01
+
+
+def test_the_same_test_fails_a_wrong_verifier():
+    rng = np.random.default_rng(1)
+    p, q = _random_dists(rng, 3), _random_dists(rng, 2)
+    counts = _first_token_counts(_wrong_verify, p, q, 100_000, seed=2)
+    assert _chi2_pvalue(counts, p[0]) < 1e-6
+
+
+def test_deterministic_draft_is_lossless():
+    rng = np.random.default_rng(3)
+    p, q = _random_dists(rng, 4), _random_dists(rng, 3)
+    counts = _first_token_counts(verify_sampled, p, q, 100_000, seed=4, deterministic=True)
+    assert _chi2_pvalue(counts, p[0]) > 1e-4
+
+
+def test_error_shrinks_with_more_draws():
+    """As in vLLM's convergence test: the distance to the target shrinks as the number of draws grows."""
+    rng = np.random.default_rng(5)
+    p, q = _random_dists(rng, 3), _random_dists(rng, 2)
+    errors = [np.abs(_first_token_counts(verify_sampled, p, q, n, seed=n) / n - p[0]).sum()
+              for n in (100, 1_000, 100_000)]
+    assert errors[2] < errors[0] / 5
+
+
+def test_matches_reference_implementation_in_distribution():
+    """Fast and reference verifiers produce the same law of (n_accepted, next token)."""
+    rng = np.random.default_rng(6)
+    k = 3
+    p, q = _random_dists(rng, k + 1, v=5), _random_dists(rng, k, v=5)
+    outcomes = {}
+    for name, fn in (("fast", verify_sampled), ("ref", lambda d, qq, pp, r: (lambda a, n: (len(a), n))(*reference_verify(d, qq, pp, r)))):
+        r = np.random.default_rng(7)
+        c = np.zeros((k + 1, 5))
+        for _ in range(40_000):
+            d = np.array([r.choice(5, p=q[i]) for i in range(k)])
+            n_acc, nxt = fn(d, q, p, r)
+            c[n_acc, nxt] += 1
+        outcomes[name] = c.ravel()
+    table = np.stack([outcomes["fast"], outcomes["ref"]])
+    table = table[:, table.sum(0) > 0]
+    assert sps.chi2_contingency(table).pvalue > 1e-4
+
+
+def test_greedy_verification():
+    assert verify_greedy(np.array([3, 4, 5]), np.array([3, 4, 5, 9])) == (3, 9)  # all accepted + bonus
+    assert verify_greedy(np.array([3, 4, 5]), np.array([3, 7, 5, 9])) == (1, 7)  # recovered at mismatch
+    assert verify_greedy(np.array([], dtype=int), np.array([2])) == (0, 2)  # plain decoding
+
+
+def _reference_filter(logits, params):
+    """Sorting-based reference for temperature/top-k/top-p/min-p."""
+    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    keep = np.ones_like(p, dtype=bool)
+    if params.top_k and params.top_k < len(p):
+        keep &= p >= p[order[params.top_k - 1]]
+    p = np.where(keep, p, 0)
+    p /= p.sum()
+    if params.top_p < 1:
+        cum = np.cumsum(p[order])
+        cut = p[order[min(np.searchsorted(cum, params.top_p), len(p) - 1)]]
+        p = np.where(p >= cut, p, 0)
+        p /= p.sum()
+    if params.min_p:
+        p = np.where(p >= params.min_p * p.max(), p, 0)
+        p /= p.sum()
+    return p
+
+
+@settings(max_examples=200, deadline=None)
+@given(seed=st.integers(0, 10_000), t=st.floats(0.1, 3.0), top_k=st.integers(0, 40),
+       top_p=st.floats(0.05, 1.0), min_p=st.floats(0.0, 0.5), v=st.sampled_from([7, 50, 3000]))
+def test_probs_from_logits_matches_reference(seed, t, top_k, top_p, min_p, v):
+    logits = np.random.default_rng(seed).standard_normal(v) * 3
+    params = SamplingParams(t, top_k, top_p, min_p)
+    np.testing.assert_allclose(probs_from_logits(logits, params), _reference_filter(logits, params), atol=1e-12)
+
+
+@pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
+                                    dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(min_p=-0.1)])
+def test_bad_sampling_settings_are_refused(kwargs):
+    with pytest.raises(SettingsError):
+        SamplingParams(**kwargs)
