@@ -68,7 +68,16 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("-n", "--n-predict", type=int, default=128)
     d.add_argument("--temp", type=float, default=0.0)
     d.add_argument("-p", "--prompt", default=DEMO_PROMPT)
+    for module in _PLUGINS:  # subcommands that live in their own modules: add_cli(sub) registers them
+        try:
+            mod = __import__(f"speculant.{module}", fromlist=["add_cli"])
+        except ImportError:
+            continue
+        mod.add_cli(sub, _add_model_args, _add_sampling_args)
     return parser
+
+
+_PLUGINS = ("server", "bench", "calibrate")
 
 
 def _read_prompt(args) -> str:
@@ -174,8 +183,8 @@ def cmd_demo(args) -> int:
 def main(argv: Optional[list[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        return {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}[
-            args.command](args)
+        handlers = {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}
+        return (handlers.get(args.command) or args.handler)(args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)
         return 1
