@@ -1,0 +1,106 @@
+"""`speculant bench`: every method on every prompt in one sitting, interleaved; speedups as ratios.
+
+    speculant bench                                   # built-in suite, default Qwen pair, plain vs draft-k4
+    speculant bench -m smollm2-135m-instruct -md smollm2-135m-instruct --methods plain,draft \
+        --draft-max 4,8 --temp 0,0.8 --suite question.jsonl --categories qa,rag --limit 5 --out bench-out
+
+Writes OUT/results.json (raw rows, summary, machine, versions, settings, measured costs), OUT/summary.md
+(also printed) and OUT/*.png. Methods live in speculant.bench.methods (one entry each).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from .. import models
+from ..errors import SettingsError
+from .methods import METHODS, Method, MethodContext, Variant, expand, parse_list, register
+from .suite import BUILTIN_SUITE, Prompt, read_suite, select
+
+__all__ = ["add_cli", "cmd_bench", "METHODS", "Method", "MethodContext", "Variant", "register", "read_suite",
+           "select", "Prompt", "BUILTIN_SUITE"]
+
+
+def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    p = sub.add_parser("bench", help="benchmark methods against plain decoding (speedup, acceptance, τ)",
+                       description="Run every prompt under every method, interleaved, and report speedups over "
+                                   "plain decoding as ratios. Methods: " +
+                                   "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
+    p.add_argument("-m", "--model", default=models.DEFAULT_TARGET,
+                   help="target model: registered name or GGUF path (default %(default)s)")
+    p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
+                   help=f"draft model (default {models.DEFAULT_DRAFT} when -m is the default target)")
+    p.add_argument("--methods", default="plain,draft",
+                   help=f"comma list of methods (plain is always run; known: {', '.join(METHODS)})")
+    p.add_argument("--draft-max", "--draft", default="4", help="comma list of draft lengths k (default 4)")
+    p.add_argument("--draft-p-min", type=float, default=0.0, help="draft confidence cut-off (default 0: off)")
+    p.add_argument("--temp", default="0", help="comma list of temperatures (default 0 = greedy)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="base seed for sampling (per prompt and repeat)")
+    p.add_argument("--suite", default=None, help="JSONL suite (Spec-Bench question.jsonl format; default built-in)")
+    p.add_argument("--categories", default=None, help="comma list of categories to run (default all)")
+    p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
+    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    p.add_argument("--repeats", type=int, default=1, help="runs of each prompt x method (default 1)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--out", default="bench-out", help="output directory (default %(default)s)")
+    p.add_argument("--peers", default=None,
+                   help="also run peers on the same GGUF files: comma list of llama.cpp, hf (see speculant.bench.peers)")
+    p.add_argument("--llama-tools", default=None, help="directory of llama.cpp tools (default: the build cache)")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_bench)
+
+
+def config_from_args(args):
+    from .runner import BenchConfig
+
+    method_names = parse_list(args.methods, str, "--methods")
+    draft_max = parse_list(args.draft_max, int, "--draft-max")
+    temps = parse_list(args.temp, float, "--temp")
+    variants = expand(method_names, draft_max)
+    draft_model = args.model_draft
+    if draft_model is None and args.model == models.DEFAULT_TARGET:
+        draft_model = models.DEFAULT_DRAFT
+    if not any(v.method.needs_draft for v in variants):
+        draft_model = None
+    return BenchConfig(model=args.model, draft_model=draft_model, variants=variants, temps=temps,
+                       n_predict=args.n_predict, repeats=args.repeats, top_k=args.top_k, top_p=args.top_p,
+                       min_p=args.min_p, seed=args.seed, draft_p_min=args.draft_p_min, n_ctx=args.ctx_size,
+                       threads=args.threads, suite=str(args.suite) if args.suite else "builtin")
+
+
+def cmd_bench(args) -> int:
+    from . import report
+    from .runner import run
+
+    cfg = config_from_args(args)
+    categories = parse_list(args.categories, str, "--categories") if args.categories else None
+    prompts = select(read_suite(args.suite), categories, args.limit)
+    peers = parse_list(args.peers, str, "--peers") if args.peers else []
+    if peers:
+        from . import peers as peers_mod
+
+        peers_mod.check_names(peers)
+    out = Path(args.out)
+    print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
+          f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
+          f"repeat(s), -n {cfg.n_predict}", file=sys.stderr)
+    result = run(cfg, prompts, progress=not args.no_progress)
+    if peers:
+        from . import peers as peers_mod
+
+        result["peers"] = peers_mod.run_peers(peers, cfg, prompts, result, tools_dir=args.llama_tools,
+                                              progress=not args.no_progress)
+    files = report.write_all(result, out, make_plots=not args.no_plots)
+    sys.stdout.write(report.markdown(result))
+    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
+    bad = [r for r in result["rows"] if r.get("greedy_equal") is False]
+    if bad:
+        print(f"speculant bench: {len(bad)} greedy run(s) differ from plain output (see greedy_equal in "
+              f"{files['json']})", file=sys.stderr)
+    return 0

@@ -1,0 +1,182 @@
+"""Benchmark outputs: results.json (raw rows + summary + settings), summary.md (printed too), PNG plots."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Optional
+
+from .stats import BASELINE, OVERALL
+
+
+def _f(x, fmt="{:.2f}", none="–") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return fmt.format(x)
+
+
+def markdown(result: dict) -> str:
+    s = result["summary"]
+    m, v, st, costs = result["machine"], result["versions"], result["settings"], result["costs"]
+    lines = [
+        "# speculant bench",
+        "",
+        f"- target: `{result['models']['target']}`" + (f", draft: `{result['models']['draft']}`"
+                                                        if result["models"].get("draft") else ""),
+        f"- machine: {m.get('cpu')} — {m.get('cores')} cores, {m.get('threads_used')} threads used; "
+        f"{m.get('platform')}, Python {m.get('python')}",
+        f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
+        f"- settings: suite {st['suite']}, {result['n_prompts']} prompts, -n {st['n_predict']}, repeats "
+        f"{st['repeats']}, temps {', '.join(f'{t:g}' for t in st['temps'])}, top-k {st['top_k']}, top-p "
+        f"{st['top_p']}, min-p {st['min_p']}, seed {st['seed']}, draft-p-min {st['draft_p_min']}, ctx {st['n_ctx']}",
+        f"- measured costs: target pass over n tokens (ms) "
+        + ", ".join(f"n={n}: {ms:.2f}" for n, ms in costs["target_ms"].items())
+        + (f"; draft step {costs['draft_step_ms']:.2f} ms (c = {costs['c']:.3f})" if costs.get("c") is not None else ""),
+        "",
+        "Speedup = mean tokens/s of the method / mean tokens/s of plain over the same prompts (Spec-Bench); "
+        "q1/median/q3 are quartiles of the per-prompt ratios; τ = tokens per target pass; predicted = "
+        "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs.",
+        "",
+        "| T | method | category | prompts | tok/s | speedup | ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |",
+        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|",
+    ]
+    for r in s:
+        eq = f"{r['greedy_equal']}/{r['greedy_checked']}" if r.get("greedy_checked") else "–"
+        spread = (f"{_f(r['ratio_q1'])} / {_f(r['ratio_median'])} / {_f(r['ratio_q3'])}"
+                  if r["variant"] != BASELINE else "–")
+        name = f"**{r['category']}**" if r["category"] == OVERALL else r["category"]
+        lines.append(
+            f"| {r['temp']:g} | {r['variant']} | {name} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
+            f"{_f(r['speedup'], '{:.2f}x')} | {spread} | {_f(r['acceptance'], '{:.1%}')} | {_f(r['tau'])} | "
+            f"{_f(r['predicted_speedup'], '{:.2f}x')} | {eq} |")
+    pos = [r for r in s if r["category"] == OVERALL and r["variant"] != BASELINE and r["acceptance_by_position"]]
+    if pos:
+        width = max(len(r["acceptance_by_position"]) for r in pos)
+        lines += ["", "Acceptance by draft position (overall):", "",
+                  "| T | method | " + " | ".join(str(i + 1) for i in range(width)) + " |",
+                  "|---|---|" + "---:|" * width]
+        for r in pos:
+            cells = [_f(x, "{:.0%}") for x in r["acceptance_by_position"]]
+            cells += ["–"] * (width - len(cells))
+            lines.append(f"| {r['temp']:g} | {r['variant']} | " + " | ".join(cells) + " |")
+    peers = result.get("peers")
+    if peers:
+        lines += ["", "Peers (same GGUF files, same prompts; speedup against the peer's own plain decoding, and "
+                  "against speculant plain):", "",
+                  "| peer | method | prompts | tok/s | speedup vs own plain | vs speculant plain | acceptance | note |",
+                  "|---|---|---:|---:|---:|---:|---:|---|"]
+        for r in peers.get("summary", []):
+            lines.append(f"| {r['peer']} | {r['variant']} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
+                         f"{_f(r.get('speedup_own'), '{:.2f}x')} | {_f(r.get('speedup_vs_ours'), '{:.2f}x')} | "
+                         f"{_f(r.get('acceptance'), '{:.1%}')} | {r.get('note', '')} |")
+        for note in peers.get("skipped", []):
+            lines.append(f"\n- skipped: {note}")
+    return "\n".join(lines) + "\n"
+
+
+def _jsonable(x):
+    if isinstance(x, float) and (math.isnan(x) or math.isinf(x)):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_json(result: dict, path: Path) -> None:
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(_jsonable(result), indent=1, ensure_ascii=False), encoding="utf-8")
+    tmp.replace(path)
+
+
+def plots(result: dict, out: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    summary = [r for r in result["summary"] if r["variant"] != BASELINE]
+    temps = list(dict.fromkeys(r["temp"] for r in result["summary"]))
+    variants = list(dict.fromkeys(r["variant"] for r in summary))
+    cats = list(dict.fromkeys(r["category"] for r in summary if r["category"] != OVERALL)) + [OVERALL]
+    files = []
+
+    # 1. speedup by category, one panel per temperature
+    fig, axes = plt.subplots(len(temps), 1, figsize=(max(6, 1.1 * len(cats) * max(1, len(variants)) / 2 + 3),
+                                                     3.6 * len(temps)), squeeze=False)
+    for ax, temp in zip(axes[:, 0], temps):
+        width = 0.8 / max(1, len(variants))
+        x = np.arange(len(cats))
+        for i, var in enumerate(variants):
+            vals = [next((r["speedup"] for r in summary if r["temp"] == temp and r["variant"] == var
+                          and r["category"] == c), np.nan) for c in cats]
+            ax.bar(x + (i - (len(variants) - 1) / 2) * width, [np.nan if v is None else v for v in vals], width,
+                   label=var)
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_xticks(x, cats, rotation=30, ha="right")
+        ax.set_ylabel("speedup over plain")
+        ax.set_title(f"speedup by category (T={temp:g})")
+        if variants:
+            ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(_save(fig, out / "speedup_by_category.png", plt))
+
+    # 2. acceptance by draft position (overall)
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for r in summary:
+        if r["category"] == OVERALL and r["acceptance_by_position"]:
+            ys = [np.nan if y is None else y for y in r["acceptance_by_position"]]
+            ax.plot(range(1, len(ys) + 1), ys, marker="o", label=f"{r['variant']} T={r['temp']:g}")
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance (accepted / drafted at that position)")
+    ax.set_ylim(0, 1.05)
+    ax.set_title("acceptance by draft position")
+    if ax.lines:
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    files.append(_save(fig, out / "acceptance_by_position.png", plt))
+
+    # 3. predicted vs measured speedup (each point a variant x category; stars = overall)
+    fig, ax = plt.subplots(figsize=(5.5, 5))
+    pts = [r for r in summary if r["predicted_speedup"] is not None and r["speedup"] is not None
+           and not math.isnan(r["speedup"])]
+    for var in variants:
+        for overall in (False, True):
+            sel = [r for r in pts if r["variant"] == var and (r["category"] == OVERALL) == overall]
+            if sel:
+                ax.scatter([r["predicted_speedup"] for r in sel], [r["speedup"] for r in sel],
+                           marker="*" if overall else "o", s=120 if overall else 25,
+                           label=f"{var}{' (overall)' if overall else ''}")
+    vals = [r["predicted_speedup"] for r in pts] + [r["speedup"] for r in pts] + [1.0]
+    lo, hi = min(vals) * 0.9, max(vals) * 1.1
+    ax.plot([lo, hi], [lo, hi], color="gray", lw=0.8, ls="--")
+    ax.set_xlim(lo, hi)
+    ax.set_ylim(lo, hi)
+    ax.set_xlabel("predicted speedup (Leviathan, measured α, c, V)")
+    ax.set_ylabel("measured speedup")
+    ax.set_title("predicted vs measured speedup")
+    if pts:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    files.append(_save(fig, out / "predicted_vs_measured.png", plt))
+    return files
+
+
+def _save(fig, path: Path, plt) -> Path:
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def write_all(result: dict, out: Path, *, make_plots: bool = True) -> dict[str, Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    files = {"json": out / "results.json", "markdown": out / "summary.md"}
+    write_json(result, files["json"])
+    files["markdown"].write_text(markdown(result), encoding="utf-8")
+    if make_plots:
+        for p in plots(result, out):
+            files[p.stem] = p
+    return files

@@ -1,0 +1,227 @@
+"""Run a benchmark: load the models once, build every method's engine around the same target, measure the
+costs the predicted speedup needs, then run each prompt under every method in one sitting, interleaved."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from ..errors import SettingsError
+from ..verify import SamplingParams
+from . import stats as bstats
+from .methods import MethodContext, Variant
+from .suite import Prompt
+
+
+@dataclass
+class BenchConfig:
+    model: str
+    draft_model: Optional[str]
+    variants: list[Variant]
+    temps: list[float]
+    n_predict: int = 128
+    repeats: int = 1
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int = 0
+    draft_p_min: float = 0.0
+    n_ctx: int = 4096
+    threads: Optional[int] = None
+    cost_repeats: int = 5
+    warmup: bool = True
+    suite: str = "builtin"
+    extra: dict = field(default_factory=dict)
+
+    def settings(self) -> dict:
+        d = asdict(self)
+        d["variants"] = [{"label": v.label, "method": v.method.name, "k": v.k} for v in self.variants]
+        return d
+
+
+def machine_info(threads_used: Optional[int]) -> dict:
+    cpu = platform.processor() or ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    info = {"cpu": cpu, "cores": os.cpu_count(), "threads_used": threads_used, "platform": platform.platform(),
+            "python": sys.version.split()[0]}
+    try:
+        info["cores_available"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        pass
+    try:
+        info["loadavg_at_start"] = list(os.getloadavg())
+    except OSError:
+        pass
+    return info
+
+
+def versions() -> dict:
+    from importlib import metadata
+
+    out = {}
+    for pkg in ("speculant", "llama-cpp-python", "numpy"):
+        try:
+            out[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            out[pkg] = None
+    try:
+        here = Path(__file__).resolve().parent
+        out["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                           timeout=5).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        out["git_commit"] = None
+    return out
+
+
+def _median_ms(fn, repeats: int) -> float:
+    fn()  # warm
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t) * 1000.0)
+    return statistics.median(times)
+
+
+def measure_costs(target, draft, context: list[int], max_n: int, repeats: int = 5) -> dict:
+    """Time a target pass over n = 1..max_n new tokens (logits for all n, as verification needs) and one
+    draft-model step, after `context`; medians in ms. V(n) = t(n) / t(1), c = draft step / t(1)."""
+    context = list(context)[: max(1, min(len(context), target.n_ctx - max_n - 2))]
+    probe = (context * (max_n // max(1, len(context)) + 2))[:max_n]  # any tokens will do for timing
+    target.sync(context, n_logits=1)
+    base = len(target.tokens)
+    target_ms = {}
+    for n in range(1, max_n + 1):
+        def step(n=n):
+            target.eval(probe[:n], n_logits=n)
+            target.rewind(base)
+        target_ms[str(n)] = _median_ms(step, repeats)
+    t1 = target_ms["1"]
+    out = {"target_ms": target_ms, "V": {n: ms / t1 for n, ms in target_ms.items()},
+           "draft_step_ms": None, "c": None, "repeats": repeats, "context_tokens": base}
+    if draft is not None:
+        draft.sync(context, n_logits=1)
+        dbase = len(draft.tokens)
+
+        def dstep():
+            draft.eval(probe[:1], n_logits=1)
+            draft.rewind(dbase)
+        out["draft_step_ms"] = _median_ms(dstep, repeats)
+        out["c"] = out["draft_step_ms"] / t1
+    return out
+
+
+def _token_hash(tokens: list[int]) -> str:
+    return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
+
+
+def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print) -> dict:
+    """Run the benchmark; returns {machine, versions, settings, costs, rows, summary}."""
+    from ..api import load_backend
+    from ..vocab import check_compatible
+
+    if not prompts:
+        raise SettingsError("no prompts selected")
+    if cfg.repeats < 1:
+        raise SettingsError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.n_predict < 1:
+        raise SettingsError(f"-n must be >= 1, got {cfg.n_predict}")
+    need_draft = any(v.method.needs_draft for v in cfg.variants)
+    if need_draft and not cfg.draft_model:
+        names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
+        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} need a draft model: pass -md")
+    params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
+
+    t_start = time.time()
+    target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads)
+    draft = None
+    try:
+        if need_draft:
+            draft = load_backend(cfg.draft_model, n_ctx=target.n_ctx, threads=cfg.threads, role="draft")
+            check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+        ctx = MethodContext(target, draft, draft_p_min=cfg.draft_p_min, options=dict(cfg.extra))
+        engines = {v.label: v.method.build(ctx, v.k) for v in cfg.variants}
+        any_engine = engines[cfg.variants[0].label]
+        rendered = {p.id: any_engine.chat_prompt([{"role": "user", "content": p.text}]) for p in prompts}
+
+        if cfg.warmup:  # first calls pay for page faults and allocations; keep them out of the numbers
+            for v in cfg.variants:
+                engines[v.label].generate(rendered[prompts[0].id], max_tokens=min(8, cfg.n_predict),
+                                          params=SamplingParams(0.0), is_chat=True)
+        max_k = max([v.k for v in cfg.variants] + [1])
+        ctx_tokens = any_engine.tokenize_prompt(rendered[prompts[0].id], is_chat=True)
+        costs = measure_costs(target, draft, ctx_tokens, max_k + 1, cfg.cost_repeats)
+
+        rows: list[dict] = []
+        tokens: dict = {}
+        total = len(prompts) * cfg.repeats * len(cfg.temps) * len(cfg.variants)
+        bar = _progress(total, progress)
+        try:
+            for pi, p in enumerate(prompts):
+                for rep in range(cfg.repeats):
+                    for temp in cfg.temps:
+                        shift = (pi + rep) % len(cfg.variants)  # rotate who goes first: A B, B A, ...
+                        order = cfg.variants[shift:] + cfg.variants[:shift]
+                        seed = cfg.seed + 1000 * pi + rep
+                        base_params = params_by_temp[temp]
+                        params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
+                        for v in order:
+                            bar.set_postfix_str(f"{p.category}/{p.id} {v.label} T={temp:g}", refresh=False)
+                            res = engines[v.label].generate(rendered[p.id], max_tokens=cfg.n_predict, params=params,
+                                                            is_chat=True)
+                            s = res.stats
+                            row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
+                                   "variant": v.label, "k": v.k, "temp": temp, "repeat": rep, "seed": seed,
+                                   "cost": v.method.cost}
+                            row.update(s.to_dict())
+                            row["tokens_per_s"] = s.tokens_per_s  # unrounded
+                            row["drafted_by_position"] = list(s.drafted_by_position)
+                            row["accepted_by_position"] = list(s.accepted_by_position)
+                            row["finish_reason"] = res.finish_reason
+                            row["tokens_sha1"] = _token_hash(res.tokens)
+                            row["text"] = res.text
+                            rows.append(row)
+                            tokens[(p.id, temp, rep, v.label)] = res.tokens
+                            bar.update(1)
+        finally:
+            bar.close()
+        bstats.mark_greedy_equal(rows, tokens)
+        threads_used = getattr(target, "n_threads", cfg.threads)
+        return {
+            "machine": machine_info(threads_used),
+            "versions": versions(),
+            "settings": cfg.settings(),
+            "models": {"target": str(getattr(target, "path", cfg.model)),
+                       "draft": str(getattr(draft, "path", cfg.draft_model)) if draft else None},
+            "n_prompts": len(prompts),
+            "costs": costs,
+            "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
+            "wall_s": round(time.time() - t_start, 2),
+            "rows": rows,
+            "summary": bstats.summarize(rows, costs),
+        }
+    finally:
+        if draft is not None:
+            draft.close()
+        target.close()
+
+
+def _progress(total: int, enabled: bool):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc="bench", unit="run", disable=not enabled, dynamic_ncols=True, file=sys.stderr)

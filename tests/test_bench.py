@@ -1,0 +1,245 @@
+"""The benchmark harness: statistics on hand-made rows, suite readers, the method registry, and one tiny
+end-to-end run on SmolLM2 (its own draft) that writes every output file. No timing assertions."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speculant import models
+from speculant.bench import METHODS, Method, read_suite, register, select
+from speculant.bench import stats as bstats
+from speculant.bench.methods import expand, parse_list
+from speculant.bench.report import markdown
+from speculant.bench.suite import BUILTIN_SUITE
+from speculant.errors import SettingsError
+
+FIXTURE = Path(__file__).parent / "fixtures" / "spec_bench_small.jsonl"
+SMALL = "smollm2-135m-instruct"
+
+
+def row(pid, cat, variant, tps, *, k=0, drafted=0, accepted=0, gen=10, calls=10, d_pos=(), a_pos=(),
+        temp=0.0, rep=0, draft_s=0.0, cost="in_run", greedy_equal=None):
+    return {"prompt_id": pid, "category": cat, "variant": variant, "method": variant.split("-")[0], "k": k,
+            "temp": temp, "repeat": rep, "tokens_per_s": tps, "generated_tokens": gen, "drafted": drafted,
+            "accepted": accepted, "target_calls": calls, "drafted_by_position": list(d_pos),
+            "accepted_by_position": list(a_pos), "draft_s": draft_s, "cost": cost, "greedy_equal": greedy_equal}
+
+
+COSTS = {"target_ms": {"1": 10.0, "2": 12.0, "3": 14.0, "4": 16.0, "5": 20.0},
+         "V": {"1": 1.0, "2": 1.2, "3": 1.4, "4": 1.6, "5": 2.0}, "draft_step_ms": 1.0, "c": 0.1}
+
+
+def hand_rows():
+    return [
+        row("a", "qa", "plain", 10.0), row("b", "qa", "plain", 20.0), row("c", "code", "plain", 5.0),
+        # draft-k2: prompt a 2x, b 1x, c 4x
+        row("a", "qa", "draft-k2", 20.0, k=2, drafted=8, accepted=6, gen=10, calls=4, d_pos=[4, 4], a_pos=[4, 2],
+            cost="draft_model", greedy_equal=True),
+        row("b", "qa", "draft-k2", 20.0, k=2, drafted=4, accepted=1, gen=10, calls=6, d_pos=[2, 2], a_pos=[1, 0],
+            cost="draft_model", greedy_equal=False),
+        row("c", "code", "draft-k2", 20.0, k=2, drafted=6, accepted=5, gen=12, calls=4, d_pos=[3, 3], a_pos=[3, 2],
+            cost="draft_model", greedy_equal=True),
+    ]
+
+
+def by(summary, variant, category):
+    (s,) = [r for r in summary if r["variant"] == variant and r["category"] == category]
+    return s
+
+
+def test_expected_tokens_and_predicted_speedup():
+    assert bstats.expected_tokens(0.5, 3) == pytest.approx((1 - 0.5 ** 4) / 0.5)
+    assert bstats.expected_tokens(1.0, 4) == 5.0
+    assert bstats.expected_tokens(0.0, 4) == 1.0
+    assert bstats.expected_tokens(0.7, 0) == 1.0
+    # E / (k c + V(k+1)): alpha 0.5, k 3, c 0.1, V(4) 1.6
+    assert bstats.predicted_speedup(0.5, 3, 0.1, 1.6) == pytest.approx(1.875 / (0.3 + 1.6))
+    # costly drafts or a costly verify pass predict a slowdown
+    assert bstats.predicted_speedup(0.5, 4, 1.0, 1.0) < 1.0
+
+
+def test_verify_cost_interpolates_and_extrapolates():
+    assert bstats.verify_cost(COSTS, 3) == pytest.approx(1.4)
+    assert bstats.verify_cost(COSTS, 7) == pytest.approx(2.0 + 0.4 * 2)  # slope of the last two points
+    gappy = {"V": {"1": 1.0, "3": 2.0}}
+    assert bstats.verify_cost(gappy, 2) == pytest.approx(1.5)
+
+
+def test_summary_speedup_is_ratio_of_means_with_quartiles():
+    s = bstats.summarize(hand_rows(), COSTS)
+    overall = by(s, "draft-k2", "overall")
+    # Spec-Bench: mean method tokens/s over mean plain tokens/s, not the mean of the ratios
+    assert overall["speedup"] == pytest.approx(20.0 / (35.0 / 3))
+    assert overall["n_prompts"] == 3
+    ratios = [2.0, 1.0, 4.0]
+    assert overall["ratio_median"] == pytest.approx(2.0)
+    assert overall["ratio_q1"] == pytest.approx(np.percentile(ratios, 25))
+    assert overall["ratio_q3"] == pytest.approx(np.percentile(ratios, 75))
+    assert (overall["ratio_min"], overall["ratio_max"]) == (1.0, 4.0)
+    qa = by(s, "draft-k2", "qa")
+    assert qa["speedup"] == pytest.approx(20.0 / 15.0)
+    assert by(s, "draft-k2", "code")["speedup"] == pytest.approx(4.0)
+    assert by(s, "plain", "overall")["speedup"] == pytest.approx(1.0)
+    # categories first in order of appearance, overall last
+    assert [r["category"] for r in s if r["variant"] == "draft-k2"] == ["qa", "code", "overall"]
+
+
+def test_summary_acceptance_tau_positions_and_greedy():
+    s = bstats.summarize(hand_rows(), COSTS)
+    overall = by(s, "draft-k2", "overall")
+    assert overall["acceptance"] == pytest.approx(12 / 18)
+    assert overall["tau"] == pytest.approx(32 / 14)  # tokens per target call
+    assert overall["acceptance_by_position"] == pytest.approx([8 / 9, 4 / 9])
+    assert (overall["greedy_equal"], overall["greedy_checked"]) == (2, 3)
+    qa = by(s, "draft-k2", "qa")
+    assert qa["acceptance"] == pytest.approx(7 / 12)
+    assert qa["acceptance_by_position"] == pytest.approx([5 / 6, 2 / 6])
+    # predicted: the draft-model c from the measured costs, V(3)
+    a = 12 / 18
+    assert overall["predicted_speedup"] == pytest.approx(bstats.expected_tokens(a, 2) / (2 * 0.1 + 1.4))
+    plain = by(s, "plain", "overall")
+    assert plain["acceptance"] is None and plain["predicted_speedup"] is None and plain["tau"] == 1.0
+
+
+def test_in_run_draft_cost_and_repeats_averaged_per_prompt():
+    rows = [row("a", "x", "plain", 10.0, rep=0), row("a", "x", "plain", 30.0, rep=1),
+            row("a", "x", "lookup-k2", 30.0, k=2, drafted=10, accepted=5, calls=5, d_pos=[5, 5], a_pos=[4, 1],
+                draft_s=0.05, rep=0),
+            row("a", "x", "lookup-k2", 50.0, k=2, drafted=10, accepted=5, calls=5, d_pos=[5, 5], a_pos=[4, 1],
+                draft_s=0.05, rep=1)]
+    o = by(bstats.summarize(rows, COSTS), "lookup-k2", "overall")
+    assert o["speedup"] == pytest.approx(40.0 / 20.0)
+    assert o["n_prompts"] == 1 and o["n_rows"] == 2
+    # c from the run: 0.1 s / 20 drafted = 5 ms per token = 0.5 target steps
+    assert o["c"] == pytest.approx(0.5)
+    assert o["predicted_speedup"] == pytest.approx(bstats.expected_tokens(0.5, 2) / (2 * 0.5 + 1.4))
+
+
+def test_temperatures_are_compared_separately():
+    rows = [row("a", "x", "plain", 10.0, temp=0.0), row("a", "x", "plain", 5.0, temp=0.8),
+            row("a", "x", "draft-k2", 20.0, k=2, drafted=2, accepted=1, calls=1, temp=0.0),
+            row("a", "x", "draft-k2", 20.0, k=2, drafted=2, accepted=1, calls=1, temp=0.8)]
+    s = bstats.summarize(rows)
+    got = {r["temp"]: r["speedup"] for r in s if r["variant"] == "draft-k2" and r["category"] == "overall"}
+    assert got == {0.0: pytest.approx(2.0), 0.8: pytest.approx(4.0)}
+
+
+def test_mark_greedy_equal():
+    rows = [row("a", "x", "plain", 1.0), row("a", "x", "draft-k2", 1.0, k=2), row("a", "x", "draft-k4", 1.0, k=4),
+            row("a", "x", "plain", 1.0, temp=0.8), row("a", "x", "draft-k2", 1.0, k=2, temp=0.8)]
+    tokens = {("a", 0.0, 0, "plain"): [1, 2, 3], ("a", 0.0, 0, "draft-k2"): [1, 2, 3],
+              ("a", 0.0, 0, "draft-k4"): [1, 2, 4], ("a", 0.8, 0, "plain"): [5], ("a", 0.8, 0, "draft-k2"): [6]}
+    bstats.mark_greedy_equal(rows, tokens)
+    assert [r["greedy_equal"] for r in rows] == [None, True, False, None, None]
+
+
+def test_spec_bench_reader_first_turn_categories_limit():
+    prompts = read_suite(FIXTURE)
+    assert [p.id for p in prompts] == ["2", "4", "8", "10", "12", "14"]
+    assert prompts[0].text == "Write a two-line poem about autumn leaves."  # first turn only
+    assert prompts[2].category == "coding"
+    sel = select(prompts, ["math_reasoning", "writing"], limit=1)
+    assert [(p.category, p.id) for p in sel] == [("writing", "2"), ("math_reasoning", "10")]
+    assert len(select(prompts, None, limit=1)) == 4  # one per category
+    with pytest.raises(SettingsError, match="unknown category nope"):
+        select(prompts, ["nope"])
+    with pytest.raises(SettingsError, match="--limit"):
+        select(prompts, None, limit=0)
+
+
+def test_suite_reader_rejects_bad_files(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question_id": 1, "category": "x", "turns": ["ok"]}\n{"question_id": 2, "turns": []}\n')
+    with pytest.raises(SettingsError, match=r"bad.jsonl:2"):
+        read_suite(bad)
+    bad.write_text("not json\n")
+    with pytest.raises(SettingsError, match="not valid JSON"):
+        read_suite(bad)
+    with pytest.raises(SettingsError, match="cannot read"):
+        read_suite(tmp_path / "missing.jsonl")
+
+
+def test_builtin_suite_covers_every_task_type():
+    prompts = read_suite()
+    assert read_suite(BUILTIN_SUITE) == prompts
+    counts: dict[str, int] = {}
+    for p in prompts:
+        counts[p.category] = counts.get(p.category, 0) + 1
+    for cat in ("translation", "summarization", "qa", "math_reasoning", "rag", "coding", "code_editing",
+                "writing", "roleplay"):
+        assert counts.get(cat, 0) >= 8, cat
+    assert len({p.text for p in prompts}) == len(prompts)
+
+
+def test_method_registry_variants_and_errors():
+    vs = expand(["draft"], [4, 8, 4])
+    assert [(v.label, v.k) for v in vs] == [("plain", 0), ("draft-k4", 4), ("draft-k8", 8)]
+    with pytest.raises(SettingsError, match="unknown method lookahead.*known: plain, draft"):
+        expand(["plain", "lookahead"], [4])
+    with pytest.raises(SettingsError, match="--draft-max"):
+        expand(["draft"], [0])
+    with pytest.raises(SettingsError, match="--temp"):
+        parse_list("0,hot", float, "--temp")
+    assert parse_list("0, 0.8", float, "--temp") == [0.0, 0.8]
+    # adding a method is one entry
+    try:
+        register(Method("echo", lambda ctx, k: None, uses_k=False, help="test"))
+        assert [v.label for v in expand(["echo"], [4])] == ["plain", "echo"]
+    finally:
+        METHODS.pop("echo", None)
+
+
+def test_cli_registers_bench_and_needs_draft_for_draft_methods():
+    from speculant.cli import build_parser, main
+
+    args = build_parser().parse_args(["bench", "-m", "x.gguf", "--draft-max", "4,8", "--temp", "0,0.8"])
+    assert args.handler.__name__ == "cmd_bench" and args.draft_max == "4,8"
+    assert main(["bench", "-m", SMALL, "--methods", "plain,nosuch", "--out", "/nonexistent"]) == 1
+
+
+def test_cli_missing_draft_is_a_clear_error(capsys):
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled")
+    assert main(["bench", "-m", SMALL, "--methods", "draft", "--limit", "1", "--no-progress"]) == 1
+    assert "need a draft model: pass -md" in capsys.readouterr().err
+
+
+@pytest.mark.models
+def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    out = tmp_path / "bench"
+    rc = main(["bench", "-m", SMALL, "-md", SMALL, "--methods", "plain,draft", "--draft-max", "3",
+               "--categories", "qa,coding", "--limit", "1", "-n", "8", "-c", "1024", "--out", str(out),
+               "--no-progress"])
+    assert rc == 0
+    for name in ("results.json", "summary.md", "speedup_by_category.png", "acceptance_by_position.png",
+                 "predicted_vs_measured.png"):
+        assert (out / name).stat().st_size > 0, name
+    result = json.loads((out / "results.json").read_text())
+    rows = result["rows"]
+    assert len(rows) == 2 * 2  # 2 prompts x (plain, draft-k3)
+    assert {r["category"] for r in rows} == {"qa", "coding"}
+    for r in rows:
+        assert r["generated_tokens"] > 0 and r["tokens_per_s"] > 0
+        if r["variant"] == "plain":
+            assert r["greedy_equal"] is None and r["drafted"] == 0
+        else:
+            assert r["greedy_equal"] is True  # exact speculative decoding: same tokens as plain
+            assert r["drafted"] > 0 and len(r["acceptance_by_position"]) <= 3
+    assert result["machine"]["threads_used"] >= 1 and result["machine"]["cpu"]
+    assert result["settings"]["n_predict"] == 8 and result["versions"]["llama-cpp-python"]
+    assert set(result["costs"]["target_ms"]) == {"1", "2", "3", "4"} and result["costs"]["c"] > 0
+    overall = [s for s in result["summary"] if s["category"] == "overall" and s["variant"] == "draft-k3"]
+    assert len(overall) == 1 and overall[0]["predicted_speedup"] > 0 and overall[0]["greedy_checked"] == 2
+    md = (out / "summary.md").read_text()
+    assert "| **overall** |" in md and "draft-k3" in md
+    assert md in capsys.readouterr().out  # the table is printed too
