@@ -1,0 +1,224 @@
+#!/usr/bin/env python
+"""Load test for `speculant serve`: throughput and latency percentiles, with and without speculation.
+
+For each mode it starts its own server on 127.0.0.1 (a free port), sends a bounded number of streaming
+chat requests from a bounded number of concurrent clients, and reports requests/s, generated tokens/s,
+latency and time-to-first-token percentiles, and the server's acceptance rate and τ.
+
+    .venv/bin/python scripts/load_test.py -m smollm2-135m-instruct -md smollm2-135m-instruct \
+        --requests 16 --concurrency 4 -n 32 -t 1
+
+Or against a server you started yourself (loopback only): --url http://127.0.0.1:8000 (one mode).
+Bounded: at most --requests requests per mode (<= 1000) and --max-seconds of wall time per mode; requests
+not started by then are skipped and reported.
+"""
+
+import argparse
+import asyncio
+import ipaddress
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from urllib.parse import urlparse
+
+import httpx
+
+PROMPTS = [
+    "Write a Python function that reverses a string.",
+    "Explain what a hash map is in two sentences.",
+    "List three prime numbers and say why they are prime.",
+    "Write a haiku about the sea.",
+    "What is the difference between a list and a tuple in Python?",
+    "Give a short recipe for pancakes.",
+    "Write a SQL query that counts rows per customer.",
+    "Summarise the water cycle.",
+]
+
+
+def _loopback(url: str) -> bool:
+    host = urlparse(url).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_server(args, draft: bool):
+    port = _free_port()
+    exe = str(Path(sys.executable).with_name("speculant"))
+    cmd = [exe, "serve", "-m", args.model, "--port", str(port), "-c", str(args.ctx_size)]
+    if draft:
+        cmd += ["-md", args.model_draft, "--draft-max", str(args.draft_max)]
+    if args.threads:
+        cmd += ["-t", str(args.threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"server failed to start:\n{proc.stderr.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    proc.kill()
+    sys.exit("server did not become healthy within 180 s")
+
+
+def stop_server(proc) -> None:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
+def _pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = (len(xs) - 1) * p / 100
+    lo, hi = int(k), min(int(k) + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (k - lo)
+
+
+async def one_request(client, url, model, prompt, args, headers):
+    t0 = time.perf_counter()
+    ttft = None
+    usage = None
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": args.n_predict,
+            "temperature": args.temp, "stream": True, "stream_options": {"include_usage": True}}
+    if args.temp > 0:
+        body["seed"] = 0
+    async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+        if r.status_code != 200:
+            return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
+        async for line in r.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            obj = json.loads(line[6:])
+            if "error" in obj:
+                return {"ok": False, "error": obj["error"]["message"]}
+            if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                ttft = time.perf_counter() - t0
+            if obj.get("usage"):
+                usage = obj["usage"]
+    return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft if ttft is not None else float("nan"),
+            "tokens": usage["completion_tokens"] if usage else 0}
+
+
+async def run_load(url, args, headers):
+    model = (await asyncio.to_thread(lambda: httpx.get(url + "/v1/models", headers=headers).json()))["data"][0]["id"]
+    results, skipped = [], 0
+    sem = asyncio.Semaphore(args.concurrency)
+    deadline = time.monotonic() + args.max_seconds
+    limits = httpx.Limits(max_connections=args.concurrency + 2)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.max_seconds + 10), limits=limits) as client:
+        async def worker(i):
+            nonlocal skipped
+            async with sem:
+                if time.monotonic() >= deadline:
+                    skipped += 1
+                    return
+                try:
+                    results.append(await asyncio.wait_for(
+                        one_request(client, url, model, PROMPTS[i % len(PROMPTS)], args, headers),
+                        timeout=max(0.1, deadline - time.monotonic())))
+                except (asyncio.TimeoutError, httpx.HTTPError) as e:
+                    results.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(i) for i in range(args.requests)))
+        wall = time.perf_counter() - t0
+    ok = [r for r in results if r["ok"]]
+    lat = [r["latency"] for r in ok]
+    ttft = [r["ttft"] for r in ok if r["ttft"] == r["ttft"]]
+    tokens = sum(r["tokens"] for r in ok)
+    metrics = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line.startswith(("speculant_acceptance_rate ", "speculant_mean_accepted_length ")):
+            name, value = line.split()
+            metrics[name] = float(value)
+    return {
+        "requests": args.requests, "ok": len(ok), "failed": len(results) - len(ok), "skipped": skipped,
+        "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
+        "wall_s": round(wall, 2), "requests_per_s": round(len(ok) / wall, 3),
+        "tokens_per_s": round(tokens / wall, 2), "completion_tokens": tokens,
+        "latency_s": {f"p{p}": round(_pct(lat, p), 3) for p in (50, 90, 99)},
+        "ttft_s": {f"p{p}": round(_pct(ttft, p), 3) for p in (50, 90, 99)},
+        "acceptance_rate": metrics.get("speculant_acceptance_rate"),
+        "tau": metrics.get("speculant_mean_accepted_length"),
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("-m", "--model", default="smollm2-135m-instruct")
+    p.add_argument("-md", "--model-draft", default="smollm2-135m-instruct")
+    p.add_argument("--draft-max", type=int, default=4)
+    p.add_argument("-c", "--ctx-size", type=int, default=1024)
+    p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--url", default=None, help="use this running server (loopback only) instead of starting one")
+    p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"))
+    p.add_argument("--modes", default="plain,speculative", help="comma list of plain,speculative")
+    p.add_argument("--requests", type=int, default=16, help="requests per mode (1..1000, default 16)")
+    p.add_argument("--concurrency", type=int, default=4, help="concurrent clients (1..64, default 4)")
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="max_tokens per request (default 32)")
+    p.add_argument("--temp", type=float, default=0.0)
+    p.add_argument("--max-seconds", type=float, default=300, help="wall-time cap per mode (default 300)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    args = p.parse_args()
+    if not 1 <= args.requests <= 1000 or not 1 <= args.concurrency <= 64 or args.max_seconds <= 0:
+        p.error("--requests must be in 1..1000, --concurrency in 1..64, --max-seconds > 0")
+    if args.url and not _loopback(args.url):
+        p.error("--url must be a loopback address (127.0.0.1, ::1 or localhost)")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+
+    report = {}
+    if args.url:
+        report["server"] = asyncio.run(run_load(args.url.rstrip("/"), args, headers))
+    else:
+        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
+            if mode not in ("plain", "speculative"):
+                p.error(f"unknown mode {mode!r}")
+            proc, url = start_server(args, draft=(mode == "speculative"))
+            try:
+                report[mode] = asyncio.run(run_load(url, args, {}))
+            finally:
+                stop_server(proc)
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    print(f"{args.requests} requests/mode, concurrency {args.concurrency}, max_tokens {args.n_predict}, "
+          f"temperature {args.temp}")
+    print(f"{'mode':12s} {'ok':>4s} {'fail':>4s} {'req/s':>7s} {'tok/s':>7s} {'p50 s':>7s} {'p90 s':>7s} "
+          f"{'p99 s':>7s} {'ttft50':>7s} {'ttft90':>7s} {'accept':>7s} {'tau':>5s}")
+    for mode, r in report.items():
+        acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        print(f"{mode:12s} {r['ok']:4d} {r['failed'] + r['skipped']:4d} {r['requests_per_s']:7.3f} "
+              f"{r['tokens_per_s']:7.2f} {r['latency_s']['p50']:7.2f} {r['latency_s']['p90']:7.2f} "
+              f"{r['latency_s']['p99']:7.2f} {r['ttft_s']['p50']:7.2f} {r['ttft_s']['p90']:7.2f} {acc:>7s} {tau:>5s}")
+        for e in r["errors"]:
+            print(f"  error: {e}")
+    return 0 if all(r["failed"] == 0 for r in report.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,684 @@
+"""`speculant serve`: an OpenAI-compatible HTTP server over one speculative Engine.
+
+Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
+events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+
+Concurrency: an Engine holds one KV cache and is not thread-safe, so every call into it runs on ONE worker
+thread (a single-thread executor), and a request holds the engine (an asyncio lock, FIFO) from its first
+decode step to its last. Waiting requests form the queue whose depth /metrics and /health report. The decode
+loop is driven one step at a time from the event loop, so a client that disconnects is noticed between two
+tokens and its generator is closed at once, freeing the engine for the next request.
+
+Errors a client can cause are answered with a 4xx and an OpenAI-style body
+`{"error": {"message", "type", "param", "code"}}`; the server keeps serving.
+
+Sampling defaults for fields a request leaves out come from the serve flags (--temp, --top-p, -n, ...),
+so an unspecified temperature is greedy by default (OpenAI's own default is 1). Extensions accepted in
+request bodies: top_k, min_p. Every response's `usage` carries `speculative`: the request's SpecStats.
+"""
+
+import asyncio
+import hmac
+import json
+import logging
+import math
+import os
+import sys
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager, aclosing
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Optional
+
+from .errors import ContextOverflowError, SpeculantError
+
+_LOG = logging.getLogger("speculant.server")
+
+MAX_STOP = 4
+_DONE = object()
+
+
+# ---------------------------------------------------------------------------------------------------------
+# errors
+
+
+class APIError(Exception):
+    """An error answered to the client as an OpenAI-style error object."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: Optional[str] = None, code: Optional[str] = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def _bad(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> APIError:
+    return APIError(400, message, param=param, code=code)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# configuration and request validation
+
+
+@dataclass
+class ServerConfig:
+    model_id: str
+    draft_id: Optional[str] = None
+    api_key: Optional[str] = None
+    max_body_bytes: int = 1 << 20
+    max_queue: int = 64
+    # defaults for fields a request leaves out (from the serve flags)
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: Optional[int] = None
+    stop: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Job:
+    """One validated generation request."""
+
+    prompt: str
+    is_chat: bool
+    max_tokens: int
+    params: Any  # SamplingParams
+    stop: list[str]
+    stream: bool
+    include_usage: bool
+    tokens: list[int] = field(default_factory=list)  # the tokenized prompt, filled before generation
+    cut: bool = False  # generation stopped early because the server is shutting down
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return (isinstance(v, (int, float)) and not isinstance(v, bool)) and math.isfinite(v)
+
+
+def _get_int(body: dict, name: str, default, lo=None, hi=None):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_int(v):
+        raise _bad(f"'{name}' must be an integer, got {json.dumps(v)[:50]}", name, "invalid_type")
+    if lo is not None and v < lo:
+        raise _bad(f"'{name}' must be >= {lo}, got {v}", name)
+    if hi is not None and v > hi:
+        raise _bad(f"'{name}' must be <= {hi}, got {v}", name)
+    return v
+
+
+def _get_num(body: dict, name: str, default, lo, hi, lo_open=False):
+    v = body.get(name)
+    if v is None:
+        return default
+    if not _is_num(v):
+        raise _bad(f"'{name}' must be a number, got {json.dumps(v)[:50]}", name, "invalid_type")
+    if (v <= lo if lo_open else v < lo) or v > hi:
+        raise _bad(f"'{name}' must be in {'(' if lo_open else '['}{lo}, {hi}], got {v}", name)
+    return float(v)
+
+
+def _get_bool(body: dict, name: str, default: bool) -> bool:
+    v = body.get(name)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise _bad(f"'{name}' must be a boolean, got {json.dumps(v)[:50]}", name, "invalid_type")
+    return v
+
+
+def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
+    """Validate a request body into a Job; raises APIError (400/404) on anything wrong."""
+    from .verify import SamplingParams
+
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise _bad("'model' must be a string", "model", "invalid_type")
+    if model is not None and model not in (cfg.model_id, ""):
+        raise APIError(404, f"the model '{model}' does not exist; this server serves '{cfg.model_id}'",
+                       param="model", code="model_not_found")
+    n = _get_int(body, "n", 1)
+    if n != 1:
+        raise _bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
+    if body.get("best_of") not in (None, 1):
+        raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+        if body.get(name) not in (None, False, {}, []):
+            raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise _bad("'messages' must be a non-empty array of {role, content} objects", "messages",
+                       "invalid_type")
+        flat = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
+            content = m.get("content")
+            if isinstance(content, list):  # content parts: only text is supported
+                texts = []
+                for part in content:
+                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                        raise _bad(f"messages[{i}].content: only text parts are supported", "messages",
+                                   "unsupported_value")
+                    texts.append(part["text"])
+                content = "".join(texts)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise _bad(f"messages[{i}].content must be a string or an array of text parts", "messages",
+                           "invalid_type")
+            flat.append({"role": m["role"], "content": content})
+        prompt = render_chat(flat)  # SettingsError -> 400 by the caller
+        max_tokens = body.get("max_completion_tokens")
+        max_tokens = _get_int(body, "max_completion_tokens" if max_tokens is not None else "max_tokens",
+                              cfg.max_tokens, lo=1)
+    else:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, list):
+            raise _bad("'prompt' must be a single string (batches of prompts are not supported)", "prompt",
+                       "invalid_type")
+        if not isinstance(prompt, str):
+            raise _bad("'prompt' must be a string", "prompt", "invalid_type")
+        if not prompt.strip():
+            raise _bad("'prompt' is empty", "prompt")
+        max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=1)
+
+    temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
+    top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
+    min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
+    top_k = _get_int(body, "top_k", cfg.top_k, lo=0)
+    seed = _get_int(body, "seed", cfg.seed)
+    if seed is not None:
+        seed %= 1 << 64  # OpenAI seeds are signed 64-bit; numpy wants a non-negative one
+    stop = body.get("stop")
+    if stop is None:
+        stop = list(cfg.stop)
+    elif isinstance(stop, str):
+        stop = [stop]
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP:
+            raise _bad(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", "stop")
+    else:
+        raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+    stream = _get_bool(body, "stream", False)
+    opts = body.get("stream_options")
+    if opts is not None and not isinstance(opts, dict):
+        raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    include_usage = bool(opts and opts.get("include_usage") is True)
+    try:
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    except SpeculantError as e:
+        raise _bad(str(e)) from None
+    return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# metrics
+
+
+class Metrics:
+    def __init__(self):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+        disable_created_metrics()
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("speculant_requests", "HTTP requests answered", ["endpoint", "status"], registry=r)
+        self.cancelled = Counter("speculant_requests_cancelled", "generations cut short by a client disconnect "
+                                 "or shutdown", registry=r)
+        self.prompt_tokens = Counter("speculant_prompt_tokens", "prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("speculant_completion_tokens", "tokens generated", registry=r)
+        self.drafted = Counter("speculant_drafted_tokens", "draft tokens sent to verification", registry=r)
+        self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted", registry=r)
+        self.target_calls = Counter("speculant_target_calls", "target model passes while decoding", registry=r)
+        self.acceptance = Gauge("speculant_acceptance_rate", "accepted / drafted since start", registry=r)
+        self.tau = Gauge("speculant_mean_accepted_length",
+                         "tau: tokens generated per target pass since start", registry=r)
+        self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for the engine", registry=r)
+        self.in_progress = Gauge("speculant_requests_in_progress", "requests generating now (0 or 1)", registry=r)
+        self.tps = Histogram("speculant_tokens_per_second", "decode speed per request", registry=r,
+                             buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
+        self.latency = Histogram("speculant_request_duration_seconds", "request latency, queueing included",
+                                 registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
+        self.ttft = Histogram("speculant_time_to_first_token_seconds", "time to the first generated token",
+                              registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
+        self._drafted = self._accepted = self._generated = self._calls = 0
+
+    def record(self, stats) -> None:
+        self.prompt_tokens.inc(stats.prompt_tokens)
+        self.completion_tokens.inc(stats.generated_tokens)
+        self.drafted.inc(stats.drafted)
+        self.accepted.inc(stats.accepted)
+        self.target_calls.inc(stats.target_calls)
+        self._drafted += stats.drafted
+        self._accepted += stats.accepted
+        self._generated += stats.generated_tokens
+        self._calls += stats.target_calls
+        self.acceptance.set(self._accepted / self._drafted if self._drafted else 0.0)
+        self.tau.set(self._generated / self._calls if self._calls else 0.0)
+        if stats.generated_tokens and stats.tokens_per_s > 0:
+            self.tps.observe(stats.tokens_per_s)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the engine worker
+
+
+def _step(gen):
+    try:
+        return next(gen)
+    except StopIteration:
+        return _DONE
+
+
+class Worker:
+    """Runs every Engine call on one thread; one request at a time holds the engine (FIFO)."""
+
+    def __init__(self, engine, metrics: Metrics, max_queue: int):
+        self.engine = engine
+        self.metrics = metrics
+        self.max_queue = max_queue
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculant-engine")
+        self.lock = asyncio.Lock()
+        self.waiting = 0
+        self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
+        self.deadline = math.inf
+
+    def begin_shutdown(self, grace_s: float) -> None:
+        self.deadline = min(self.deadline, time.monotonic() + grace_s)
+        self.closing = True
+
+    async def call(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    async def tokenize(self, job: Job) -> None:
+        job.tokens = await self.call(lambda: self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat))
+
+    async def run(self, job: Job, result, is_disconnected=None) -> AsyncIterator:
+        """Yield TokenEvents of one generation; `result` is filled when this ends. Closing this iterator
+        (a disconnect, a cancellation) stops the generation after the step in progress."""
+        if self.closing:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if self.waiting >= self.max_queue:
+            raise APIError(503, f"the server is busy ({self.waiting} requests queued); retry later",
+                           type="server_error", code="server_overloaded")
+        self.waiting += 1
+        self.metrics.queue_depth.set(self.waiting)
+        try:
+            await self.lock.acquire()
+        finally:
+            self.waiting -= 1
+            self.metrics.queue_depth.set(self.waiting)
+        gen = None
+        finished = False
+        try:
+            if self.closing:
+                raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+            self.metrics.in_progress.set(1)
+            if is_disconnected is not None and await is_disconnected():
+                self.metrics.cancelled.inc()
+                return
+            gen = self.engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
+                                     is_chat=job.is_chat, result=result)
+            while True:
+                if self.closing and time.monotonic() >= self.deadline:
+                    job.cut = True
+                    break
+                if is_disconnected is not None and await is_disconnected():
+                    break
+                event = await self.call(_step, gen)
+                if event is _DONE:
+                    finished = True
+                    break
+                yield event
+        finally:
+            if gen is not None:
+                if not finished:
+                    self.metrics.cancelled.inc()
+                # on the engine thread, after the step in flight; runs before any later request's steps
+                try:
+                    self.executor.submit(gen.close)
+                except RuntimeError:  # the executor is already shut down (a cancellation at exit)
+                    pass
+                self.metrics.record(result.stats)
+            self.metrics.in_progress.set(0)
+            self.lock.release()
+
+    def shutdown(self) -> None:
+        self.closing = True
+        self.executor.submit(self.engine.close)
+        self.executor.shutdown(wait=True)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# the app
+
+
+def _usage(result) -> dict:
+    s = result.stats
+    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
+            "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "speculative": s.to_dict()}
+
+
+def create_app(engine, cfg: ServerConfig):
+    from fastapi import FastAPI, Request
+    from fastapi.exceptions import RequestValidationError
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    from .engine import Result
+    from .stats import SpecStats
+
+    metrics = Metrics()
+    worker = Worker(engine, metrics, cfg.max_queue)
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(app):
+        yield
+        worker.begin_shutdown(0.0)  # anything still generating stops at its next step
+        await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
+
+    app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.worker = worker
+    app.state.metrics = metrics
+
+    def error_response(e: APIError, endpoint: str = "") -> JSONResponse:
+        if endpoint:
+            metrics.requests.labels(endpoint, str(e.status)).inc()
+        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        return JSONResponse(e.body(), status_code=e.status, headers=headers)
+
+    @app.exception_handler(APIError)
+    async def _api_error(request: Request, e: APIError):
+        return error_response(e, request.url.path)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, e: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
+                                       code=code))
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation_error(request: Request, e: RequestValidationError):
+        return error_response(_bad("invalid request: " + "; ".join(str(x.get("msg")) for x in e.errors()),
+                                   code="invalid_request"))
+
+    @app.exception_handler(Exception)
+    async def _internal_error(request: Request, e: Exception):
+        _LOG.exception("internal error on %s", request.url.path)
+        return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                                       code="internal_error"), request.url.path)
+
+    def check_auth(request: Request) -> None:
+        if not cfg.api_key:
+            return
+        auth = request.headers.get("authorization", "")
+        scheme, _, token = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+                           code="invalid_api_key")
+
+    async def read_json(request: Request) -> Any:
+        length = request.headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > cfg.max_body_bytes:
+            raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
+                           code="body_too_large")
+        chunks, size = [], 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
+        try:
+            return json.loads(b"".join(chunks))
+        except (ValueError, RecursionError) as e:
+            raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+
+    @app.get("/health")
+    async def health():
+        return {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
+                "draft_model": cfg.draft_id, "queue_depth": worker.waiting,
+                "in_progress": int(worker.lock.locked())}
+
+    @app.get("/metrics")
+    async def prometheus():
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/v1/models")
+    async def list_models(request: Request):
+        check_auth(request)
+        metrics.requests.labels("/v1/models", "200").inc()
+        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": created,
+                                            "owned_by": "speculant", "draft_model": cfg.draft_id}]}
+
+    async def completion(request: Request, chat: bool):
+        endpoint = request.url.path
+        t0 = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        try:
+            job = parse_job(body, cfg, chat=chat, render_chat=engine.chat_prompt)
+            await worker.tokenize(job)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param="messages" if chat else "prompt",
+                           code="context_length_exceeded") from None
+        except SpeculantError as e:
+            raise _bad(str(e)) from None
+        rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
+        created_at = int(time.time())
+        kind = "chat.completion" if chat else "text_completion"
+        result = Result("", [], SpecStats())
+
+        def choice(text: Optional[str], finish: Optional[str], first: bool = False) -> dict:
+            if chat:
+                delta = {} if text is None else {"content": text}
+                if first:
+                    delta = {"role": "assistant", "content": text or ""}
+                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+
+        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+            obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created_at,
+                   "model": cfg.model_id, "system_fingerprint": None, "choices": choices}
+            if usage is not None:
+                obj["usage"] = usage
+            return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+        def done_metrics(status: str) -> None:
+            metrics.requests.labels(endpoint, status).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+
+        if job.stream:
+            # fail early (before the 200 starts) when the queue is full or the server is closing
+            if worker.closing or worker.waiting >= worker.max_queue:
+                raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
+                               code="server_overloaded")
+
+            async def sse():
+                sent = 0
+                first_token = True
+                status = "200"
+                try:
+                    if chat:
+                        yield chunk([choice("", None, first=True)])
+                    async with aclosing(worker.run(job, result)) as events:
+                        async for event in events:
+                            if first_token:
+                                metrics.ttft.observe(time.perf_counter() - t0)
+                                first_token = False
+                            if event.text:
+                                sent += len(event.text)
+                                yield chunk([choice(event.text, None)])
+                    if job.cut:
+                        status = "503"
+                        err = APIError(503, "the server shut down before this generation finished",
+                                       type="server_error", code="shutting_down")
+                        yield f"data: {json.dumps(err.body())}\n\n"
+                        return
+                    rest = result.text[sent:]
+                    if rest:
+                        yield chunk([choice(rest, None)])
+                    usage = _usage(result)
+                    yield chunk([choice(None, result.finish_reason)], usage)
+                    if job.include_usage:
+                        yield chunk([], usage)
+                    yield "data: [DONE]\n\n"
+                except APIError as e:
+                    status = str(e.status)
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                except SpeculantError as e:
+                    status = "400"
+                    yield f"data: {json.dumps(_bad(str(e)).body())}\n\n"
+                except (asyncio.CancelledError, GeneratorExit):
+                    status = "499"  # the client went away
+                    raise
+                except Exception as e:  # a bug: tell the client in-band, keep serving
+                    _LOG.exception("generation failed")
+                    status = "500"
+                    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                                   code="internal_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                finally:
+                    done_metrics(status)
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        first_token = True
+        async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
+            async for _ in events:
+                if first_token:
+                    metrics.ttft.observe(time.perf_counter() - t0)
+                    first_token = False
+        if job.cut:
+            raise APIError(503, "the server shut down before this generation finished", type="server_error",
+                           code="shutting_down")
+        done_metrics("200")
+        if chat:
+            choices = [{"index": 0, "message": {"role": "assistant", "content": result.text},
+                        "logprobs": None, "finish_reason": result.finish_reason}]
+        else:
+            choices = [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}]
+        return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
+                "system_fingerprint": None, "choices": choices, "usage": _usage(result)}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await completion(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await completion(request, chat=True)
+
+    return app
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative with -md)")
+    add_model_args(p)
+    add_sampling_args(p)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECULANT_API_KEY, else none)")
+    p.add_argument("--served-model-name", default=None,
+                   help="model id clients send and /v1/models lists (default: the -m value)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 503 (default 64)")
+    p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0,
+                   help="on SIGINT/SIGTERM, in-flight requests get about this many seconds to finish before they "
+                        "are cut with a 'shutting_down' error; new ones get 503 (default 10)")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(handler=cmd_serve)
+
+
+def cmd_serve(args) -> int:
+    import uvicorn
+
+    from .api import load_engine
+    from .verify import SamplingParams
+
+    if not (0 < args.port < 65536):
+        raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
+    if args.n_predict < 1:
+        raise SpeculantError(f"-n must be >= 1, got {args.n_predict}")
+    if args.max_queue < 0 or args.max_body < 1:
+        raise SpeculantError("--max-queue must be >= 0 and --max-body >= 1")
+    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # validate the defaults
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_p_min=args.draft_p_min,
+                         n_ctx=args.ctx_size, threads=args.threads)
+    cfg = ServerConfig(
+        model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
+        max_body_bytes=args.max_body, max_queue=args.max_queue, max_tokens=args.n_predict,
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        stop=list(args.stop),
+    )
+    app = create_app(engine, cfg)
+    print(f"speculant: serving {cfg.model_id}" + (f" with draft {cfg.draft_id}" if cfg.draft_id else "")
+          + f" on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+    worker = app.state.worker
+    grace = max(0.0, args.shutdown_timeout * 0.8)
+
+    class _Server(uvicorn.Server):
+        def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: refuse new work, give in-flight work `grace` s
+            worker.begin_shutdown(grace)
+            super().handle_exit(sig, frame)
+            self._captured_signals.clear()  # a graceful stop exits 0 instead of re-raising the signal
+
+    server = _Server(config)
+    try:
+        server.run()
+    except KeyboardInterrupt:
+        pass
+    if not server.started:
+        raise SpeculantError(f"could not listen on {args.host}:{args.port} (in use?)")
+    print("speculant: server stopped", file=sys.stderr)
+    return 0
+
+
+def main(argv=None) -> int:
+    """`python -m speculant.server ...` = `speculant serve ...`."""
+    import argparse
+
+    from .cli import _add_model_args, _add_sampling_args
+
+    parser = argparse.ArgumentParser(prog="speculant-serve")
+    add_cli(parser.add_subparsers(dest="command", required=True), _add_model_args, _add_sampling_args)
+    args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        return args.handler(args)
+    except SpeculantError as e:
+        print(f"speculant: error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""`speculant serve` end to end: a real server process on 127.0.0.1, driven by the official openai client
+(and raw httpx for what the client will not send). SmolLM2-135M is both target and draft, to stay fast."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+from speculant import models
+
+pytestmark = pytest.mark.models
+
+MODEL = "smollm2-135m-instruct"
+KEY = "test-key-123"
+CTX = 512
+MAX_BODY = 64 * 1024
+SPECULANT = str(Path(sys.executable).with_name("speculant"))
+COMMON = ["-m", MODEL, "-md", MODEL, "-c", str(CTX), "-t", "1"]
+PROMPT = "The capital of France is"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start(*extra, timeout=120):
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    port = _free_port()
+    proc = subprocess.Popen([SPECULANT, "serve", *COMMON, "--port", str(port), *extra],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError("server did not become healthy in time")
+
+
+def _stop(proc):
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = _start("--api-key", KEY, "--max-body", str(MAX_BODY))
+    yield url
+    _stop(proc)
+    assert proc.returncode == 0, proc.stdout.read()
+    out = proc.stdout.read()
+    assert "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    from openai import OpenAI
+
+    return OpenAI(base_url=server + "/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _metrics(url) -> dict:
+    out = {}
+    for line in httpx.get(url + "/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, _, value = line.rpartition(" ")
+            out[name] = float(value)
+    return out
+
+
+def _cli(*args) -> dict:
+    out = subprocess.run([SPECULANT, "generate", *COMMON, "--json", *args], capture_output=True, text=True,
+                         timeout=120, check=True)
+    return json.loads(out.stdout)
+
+
+def _post(url, path, body, *, key=KEY, **kw):
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    return httpx.post(url + path, headers=headers, timeout=60,
+                      **({"content": body} if isinstance(body, (str, bytes)) else {"json": body}), **kw)
+
+
+# -- the happy paths ------------------------------------------------------------------------------------------
+
+def test_models_and_health(server, client):
+    assert [m.id for m in client.models.list().data] == [MODEL]
+    h = httpx.get(server + "/health").json()
+    assert h["status"] == "ok" and h["model"] == MODEL and h["draft_model"] == MODEL
+
+
+def test_greedy_completion_equals_cli(client):
+    cli = _cli("-p", PROMPT, "-n", "32")
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
+    assert r.choices[0].text == cli["text"]
+    assert r.choices[0].finish_reason == cli["finish_reason"]
+    assert r.usage.completion_tokens == len(cli["tokens"])
+    spec = r.usage.model_extra["speculative"]
+    assert spec["drafted"] > 0 and spec["accepted"] > 0  # the draft is the target: it is mostly accepted
+    assert spec["generated_tokens"] == r.usage.completion_tokens
+
+
+def test_greedy_chat_equals_cli(client):
+    question = "What is 2 + 2? Answer briefly."
+    cli = _cli("--chat", "-p", question, "-n", "24")
+    r = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": question}],
+                                       max_tokens=24, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == cli["text"]
+    assert r.usage.model_extra["speculative"]["target_calls"] > 0
+
+
+def test_streaming_equals_non_streaming(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0)
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=20, temperature=0,
+                                            stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == full.choices[0].text
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+
+    messages = [{"role": "user", "content": "Name a color."}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True))
+    assert stream[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
+    assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert stream[-1].usage.model_extra["speculative"]["generated_tokens"] == chat.usage.completion_tokens
+
+
+def test_stream_wire_format_ends_with_done(server):
+    with httpx.stream("POST", server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
+                            "stream": True}, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+
+def test_stop_strings(client):
+    full = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0).choices[0].text
+    assert "United" in full  # " Paris.\n\nThe United States ..." (checked against the CLI above)
+    want = full[:full.index("United")]
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop=["United", "zzz"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop="United",
+                                       stream=True)
+    assert "".join(c.choices[0].text for c in chunks) == want
+
+
+def test_seed_reproducibility(client):
+    def sample(seed):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
+                                         top_p=0.95, seed=seed).choices[0].text
+
+    a = sample(7)
+    assert sample(7) == a
+    assert len({a, sample(8), sample(9)}) > 1  # sampling really happens
+
+
+def test_concurrent_clients_get_their_own_answers(server, client):
+    prompts = ["The capital of France is", "def fibonacci(n):", "My favourite animal is", "1, 2, 3, 4,"]
+    expected = {p: client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+                for p in prompts}
+    before = _metrics(server)
+
+    def one(i):
+        p = prompts[i % len(prompts)]
+        if i % 2:
+            chunks = client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0, stream=True)
+            return p, "".join(c.choices[0].text for c in chunks)
+        return p, client.completions.create(model=MODEL, prompt=p, max_tokens=8, temperature=0).choices[0].text
+
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(one, range(16)))
+    assert len(answers) == 16
+    for p, text in answers:
+        assert text == expected[p], p
+    after = _metrics(server)
+    ok = 'speculant_requests_total{endpoint="/v1/completions",status="200"}'
+    assert after[ok] - before[ok] == 16
+    assert after["speculant_queue_depth"] == 0 and after["speculant_requests_in_progress"] == 0
+
+
+def test_metrics(server, client):
+    client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    m = _metrics(server)
+    for name in ("speculant_completion_tokens_total", "speculant_prompt_tokens_total",
+                 "speculant_drafted_tokens_total", "speculant_accepted_tokens_total",
+                 "speculant_tokens_per_second_count", "speculant_request_duration_seconds_count",
+                 "speculant_time_to_first_token_seconds_count"):
+        assert m[name] > 0, name
+    assert 0 < m["speculant_acceptance_rate"] <= 1
+    assert m["speculant_mean_accepted_length"] >= 1
+    assert "speculant_queue_depth" in m
+
+
+# -- bad input ------------------------------------------------------------------------------------------------
+
+BAD = [
+    ("/v1/completions", "{not json", 400, None),
+    ("/v1/completions", "[1, 2]", 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "10"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": 2.5}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
+    ("/v1/completions", {"model": MODEL, "prompt": "word " * 2000}, 400, "prompt"),  # over the 512 context
+    ("/v1/completions", {"model": MODEL, "prompt": "x" * (MAX_BODY + 10)}, 413, None),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
+                              "max_tokens": -5}, 400, "max_tokens"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD, ids=range(len(BAD)))
+def test_bad_input_is_a_clear_4xx(server, path, body, status, param):
+    r = _post(server, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["message"] and "Traceback" not in err["message"]
+    assert err["param"] == param
+    # ... and the server keeps serving
+    assert httpx.get(server + "/health").json()["status"] == "ok"
+
+
+def test_bad_input_through_the_client(client):
+    import openai
+
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="n=1"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
+
+
+def test_unknown_route_and_method(server):
+    assert _post(server, "/v1/nothing", {}).json()["error"]["code"] == "not_found"
+    r = httpx.get(server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 405 and "error" in r.json()
+
+
+def test_auth(server):
+    import openai
+    from openai import OpenAI
+
+    bad = OpenAI(base_url=server + "/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    with pytest.raises(openai.AuthenticationError):
+        bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
+              key=None)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    assert httpx.get(server + "/health").status_code == 200  # health and metrics stay open
+
+
+# -- disconnects and shutdown ---------------------------------------------------------------------------------
+
+def _wait_idle(url, timeout=60):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        m = _metrics(url)
+        if m["speculant_requests_in_progress"] == 0:
+            return m
+        time.sleep(0.1)
+    raise AssertionError("the engine stayed busy")
+
+
+def test_disconnect_mid_stream_frees_the_slot(server, client):
+    before = _metrics(server)
+    with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+                      json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400, "stream": True},
+                      timeout=60) as r:
+        seen = 0
+        for line in r.iter_lines():
+            seen += line.startswith("data: {")
+            if seen >= 3:
+                break  # leaving the block closes the connection mid-stream
+    after = _wait_idle(server)
+    assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
+    generated = after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"]
+    assert 3 <= generated < 400  # it stopped early, not after 400 tokens
+    # the next request is served, with the right answer (no leftover KV state)
+    r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+    assert r.choices[0].text.startswith(" Paris")
+
+
+def test_disconnect_while_waiting_non_streaming(server, client):
+    """A non-streaming client that gives up is dropped too, and others behind it are still answered."""
+    before = _metrics(server)
+    slow = threading.Thread(target=lambda: _swallow(lambda: httpx.post(
+        server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
+        json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 400}, timeout=1.5)))
+    slow.start()
+    slow.join()
+    after = _wait_idle(server)
+    assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
+    assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] < 400
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def _swallow(fn):
+    try:
+        fn()
+    except httpx.TimeoutException:
+        pass
+
+
+def test_graceful_shutdown_cuts_in_flight_and_exits():
+    proc, url = _start("--shutdown-timeout", "2")
+    lines = []
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
+                                "stream": True}) as r:
+            lines.extend(line for line in r.iter_lines() if line)
+
+    th = threading.Thread(target=stream)
+    th.start()
+    deadline = time.monotonic() + 60
+    while not lines and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        rc = proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise AssertionError("the server hung on shutdown")
+    th.join(30)
+    assert rc == 0
+    assert "Traceback" not in proc.stdout.read()
+    last = json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else None
+    # either it finished in the grace period or it was cut with an error event; never a silent truncation
+    assert last is None or last["error"]["code"] == "shutting_down"
