@@ -218,7 +218,7 @@ def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
         pytest.skip(f"{SMALL} not pulled (run `make models`)")
     out = tmp_path / "bench"
     rc = main(["bench", "-m", SMALL, "-md", SMALL, "--methods", "plain,draft", "--draft-max", "3",
-               "--categories", "qa,coding", "--limit", "1", "-n", "8", "-c", "1024", "--out", str(out),
+               "--categories", "qa,coding", "--limit", "1", "-n", "8", "-c", "1024", "--cost-repeats", "2", "--out", str(out),
                "--no-progress"])
     assert rc == 0
     for name in ("results.json", "summary.md", "speedup_by_category.png", "acceptance_by_position.png",
@@ -243,3 +243,54 @@ def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
     md = (out / "summary.md").read_text()
     assert "| **overall** |" in md and "draft-k3" in md
     assert md in capsys.readouterr().out  # the table is printed too
+
+
+LLAMA_SPEC_OUTPUT = """
+ Paris is the capital of France.
+
+encoded   42 tokens in    0.120 seconds, speed:  350.000 t/s
+decoded   64 tokens in    1.600 seconds, speed:   40.000 t/s
+
+n_draft   = 4
+n_predict = 64
+n_drafted = 60
+n_accept  = 45
+accept    = 75.000%
+
+draft:
+"""
+
+
+def test_parse_llama_tool_output():
+    from speculant.bench.peers import parse_llama_output
+
+    r = parse_llama_output(LLAMA_SPEC_OUTPUT)
+    assert r["generated_tokens"] == 64 and r["tokens_per_s"] == pytest.approx(40.0)
+    assert (r["drafted"], r["accepted"], r["n_draft"]) == (60, 45, 4)
+    assert r["acceptance"] == pytest.approx(0.75)
+    plain = parse_llama_output("decoded   10 tokens in    0.500 seconds, speed:   20.000 t/s\n"
+                               "n_draft      = 0\nn_drafted    = 0\nn_accept     = 0\naccept       = nan%\n")
+    assert plain["tokens_per_s"] == pytest.approx(20.0) and plain["acceptance"] is None
+    with pytest.raises(ValueError):
+        parse_llama_output("error: failed to load model")
+
+
+def test_peer_summary_against_own_plain_and_ours():
+    from speculant.bench.peers import check_names, summarize_peers
+
+    peer_rows = [{"peer": "llama.cpp", "variant": "plain", "prompt_id": "a", "temp": 0.0, "tokens_per_s": 10.0},
+                 {"peer": "llama.cpp", "variant": "plain", "prompt_id": "b", "temp": 0.0, "tokens_per_s": 30.0},
+                 {"peer": "llama.cpp", "variant": "draft-k4", "prompt_id": "a", "temp": 0.0, "tokens_per_s": 30.0,
+                  "drafted": 8, "accepted": 6},
+                 {"peer": "llama.cpp", "variant": "draft-k4", "prompt_id": "b", "temp": 0.0, "tokens_per_s": 50.0,
+                  "drafted": 2, "accepted": 0},
+                 {"peer": "llama.cpp", "variant": "lookup-k4", "prompt_id": "a", "temp": 0.0, "error": "boom"}]
+    ours = [row("a", "x", "plain", 20.0), row("b", "x", "plain", 20.0), row("a", "x", "draft-k4", 99.0, k=4)]
+    s = {r["variant"]: r for r in summarize_peers(peer_rows, ours)}
+    assert s["draft-k4"]["speedup_own"] == pytest.approx(40.0 / 20.0)
+    assert s["draft-k4"]["speedup_vs_ours"] == pytest.approx(40.0 / 20.0)
+    assert s["plain"]["speedup_vs_ours"] == pytest.approx(1.0)
+    assert s["draft-k4"]["acceptance"] == pytest.approx(0.6)
+    assert s["lookup-k4"]["errors"] == 1 and s["lookup-k4"]["tokens_per_s"] is None
+    with pytest.raises(SettingsError, match="unknown peer vllm"):
+        check_names(["llama.cpp", "vllm"])

@@ -51,6 +51,9 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--peers", default=None,
                    help="also run peers on the same GGUF files: comma list of llama.cpp, hf (see speculant.bench.peers)")
     p.add_argument("--llama-tools", default=None, help="directory of llama.cpp tools (default: the build cache)")
+    p.add_argument("--cost-repeats", type=int, default=5,
+                   help="timed repeats (median) of each cost measurement at the start (default 5)")
+    p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_bench)
@@ -71,7 +74,8 @@ def config_from_args(args):
     return BenchConfig(model=args.model, draft_model=draft_model, variants=variants, temps=temps,
                        n_predict=args.n_predict, repeats=args.repeats, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, seed=args.seed, draft_p_min=args.draft_p_min, n_ctx=args.ctx_size,
-                       threads=args.threads, suite=str(args.suite) if args.suite else "builtin")
+                       threads=args.threads, cost_repeats=args.cost_repeats, warmup=not args.no_warmup,
+                       suite=str(args.suite) if args.suite else "builtin")
 
 
 def cmd_bench(args) -> int:

@@ -64,10 +64,10 @@ def markdown(result: dict) -> str:
     if peers:
         lines += ["", "Peers (same GGUF files, same prompts; speedup against the peer's own plain decoding, and "
                   "against speculant plain):", "",
-                  "| peer | method | prompts | tok/s | speedup vs own plain | vs speculant plain | acceptance | note |",
-                  "|---|---|---:|---:|---:|---:|---:|---|"]
+                  "| peer | T | method | prompts | tok/s | speedup vs own plain | vs speculant plain | acceptance | note |",
+                  "|---|---|---|---:|---:|---:|---:|---:|---|"]
         for r in peers.get("summary", []):
-            lines.append(f"| {r['peer']} | {r['variant']} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
+            lines.append(f"| {r['peer']} | {r['temp']:g} | {r['variant']} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
                          f"{_f(r.get('speedup_own'), '{:.2f}x')} | {_f(r.get('speedup_vs_ours'), '{:.2f}x')} | "
                          f"{_f(r.get('acceptance'), '{:.1%}')} | {r.get('note', '')} |")
         for note in peers.get("skipped", []):

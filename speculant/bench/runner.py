@@ -139,6 +139,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         raise SettingsError("no prompts selected")
     if cfg.repeats < 1:
         raise SettingsError(f"--repeats must be >= 1, got {cfg.repeats}")
+    if cfg.cost_repeats < 1:
+        raise SettingsError(f"--cost-repeats must be >= 1, got {cfg.cost_repeats}")
     if cfg.n_predict < 1:
         raise SettingsError(f"-n must be >= 1, got {cfg.n_predict}")
     need_draft = any(v.method.needs_draft for v in cfg.variants)
