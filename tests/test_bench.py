@@ -294,3 +294,47 @@ def test_peer_summary_against_own_plain_and_ours():
     assert s["lookup-k4"]["errors"] == 1 and s["lookup-k4"]["tokens_per_s"] is None
     with pytest.raises(SettingsError, match="unknown peer vllm"):
         check_names(["llama.cpp", "vllm"])
+
+
+def test_runner_interleaves_methods_on_synthetic_models(monkeypatch):
+    """The whole run loop on tiny synthetic models (no llama.cpp): every prompt under every method, the
+    first method rotating between prompts, greedy identity marked, costs measured, summary built."""
+    from synthetic import TableBackend
+
+    import speculant.api
+    from speculant.bench.runner import BenchConfig, run
+    from speculant.bench.suite import Prompt
+
+    class ContentOnly(TableBackend):
+        def chat_template(self):
+            return "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    loaded = []
+
+    def fake_load(name, *, n_ctx=4096, threads=None, role="target"):
+        b = ContentOnly(n_vocab=12, seed=0 if role == "target" else 1, n_ctx=256)
+        loaded.append(role)
+        return b
+
+    monkeypatch.setattr(speculant.api, "load_backend", fake_load)
+    prompts = [Prompt("p1", "a", "1 2 3"), Prompt("p2", "b", "4 5 6 7"), Prompt("p3", "a", "8 9")]
+    cfg = BenchConfig(model="t", draft_model="d", variants=expand(["draft"], [2, 3]), temps=[0.0, 1.0],
+                      n_predict=12, repeats=2, cost_repeats=1)
+    result = run(cfg, prompts, progress=False)
+    assert loaded == ["target", "draft"]  # each model loaded once, shared by every method
+    rows = result["rows"]
+    assert len(rows) == 3 * 2 * 2 * 3
+    first = [rows[i]["variant"] for i in range(0, len(rows), 3)]
+    assert first[:4] == ["plain", "plain", "draft-k2", "draft-k2"]  # prompt 1 rep 0 (T=0, T=1), then rep 1
+    for r in rows:
+        assert r["generated_tokens"] == 12
+        if r["temp"] == 0 and r["variant"] != "plain":
+            assert r["greedy_equal"] is True
+        else:
+            assert r["greedy_equal"] is None
+    s = result["summary"]
+    assert {(r["temp"], r["variant"]) for r in s if r["category"] == "overall"} == \
+        {(t, v) for t in (0.0, 1.0) for v in ("plain", "draft-k2", "draft-k3")}
+    assert set(result["costs"]["target_ms"]) == {"1", "2", "3", "4"} and result["costs"]["c"] is not None
+    k3 = [r for r in s if r["variant"] == "draft-k3" and r["category"] == "overall" and r["temp"] == 0][0]
+    assert len(k3["acceptance_by_position"]) == 3 and k3["greedy_equal"] == k3["greedy_checked"] == 6
