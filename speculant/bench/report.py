@@ -143,12 +143,14 @@ def plots(result: dict, out: Path) -> list[Path]:
     fig, ax = plt.subplots(figsize=(5.5, 5))
     pts = [r for r in summary if r["predicted_speedup"] is not None and r["speedup"] is not None
            and not math.isnan(r["speedup"])]
-    for var in variants:
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for vi, var in enumerate(variants):
         for overall in (False, True):
             sel = [r for r in pts if r["variant"] == var and (r["category"] == OVERALL) == overall]
             if sel:
                 ax.scatter([r["predicted_speedup"] for r in sel], [r["speedup"] for r in sel],
                            marker="*" if overall else "o", s=120 if overall else 25,
+                           color=colors[vi % len(colors)],
                            label=f"{var}{' (overall)' if overall else ''}")
     vals = [r["predicted_speedup"] for r in pts] + [r["speedup"] for r in pts] + [1.0]
     lo, hi = min(vals) * 0.9, max(vals) * 1.1

@@ -88,32 +88,21 @@ def versions() -> dict:
     return out
 
 
-def _median_ms(fn, repeats: int) -> float:
-    fn()  # warm
-    times = []
-    for _ in range(repeats):
-        t = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t) * 1000.0)
-    return statistics.median(times)
-
-
 def measure_costs(target, draft, context: list[int], max_n: int, repeats: int = 5) -> dict:
     """Time a target pass over n = 1..max_n new tokens (logits for all n, as verification needs) and one
-    draft-model step, after `context`; medians in ms. V(n) = t(n) / t(1), c = draft step / t(1)."""
+    draft-model step, after `context`; medians in ms. V(n) = t(n) / t(1), c = draft step / t(1).
+    The measurements go round-robin (n = 1, 2, ..., draft, then again), so a burst of load from elsewhere
+    spreads over all of them instead of spoiling one."""
     context = list(context)[: max(1, min(len(context), target.n_ctx - max_n - 2))]
     probe = (context * (max_n // max(1, len(context)) + 2))[:max_n]  # any tokens will do for timing
     target.sync(context, n_logits=1)
     base = len(target.tokens)
-    target_ms = {}
+    steps = {}
     for n in range(1, max_n + 1):
         def step(n=n):
             target.eval(probe[:n], n_logits=n)
             target.rewind(base)
-        target_ms[str(n)] = _median_ms(step, repeats)
-    t1 = target_ms["1"]
-    out = {"target_ms": target_ms, "V": {n: ms / t1 for n, ms in target_ms.items()},
-           "draft_step_ms": None, "c": None, "repeats": repeats, "context_tokens": base}
+        steps[str(n)] = step
     if draft is not None:
         draft.sync(context, n_logits=1)
         dbase = len(draft.tokens)
@@ -121,7 +110,21 @@ def measure_costs(target, draft, context: list[int], max_n: int, repeats: int = 
         def dstep():
             draft.eval(probe[:1], n_logits=1)
             draft.rewind(dbase)
-        out["draft_step_ms"] = _median_ms(dstep, repeats)
+        steps["draft"] = dstep
+    times: dict[str, list[float]] = {key: [] for key in steps}
+    for fn in steps.values():  # warm
+        fn()
+    for _ in range(repeats):
+        for key, fn in steps.items():
+            t = time.perf_counter()
+            fn()
+            times[key].append((time.perf_counter() - t) * 1000.0)
+    target_ms = {key: statistics.median(v) for key, v in times.items() if key != "draft"}
+    t1 = target_ms["1"]
+    out = {"target_ms": target_ms, "V": {n: ms / t1 for n, ms in target_ms.items()},
+           "draft_step_ms": None, "c": None, "repeats": repeats, "context_tokens": base}
+    if draft is not None:
+        out["draft_step_ms"] = statistics.median(times["draft"])
         out["c"] = out["draft_step_ms"] / t1
     return out
 
