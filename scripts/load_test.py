@@ -64,6 +64,7 @@ def start_server(args, draft: bool):
         cmd += ["-md", args.model_draft, "--draft-max", str(args.draft_max)]
     if args.threads:
         cmd += ["-t", str(args.threads)]
+    cmd += args.server_arg + (args.spec_arg if draft else [])
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 180
@@ -174,6 +175,10 @@ def main() -> int:
     p.add_argument("--draft-max", type=int, default=4)
     p.add_argument("-c", "--ctx-size", type=int, default=1024)
     p.add_argument("-t", "--threads", type=int, default=None)
+    p.add_argument("--server-arg", action="append", default=[],
+                   help="extra flag for the servers this script starts (repeatable, e.g. --server-arg=--seed=1)")
+    p.add_argument("--spec-arg", action="append", default=[],
+                   help="extra flag for the speculative server only (e.g. --spec-arg=--no-adapt)")
     p.add_argument("--url", default=None, help="use this running server (loopback only) instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"))
     p.add_argument("--modes", default="plain,speculative", help="comma list of plain,speculative")

@@ -631,8 +631,15 @@ def cmd_serve(args) -> int:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_p_min=args.draft_p_min,
-                         n_ctx=args.ctx_size, threads=args.threads)
+    try:  # the engine the common model flags describe, exactly as `speculant generate` builds it
+        from .cli import engine_from_args
+    except ImportError:
+        engine_from_args = None
+    if engine_from_args is not None:
+        engine = engine_from_args(args)
+    else:
+        engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max,
+                             draft_p_min=args.draft_p_min, n_ctx=args.ctx_size, threads=args.threads)
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, max_tokens=args.n_predict,
