@@ -6,7 +6,7 @@ from typing import Optional, Sequence
 
 from . import models
 from .backends.base import Backend
-from .drafters.model import ModelDrafter
+from .drafters import CompositeDrafter, Drafter, LookupDrafter, ModelDrafter
 from .engine import Engine, Result
 from .errors import SettingsError
 from .verify import SamplingParams
@@ -27,36 +27,60 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
     return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=(role == "draft"))
 
 
-def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
-                draft_max: int = 4, draft_p_min: float = 0.0, n_ctx: int = 4096,
-                threads: Optional[int] = None) -> Engine:
-    """Load a target (and a draft model when given) and check that the draft can draft for the target."""
+LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
+
+
+def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
+                 ngram_max: int = 4, ngram_min: int = 1, threads: Optional[int] = None) -> Optional[Drafter]:
+    """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), or both (`lookup=True`
+    with a model: lookup first, the model when lookup finds nothing). The draft's vocabulary is checked."""
     if not (0.0 <= draft_p_min < 1.0):
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
+    lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
+    if not draft_model or draft_model == LOOKUP:
+        return lookup_drafter
+    draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft")
+    try:
+        check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+    except BaseException:
+        draft.close()
+        raise
+    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min)
+    return CompositeDrafter(lookup_drafter, model_drafter) if lookup_drafter else model_drafter
+
+
+def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
+                draft_max: int = 4, draft_min: int = 1, draft_p_min: float = 0.0, adaptive: bool = True,
+                lookup: bool = False, ngram_max: int = 4, ngram_min: int = 1, n_ctx: int = 4096,
+                threads: Optional[int] = None) -> Engine:
+    """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
+
+    adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
+    and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always."""
     if not isinstance(draft_max, int) or draft_max < 0:
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
+    if not isinstance(draft_min, int) or not (0 <= draft_min <= max(draft_max, 1)):
+        raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
     target = load_backend(model, n_ctx=n_ctx, threads=threads)
-    drafter = None
-    if draft_model:
-        try:
-            draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft")
-            check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
-        except BaseException:
-            target.close()
-            raise
-        drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min)
-    return Engine(target, drafter, draft_max=draft_max if drafter else 0)
+    try:
+        drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
+                               ngram_max=ngram_max, ngram_min=ngram_min, threads=threads)
+    except BaseException:
+        target.close()
+        raise
+    return Engine(target, drafter, draft_max=draft_max if drafter else 0, adaptive=adaptive, draft_min=draft_min)
 
 
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
-             draft_model: Optional[str] = None, draft_max: int = 4, draft_p_min: float = 0.0,
+             draft_model: Optional[str] = None, draft_max: int = 4, draft_min: int = 1,
+             draft_p_min: float = 0.0, adaptive: bool = True, lookup: bool = False,
              max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
              n_ctx: int = 4096, threads: Optional[int] = None) -> Result:
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`."""
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
-    engine = load_engine(model, draft_model, draft_max=draft_max, draft_p_min=draft_p_min, n_ctx=n_ctx,
-                         threads=threads)
+    engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
+                         adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads)
     try:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat)

@@ -25,10 +25,20 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET if default_target else None,
                    help="target model: registered name or GGUF path (default %(default)s)")
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
-                   help="draft model of the same family (name or GGUF path); omit for plain decoding")
-    p.add_argument("--draft-max", "--draft", type=int, default=4, help="tokens drafted per step (default 4)")
+                   help="draft model of the same family (name or GGUF path), or 'lookup' for prompt lookup; "
+                        "omit for plain decoding")
+    p.add_argument("--lookup", action="store_true",
+                   help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
+    p.add_argument("--draft-max", "--draft", type=int, default=4,
+                   help="tokens drafted per step; an upper bound when adapting (default 4)")
+    p.add_argument("--draft-min", type=int, default=1, help="lower bound of the draft length when adapting")
+    p.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose the draft length per step from measured costs and acceptance, and decode "
+                        "plainly when speculation does not pay (default on; --no-adapt drafts --draft-max always)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's confidence falls below this (default 0: off)")
+    p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
+    p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -96,8 +106,17 @@ def _read_prompt(args) -> str:
     raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
 
 
-def cmd_generate(args) -> int:
+def engine_from_args(args):
+    """The Engine that the common model flags describe (also used by `serve`)."""
     from .api import load_engine
+
+    return load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_min=args.draft_min,
+                       draft_p_min=args.draft_p_min, adaptive=args.adapt, lookup=args.lookup,
+                       ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
+                       threads=args.threads)
+
+
+def cmd_generate(args) -> int:
     from .engine import Result
     from .stats import SpecStats
     from .verify import SamplingParams
@@ -106,8 +125,7 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise SpeculantError("the prompt is empty")
-    engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_p_min=args.draft_p_min,
-                         n_ctx=args.ctx_size, threads=args.threads)
+    engine = engine_from_args(args)
     try:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
@@ -149,34 +167,32 @@ def cmd_models(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .api import load_backend
-    from .drafters.model import ModelDrafter
+    from .api import load_backend, load_drafter
     from .engine import Engine
     from .verify import SamplingParams
-    from .vocab import check_compatible
 
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads)
-    draft = load_backend(args.model_draft, n_ctx=target.n_ctx, threads=args.threads, role="draft")
-    check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+    drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
+                           ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, threads=args.threads)
     plain = Engine(target)
-    spec = Engine(target, ModelDrafter(draft, target.n_vocab, p_min=args.draft_p_min), draft_max=args.draft_max)
+    spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)
     prompt = plain.chat_prompt([{"role": "user", "content": args.prompt}])
     print(f"prompt: {args.prompt}\n")
     runs = {}
     for label, engine in (("plain", plain), ("speculative", spec)):
-        print(f"--- {label} ({target.name}{' + ' + draft.name if engine.drafter else ''}) ---")
+        print(f"--- {label} ({target.name}{' + ' + args.model_draft if engine.drafter else ''}) ---")
         runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True)
         print(r.text)
         print(f"[{label}: {r.stats.generated_tokens} tokens at {r.stats.tokens_per_s:.2f} tokens/s]\n")
     p, s = runs["plain"].stats, runs["speculative"].stats
     same = runs["plain"].tokens == runs["speculative"].tokens
     print(f"plain:       {p.tokens_per_s:6.2f} tokens/s")
-    print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {args.draft_max}, acceptance "
-          f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f})")
+    print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {args.draft_max}"
+          f"{', adaptive' if args.adapt else ''}, acceptance {s.acceptance_rate:.1%}, "
+          f"τ {s.mean_accepted_length:.2f}, mean draft length {s.to_dict()['mean_draft_length']})")
     print(f"speedup:     {s.tokens_per_s / p.tokens_per_s:.2f}x   identical output: {'yes' if same else 'NO'}")
-    target.close()
-    draft.close()
+    spec.close()
     return 0 if same or args.temp > 0 else 1
 
 

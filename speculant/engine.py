@@ -18,6 +18,7 @@ from . import chat
 from .backends.base import Backend
 from .drafters.base import EMPTY, Drafter
 from .errors import ContextOverflowError, SettingsError
+from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import SamplingParams, probs_from_logits, verify_greedy, verify_sampled
 
@@ -51,12 +52,21 @@ class Result:
 class Engine:
     """A target model, optionally with a drafter, and the speculative decode loop."""
 
-    def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: int = 4):
+    def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: int = 4,
+                 adaptive: bool = False, draft_min: int = 1):
+        """draft_max: tokens drafted per step (the upper bound when adaptive); adaptive: choose k per step
+        from measured costs and acceptance, and fall back to plain decoding when speculation does not pay."""
         if not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT):
             raise SettingsError(f"--draft-max must be an integer in [0, {MAX_DRAFT}], got {draft_max!r}")
         self.target = target
         self.drafter = drafter
         self.draft_max = draft_max
+        if drafter is None or draft_max == 0:
+            self.policy = FixedPolicy(0)
+        elif adaptive:
+            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max))
+        else:
+            self.policy = FixedPolicy(draft_max)
 
     # -- prompts ------------------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> str:
@@ -114,9 +124,9 @@ class Engine:
                     return
                 # draft
                 t = time.perf_counter()
-                k = min(self.draft_max, room - 1)
-                draft = drafter.propose(context, k, params, rng) if drafter and k > 0 else EMPTY
-                stats.draft_time += time.perf_counter() - t
+                k = min(self.policy.draft_length(drafter.name), room - 1) if drafter else 0
+                draft = drafter.propose(context, k, params, rng) if k > 0 else EMPTY
+                draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
                 logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
@@ -126,14 +136,18 @@ class Engine:
                     n_accepted, next_token = verify_sampled(
                         np.asarray(draft.tokens, dtype=np.int64), draft.probs,
                         probs_from_logits(logits, params), rng)
-                stats.verify_time += time.perf_counter() - t
+                verify_time = time.perf_counter() - t
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
-                stats.record_step(draft.source, len(draft), n_accepted)
+                stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time)
+                if drafter:
+                    self.policy.observe(drafter.name, len(draft), n_accepted, draft_time, verify_time,
+                                        len(new_tokens))
                 for i, token in enumerate(new_tokens):
                     if target.is_eog(token):
+                        stats.ended_by_eog = True
                         result.finish_reason = "stop"
                         return
                     stats.generated_tokens += 1

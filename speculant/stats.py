@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 class SpecStats:
     prompt_tokens: int = 0
     generated_tokens: int = 0
+    ended_by_eog: bool = False  # the last target call produced an end-of-generation token (not in the text)
     drafted: int = 0  # draft tokens sent to verification
     accepted: int = 0  # of those, accepted
     target_calls: int = 0  # target passes during decoding (prefill excluded)
@@ -23,8 +24,11 @@ class SpecStats:
     decode_time: float = 0.0  # wall time from the end of prefill to the last token
     peak_rss_mb: float = 0.0
 
-    def record_step(self, source: str, n_drafted: int, n_accepted: int) -> None:
+    def record_step(self, source: str, n_drafted: int, n_accepted: int, draft_time: float = 0.0,
+                    verify_time: float = 0.0) -> None:
         self.target_calls += 1
+        self.draft_time += draft_time
+        self.verify_time += verify_time
         self.drafted += n_drafted
         self.accepted += n_accepted
         self.draft_lengths.append(n_drafted)
@@ -50,7 +54,8 @@ class SpecStats:
     @property
     def mean_accepted_length(self) -> float:
         """τ: tokens produced per target call, counting the target's own (recovered or bonus) token."""
-        return self.generated_tokens / self.target_calls if self.target_calls else 0.0
+        produced = self.generated_tokens + self.ended_by_eog  # the EOS token was produced by a call too
+        return produced / self.target_calls if self.target_calls else 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -70,6 +75,7 @@ class SpecStats:
             "accepted_by_source": dict(self.accepted_by_source),
             "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)
             if self.draft_lengths else 0.0,
+            "draft_length_histogram": {str(k): n for k, n in sorted(Counter(self.draft_lengths).items())},
             "prefill_s": round(self.prefill_time, 4),
             "draft_s": round(self.draft_time, 4),
             "verify_s": round(self.verify_time, 4),

@@ -42,6 +42,8 @@ class SamplingParams:
             raise SettingsError(f"top-p must be in (0, 1], got {self.top_p}")
         if not (0.0 <= self.min_p < 1.0):
             raise SettingsError(f"min-p must be in [0, 1), got {self.min_p}")
+        if self.seed is not None and not (0 <= self.seed < 2**64):
+            raise SettingsError(f"seed must be an integer in [0, 2^64), got {self.seed}")
 
     @property
     def greedy(self) -> bool:

@@ -82,11 +82,11 @@ class LlamaCppBackend(Backend):
             ll.llama_model_free(self._model)
             self._model = None
             raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
-        self.n_ctx = ll.llama_n_ctx(self._ctx)
-        self.n_batch = n_batch
+        self.n_ctx = min(cparams.n_ctx, ll.llama_n_ctx(self._ctx))  # llama.cpp pads n_ctx; keep the user's limit
+        self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
         self.n_threads = threads
         self._memory = ll.llama_get_memory(self._ctx)
-        self._batch = ll.llama_batch_init(n_batch, 0, 1)
+        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
         self._piece_cache: dict[int, bytes] = {}
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
 

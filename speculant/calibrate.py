@@ -1,0 +1,169 @@
+"""`speculant calibrate -m MODEL`: choose the self-speculative layer subset that maximizes measured tokens/s.
+
+Search (Draft&Verify / SWIFT style, kept cheap): greedy decoding on a few prompts with every candidate
+(early exit after L layers for a grid of depths, then skip sets that drop every other layer of the upper
+part), measuring tokens/s directly (it folds acceptance and per-step cost together); then a greedy local
+refinement of the best early-exit depth by +-1 layer steps while tokens/s improves. The winner is saved to
+`<model>.selfspec.json` next to the model (or under $SPECULANT_HOME/selfspec/ when that is read-only), where
+SelfSpecDrafter.from_config finds it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+DEFAULT_PROMPTS = (
+    "Write a Python function `is_prime(n)` that checks whether n is prime.",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Explain in two sentences what a hash map is.",
+)
+
+
+def config_paths(target) -> list[Path]:
+    """Where a calibration is stored: next to the model first, then under $SPECULANT_HOME."""
+    from . import models
+
+    src = Path(getattr(target, "source", None) or target.name)
+    name = src.name
+    paths = []
+    if src.exists():
+        paths.append(src.parent / f"{name}.selfspec.json" if src.is_file() else src / "selfspec.json")
+    paths.append(models.home() / "selfspec" / f"{name}.selfspec.json")
+    return paths
+
+
+def load_config(target, path: Optional[str | os.PathLike] = None) -> Optional[dict]:
+    for p in ([Path(path)] if path else config_paths(target)):
+        if p.exists():
+            cfg = json.loads(p.read_text())
+            if cfg.get("n_layers") == target.n_layers and cfg.get("layers"):
+                return cfg
+    return None
+
+
+def save_config(target, cfg: dict, path: Optional[str | os.PathLike] = None) -> Path:
+    errors = []
+    for p in ([Path(path)] if path else config_paths(target)):
+        try:
+            p.parent.mkdir(parents=True, exist_ok=True)
+            tmp = p.with_name(p.name + f".tmp{os.getpid()}")
+            tmp.write_text(json.dumps(cfg, indent=1))
+            os.replace(tmp, p)
+            return p
+        except OSError as e:
+            errors.append(f"{p}: {e.strerror}")
+    raise OSError("cannot save the calibration: " + "; ".join(errors))
+
+
+def candidates(n_layers: int) -> list[list[int]]:
+    """Early-exit depths over a grid, then 'skip every other upper layer' sets."""
+    out: list[list[int]] = []
+    depths = sorted({max(1, round(n_layers * f)) for f in (0.25, 0.375, 0.5, 0.625, 0.75)})
+    for d in depths:
+        if d < n_layers:
+            out.append(list(range(d)))
+    for frac in (0.25, 0.5):
+        lo = max(1, round(n_layers * frac))
+        layers = [i for i in range(n_layers) if i < lo or (i - lo) % 2 == 0 or i == n_layers - 1]
+        if len(layers) < n_layers and layers not in out:
+            out.append(layers)
+    return out
+
+
+def measure(target, layers: Optional[Sequence[int]], prompts: Sequence, max_tokens: int, draft_max: int) -> dict:
+    """Greedy generation on the prompts; tokens/s over all of them, and acceptance."""
+    from .drafters.selfspec import SelfSpecDrafter
+    from .engine import Engine
+    from .verify import SamplingParams
+
+    drafter = SelfSpecDrafter(target, layers) if layers is not None else None
+    engine = Engine(target, drafter, draft_max=draft_max if drafter else 0)
+    n_tok, t_total, drafted, accepted = 0, 0.0, 0, 0
+    for p in prompts:
+        r = engine.generate(p, max_tokens=max_tokens, params=SamplingParams(0.0))
+        n_tok += r.stats.generated_tokens
+        t_total += r.stats.decode_time
+        drafted += r.stats.drafted
+        accepted += r.stats.accepted
+    if drafter:
+        drafter.close()
+    return {"tokens_per_s": n_tok / t_total if t_total > 0 else 0.0,
+            "acceptance": accepted / drafted if drafted else 0.0, "tokens": n_tok}
+
+
+def calibrate(target, prompts: Sequence = DEFAULT_PROMPTS, *, max_tokens: int = 32, draft_max: int = 4,
+              log=None) -> dict:
+    """Search the layer subset; return the config dict (not saved)."""
+    n = target.n_layers
+    log = log or (lambda *a: None)
+    base = measure(target, None, prompts, max_tokens, 0)
+    log(f"plain: {base['tokens_per_s']:.2f} tokens/s")
+    results: dict[tuple, dict] = {}
+
+    def run(layers: list[int]) -> dict:
+        key = tuple(layers)
+        if key not in results:
+            results[key] = measure(target, layers, prompts, max_tokens, draft_max)
+            r = results[key]
+            log(f"{len(layers)}/{n} layers {_describe(layers, n)}: {r['tokens_per_s']:.2f} tokens/s, "
+                f"acceptance {r['acceptance']:.1%}")
+        return results[key]
+
+    for layers in candidates(n):
+        run(layers)
+    # greedy refinement of the best early exit depth
+    exits = [k for k in results if list(k) == list(range(len(k)))]
+    if exits:
+        best = max(exits, key=lambda k: results[k]["tokens_per_s"])
+        depth = len(best)
+        for step in (1, -1):
+            d = depth
+            while 1 <= d + step < n:
+                cur, nxt = results[tuple(range(d))], run(list(range(d + step)))
+                if nxt["tokens_per_s"] <= cur["tokens_per_s"]:
+                    break
+                d += step
+    best_key = max(results, key=lambda k: results[k]["tokens_per_s"])
+    best = results[best_key]
+    return {"n_layers": n, "layers": list(best_key), "description": _describe(list(best_key), n),
+            "tokens_per_s": best["tokens_per_s"], "acceptance": best["acceptance"],
+            "plain_tokens_per_s": base["tokens_per_s"], "draft_max": draft_max,
+            "speedup": best["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
+            "candidates": [{"layers": list(k), **v} for k, v in results.items()],
+            "model": target.name, "dtype": str(getattr(target, "dtype", "")), "time": time.time()}
+
+
+def _describe(layers: Sequence[int], n: int) -> str:
+    if list(layers) == list(range(len(layers))):
+        return f"early exit after {len(layers)}"
+    return "skip " + ",".join(str(i) for i in range(n) if i not in set(layers))
+
+
+def cmd_calibrate(args) -> int:
+    from .backends.torch import load_torch_backend
+
+    target = load_torch_backend(args.model, dtype=args.dtype, device=args.device, n_ctx=args.ctx_size,
+                                threads=args.threads)
+    prompts = DEFAULT_PROMPTS[: args.prompts]
+    cfg = calibrate(target, prompts, max_tokens=args.n_predict, draft_max=args.draft_max,
+                    log=lambda s: print(s, file=sys.stderr, flush=True))
+    path = save_config(target, cfg, args.output)
+    print(f"{cfg['description']} ({len(cfg['layers'])}/{cfg['n_layers']} layers): {cfg['tokens_per_s']:.2f} "
+          f"tokens/s vs plain {cfg['plain_tokens_per_s']:.2f}; saved to {path}")
+    return 0
+
+
+def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    p = sub.add_parser("calibrate", help="choose the self-speculative layer subset of a model (torch backend)")
+    add_model_args(p)
+    p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per prompt (default 32)")
+    p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
+    p.add_argument("--dtype", default=None, help="bf16 | fp32 (default: bf16 where the CPU has it)")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
+    p.add_argument("-o", "--output", default=None, help="where to save (default <model>.selfspec.json)")
+    p.set_defaults(handler=cmd_calibrate)
