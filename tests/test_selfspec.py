@@ -1,0 +1,139 @@
+"""Self-speculative drafting on the torch backend: greedy identity, everything accepted when the draft runs
+all layers, the first-token distribution through the engine, calibration. A tiny randomly initialised
+Llama (vocab 16, 4 layers) keeps it fast; one short greedy check runs on smollm2 when it is cached."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+torch.set_num_threads(1)  # shared CI cores: oversubscribed torch threads are 100x slower on tiny models
+pytest.importorskip("transformers")
+
+from scipy import stats as sps  # noqa: E402
+
+from speculant.engine import Engine  # noqa: E402
+from speculant.errors import SettingsError  # noqa: E402
+from speculant.verify import SamplingParams, probs_from_logits  # noqa: E402
+
+V = 16
+PROMPT = [1, 5, 3, 7]
+
+
+def tiny_backend(seed=0, n_layers=4):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from speculant.backends.torch import TorchBackend, default_dtype
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=n_layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    cfg._attn_implementation = "eager"
+    model = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # sharper logits than the default init, so greedy paths are not all one token
+        model.lm_head.weight.mul_(40.0)
+    model = model.to(default_dtype("cpu"))
+    return TorchBackend(model, None, name=f"tiny-{seed}", n_ctx=512)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_backend()
+
+
+def test_layer_sets():
+    from speculant.drafters.selfspec import normalize_layers
+
+    assert normalize_layers(6, exit_layer=2) == [0, 1]
+    assert normalize_layers(6, skip=[2, 4]) == [0, 1, 3, 5]
+    for bad in (dict(exit_layer=0), dict(exit_layer=7), dict(skip=[0]), dict(skip=[6]), dict(exit_layer=2, skip=[3])):
+        with pytest.raises(SettingsError):
+            normalize_layers(6, **bad)
+
+
+@pytest.mark.parametrize("draft", [dict(exit_layer=1), dict(exit_layer=2), dict(skip=[1, 2])])
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_identity(tiny, draft, k):
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    plain = Engine(tiny).generate(PROMPT, max_tokens=40)
+    spec = Engine(tiny, SelfSpecDrafter(tiny, **draft), draft_max=k).generate(PROMPT, max_tokens=40)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0
+    assert len(set(plain.tokens)) > 1  # a meaningful sequence, not one repeated token
+
+
+@pytest.mark.parametrize("k", [2, 5])
+def test_all_layers_accepts_everything(tiny, k):
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    d = SelfSpecDrafter(tiny, exit_layer=tiny.n_layers)
+    r = Engine(tiny, d, draft_max=k).generate(PROMPT, max_tokens=24)
+    assert r.stats.acceptance_rate == 1.0
+    assert r.stats.target_calls == -(-24 // (k + 1))
+
+
+def test_weights_are_shared(tiny):
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    d = SelfSpecDrafter(tiny, exit_layer=2)
+    base = tiny.model.model
+    assert d.backend.target is tiny and len(base.layers) == tiny.n_layers  # layers restored after a pass
+    d.propose(PROMPT, 3, SamplingParams(), np.random.default_rng(0))
+    assert len(base.layers) == tiny.n_layers and base.config.num_hidden_layers == tiny.n_layers
+    # the draft's cache only holds the draft's layers
+    assert all(getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in d.backend.cache.layers[2:])
+
+
+def test_first_token_distribution(tiny):
+    """Sampled first tokens through the engine (self-spec drafts, rejection sampling) follow softmax(target)."""
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    params = SamplingParams(temperature=1.0, seed=123)
+    tiny.rewind(0)
+    expected = probs_from_logits(tiny.sync(PROMPT)[0], params)
+    engine = Engine(tiny, SelfSpecDrafter(tiny, exit_layer=1), draft_max=2)
+    n = 4000
+    counts = np.zeros(V)
+    rng_seeds = np.random.default_rng(7).integers(0, 2**31, n)
+    for s in rng_seeds:
+        r = engine.generate(PROMPT, max_tokens=1, params=SamplingParams(temperature=1.0, seed=int(s)))
+        counts[r.tokens[0]] += 1
+    mask = expected * n >= 5
+    obs = np.append(counts[mask], counts[~mask].sum())
+    exp = np.append(expected[mask] * n, expected[~mask].sum() * n)
+    keep = exp > 0
+    chi2, p = sps.chisquare(obs[keep], exp[keep] * obs[keep].sum() / exp[keep].sum())
+    assert p > 1e-3, (chi2, p, counts, expected)
+
+
+def test_calibrate_tiny(tiny, tmp_path, monkeypatch):
+    from speculant import calibrate
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    cfg = calibrate.calibrate(tiny, prompts=[PROMPT, [2, 9, 4]], max_tokens=8, draft_max=3)
+    layers = cfg["layers"]
+    assert layers and layers[0] == 0 and layers == sorted(set(layers)) and layers[-1] < tiny.n_layers
+    assert len(layers) < tiny.n_layers and cfg["n_layers"] == tiny.n_layers
+    path = calibrate.save_config(tiny, cfg)
+    assert path.parent == tmp_path / "selfspec" and path.exists()
+    d = SelfSpecDrafter.from_config(tiny)
+    assert d.layers == layers
+    r = Engine(tiny, d, draft_max=3).generate(PROMPT, max_tokens=12)
+    assert r.tokens == Engine(tiny).generate(PROMPT, max_tokens=12).tokens
+
+
+def test_smollm2_greedy_identity():
+    from speculant import models
+
+    if not models.cached_path("smollm2-135m-instruct").exists():
+        pytest.skip("smollm2-135m-instruct is not pulled")
+    from speculant.backends.torch import load_torch_backend
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    t = load_torch_backend("smollm2-135m-instruct")
+    prompt = "def add(a, b):\n"
+    plain = Engine(t).generate(prompt, max_tokens=12)
+    spec = Engine(t, SelfSpecDrafter(t, exit_layer=20), draft_max=3).generate(prompt, max_tokens=12)
+    assert spec.tokens == plain.tokens and spec.stats.drafted > 0
