@@ -134,6 +134,7 @@ def calibrate(target, prompts: Sequence = DEFAULT_PROMPTS, *, max_tokens: int = 
             "tokens_per_s": best["tokens_per_s"], "acceptance": best["acceptance"],
             "plain_tokens_per_s": base["tokens_per_s"], "draft_max": draft_max,
             "speedup": best["tokens_per_s"] / base["tokens_per_s"] if base["tokens_per_s"] else None,
+            "beats_plain": best["tokens_per_s"] > base["tokens_per_s"],
             "candidates": [{"layers": list(k), **v} for k, v in results.items()],
             "model": target.name, "dtype": str(getattr(target, "dtype", "")), "time": time.time()}
 
@@ -155,6 +156,9 @@ def cmd_calibrate(args) -> int:
     path = save_config(target, cfg, args.output)
     print(f"{cfg['description']} ({len(cfg['layers'])}/{cfg['n_layers']} layers): {cfg['tokens_per_s']:.2f} "
           f"tokens/s vs plain {cfg['plain_tokens_per_s']:.2f}; saved to {path}")
+    if not cfg["beats_plain"]:
+        print("speculant: no layer subset beat plain decoding on this model; prefer plain or a draft model",
+              file=sys.stderr)
     return 0
 
 
