@@ -10,7 +10,9 @@ PY=${PY:-.venv/bin/python}
 [ -x "$PY" ] || PY=python3
 N=${1:-128}
 K=${2:-4}
-export N K
+TARGET=${TARGET:-qwen2.5-coder-1.5b-instruct}   # overridable for a CPU smoke run, e.g. TARGET=DRAFT=smollm2-135m-instruct
+DRAFT=${DRAFT:-qwen2.5-coder-0.5b-instruct}
+export N K TARGET DRAFT
 timeout ${BENCH_TIMEOUT:-540} "$PY" - <<'PYEOF'
 import json, os, sys, time
 import torch
@@ -26,8 +28,10 @@ N, K = int(os.environ["N"]), int(os.environ["K"])
 dev = "cuda" if torch.cuda.is_available() else "cpu"
 print(f"device {dev} {torch.cuda.get_device_name(0) if dev == 'cuda' else ''}", file=sys.stderr)
 t0 = time.time()
-target = load_torch_backend("qwen2.5-coder-1.5b-instruct", dtype="bf16", device=dev)
-draft = load_torch_backend("qwen2.5-coder-0.5b-instruct", dtype="bf16", device=dev)
+if os.environ.get("THREADS"):
+    torch.set_num_threads(int(os.environ["THREADS"]))
+target = load_torch_backend(os.environ["TARGET"], dtype="bf16", device=dev)
+draft = load_torch_backend(os.environ["DRAFT"], dtype="bf16", device=dev)
 check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
 print(f"loaded in {time.time() - t0:.1f}s", file=sys.stderr)
 prompts = [
@@ -46,7 +50,7 @@ Engine(target).generate(prompts[0], max_tokens=8, is_chat=True)  # warm-up (CUDA
 
 setups = {
     "plain": lambda: Engine(target),
-    "draft-0.5b": lambda: Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=K),
+    "draft-model": lambda: Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=K),
     "self-spec": lambda: Engine(target, SelfSpecDrafter(target, cfg["layers"]), draft_max=K),
 }
 summary, ref = {}, {}
