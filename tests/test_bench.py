@@ -269,7 +269,8 @@ def test_parse_llama_tool_output():
     assert (r["drafted"], r["accepted"], r["n_draft"]) == (60, 45, 4)
     assert r["acceptance"] == pytest.approx(0.75)
     plain = parse_llama_output("decoded   10 tokens in    0.500 seconds, speed:   20.000 t/s\n"
-                               "n_draft      = 0\nn_drafted    = 0\nn_accept     = 0\naccept       = nan%\n")
+                               "0.41.441.178 I n_draft      = 0\n0.41.441.179 I n_drafted    = 0\n"
+                               "0.41.441.181 I n_accept     = 0\n0.41.441.182 I accept       = -nan%\n")
     assert plain["tokens_per_s"] == pytest.approx(20.0) and plain["acceptance"] is None
     with pytest.raises(ValueError):
         parse_llama_output("error: failed to load model")

@@ -2,8 +2,8 @@
 transformers' assisted generation. Each peer is compared with its own plain decoding and with ours.
 
 llama.cpp: tools built by scripts/build_llama_tools.sh (same CMake flags as our llama-cpp-python build).
-  plain  = `llama-lookup --draft-max 0` (the lookup loop drafting nothing: one target pass per token, and the
-           same decode-only timing as the speculative tools), draft-kK = `llama-speculative-simple -md`,
+  plain  = `llama-lookup --spec-draft-n-max 0` (the lookup loop drafting nothing: one target pass per token, and the
+           same decode-only timing as the speculative tools), draft-kK = `llama-speculative-simple --spec-type draft-simple -md`,
   lookup-kK = `llama-lookup` (n-gram prompt lookup). tokens/s is the tools' "decoded N tokens in S seconds"
   (prefill excluded), acceptance from n_drafted / n_accept.
 hf: `AutoModelForCausalLM.from_pretrained(dir, gguf_file=...)` (dequantized, float32, CPU), plain `generate`,
@@ -45,7 +45,7 @@ def default_tools_dir(explicit: Optional[str] = None) -> Path:
 
 
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+|nan|inf)\s+t/s")
-_FIELD = re.compile(r"^\s*(n_draft|n_predict|n_drafted|n_accept)\s*=\s*(-?\d+)", re.M)
+_FIELD = re.compile(r"\b(n_draft|n_predict|n_drafted|n_accept)\s+=\s*(-?\d+)")  # lines may carry a log prefix
 
 
 def parse_llama_output(text: str) -> dict:
@@ -65,16 +65,16 @@ def parse_llama_output(text: str) -> dict:
 
 def _llama_variants(cfg, bindir: Path, draft_path: Optional[str]) -> list[tuple[str, list[str]]]:
     ks = sorted({v.k for v in cfg.variants if v.k > 0}) or [4]
-    out = [("plain", [str(bindir / "llama-lookup"), "--draft-max", "0"])]
+    out = [("plain", [str(bindir / "llama-lookup"), "--spec-draft-n-max", "0"])]
     if draft_path:
-        out += [(f"draft-k{k}", [str(bindir / "llama-speculative-simple"), "-md", draft_path, "--draft-max", str(k),
-                                  "--draft-min", "0", "--draft-p-min", str(cfg.draft_p_min)]) for k in ks]
-    out += [(f"lookup-k{k}", [str(bindir / "llama-lookup"), "--draft-max", str(k)]) for k in ks]
+        out += [(f"draft-k{k}", [str(bindir / "llama-speculative-simple"), "--spec-type", "draft-simple", "-md", draft_path, "--spec-draft-n-max", str(k),
+                                  "--spec-draft-n-min", "0", "--spec-draft-p-min", str(cfg.draft_p_min)]) for k in ks]
+    out += [(f"lookup-k{k}", [str(bindir / "llama-lookup"), "--spec-draft-n-max", str(k)]) for k in ks]
     return out
 
 
 def run_llamacpp(cfg, prompts, rendered: dict, model_path: str, draft_path: Optional[str], bindir: Path,
-                 bar) -> list[dict]:
+                 bar, threads: Optional[int] = None) -> list[dict]:
     variants = _llama_variants(cfg, bindir, draft_path)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -86,8 +86,8 @@ def run_llamacpp(cfg, prompts, rendered: dict, model_path: str, draft_path: Opti
                 for label, cmd in variants[shift:] + variants[:shift]:
                     full = cmd + ["-m", model_path, "-f", str(pf), "-n", str(cfg.n_predict), "-c", str(cfg.n_ctx),
                                   "--temp", str(temp), "--seed", str(cfg.seed + pi), "-ngl", "0"]
-                    if cfg.threads:
-                        full += ["-t", str(cfg.threads)]
+                    if threads:
+                        full += ["-t", str(threads), "-tb", str(threads)]
                     proc = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=3600)
                     text = proc.stdout + "\n" + proc.stderr
                     row = {"peer": "llama.cpp", "variant": label, "prompt_id": p.id, "category": p.category,
@@ -103,15 +103,16 @@ def run_llamacpp(cfg, prompts, rendered: dict, model_path: str, draft_path: Opti
     return rows
 
 
-def run_hf(cfg, prompts, rendered: dict, model_path: str, draft_path: Optional[str], bar) -> list[dict]:
+def run_hf(cfg, prompts, rendered: dict, model_path: str, draft_path: Optional[str], bar,
+           threads: Optional[int] = None) -> list[dict]:
     try:
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
     except ImportError as e:
         raise SettingsError(f"the hf peer needs torch and transformers: pip install torch==2.13.0 transformers "
                             f"({e})") from None
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if threads:
+        torch.set_num_threads(threads)
     mp = Path(model_path)
     tok = AutoTokenizer.from_pretrained(mp.parent, gguf_file=mp.name)
     model = AutoModelForCausalLM.from_pretrained(mp.parent, gguf_file=mp.name, dtype=torch.float32).eval()
@@ -228,13 +229,15 @@ def run_peers(names: list[str], cfg, prompts, result: dict, *, tools_dir: Option
                 continue
             n = len(prompts) * len(cfg.temps) * len(_llama_variants(cfg, bindir, draft_path))
             with tqdm(total=n, desc="peer llama.cpp", disable=not progress, file=sys.stderr) as bar:
-                rows += run_llamacpp(cfg, prompts, plain_text, model_path, draft_path, bindir, bar)
+                rows += run_llamacpp(cfg, prompts, plain_text, model_path, draft_path, bindir, bar,
+                                     threads=cfg.threads or result["machine"].get("threads_used"))
         elif name == "hf":
             ks = len({v.k for v in cfg.variants if v.k > 0}) or 1
             n = len(prompts) * len(cfg.temps) * (1 + ks * (2 if draft_path else 1))
             try:
                 with tqdm(total=n, desc="peer hf", disable=not progress, file=sys.stderr) as bar:
-                    rows += run_hf(cfg, prompts, rendered, model_path, draft_path, bar)
+                    rows += run_hf(cfg, prompts, rendered, model_path, draft_path, bar,
+                                   threads=cfg.threads or result["machine"].get("threads_used"))
             except SettingsError as e:
                 skipped.append(f"hf: {e}")
     return {"rows": rows, "summary": summarize_peers(rows, result["rows"]), "skipped": skipped}
