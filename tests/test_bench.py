@@ -218,7 +218,7 @@ def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
         pytest.skip(f"{SMALL} not pulled (run `make models`)")
     out = tmp_path / "bench"
     rc = main(["bench", "-m", SMALL, "-md", SMALL, "--methods", "plain,draft", "--draft-max", "3",
-               "--categories", "qa,coding", "--limit", "1", "-n", "8", "-c", "1024", "--cost-repeats", "2", "--out", str(out),
+               "--categories", "qa,coding", "--limit", "1", "-n", "8", "-c", "1024", "-t", "1", "--cost-repeats", "2", "--out", str(out),
                "--no-progress"])
     assert rc == 0
     for name in ("results.json", "summary.md", "speedup_by_category.png", "acceptance_by_position.png",
