@@ -16,7 +16,7 @@ PROMPTS = {
 }
 
 
-def _batch_vs_single(backend, text, sizes=(2, 3, 5, 9, 17)):
+def _batch_vs_single(backend, text, sizes=(2, 3, 5, 9, 17, 64, 100)):
     toks = backend.tokenize(text)
     backend.rewind(0)
     backend.eval(toks[:4], n_logits=0)
@@ -33,7 +33,11 @@ def _batch_vs_single(backend, text, sizes=(2, 3, 5, 9, 17)):
 @pytest.mark.parametrize("which", ["qwen_target", "small_target"])
 def test_batched_pass_is_bit_identical_to_single_token_passes(which, request):
     backend = request.getfixturevalue(which)
-    text = "def add(a, b):\n    return a + b\n\n# Translate: Der Hund schläft im Garten, weil es warm ist."
+    text = ("def add(a, b):\n    return a + b\n\n# Translate: Der Hund schläft im Garten, weil es warm ist.\n"
+            "Once upon a time, in a small village by the sea, there lived an old lighthouse keeper. " * 4)
+    assert len(backend.tokenize(text)) > 104
+    # batches of up to 100 tokens (verification and prefill sizes): flash attention's tiled kernel at >= 64
+    # queries and the tiled K-quant matmul at >= 8 rows would each break this
     assert _batch_vs_single(backend, text) == 0.0
 
 

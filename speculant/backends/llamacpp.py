@@ -3,9 +3,10 @@
 Numerics: the engine's exactness needs a target pass over k+1 tokens to give bit-identical logits to k+1
 single-token passes. llama.cpp has three matmul paths that round differently by batch size: the llamafile
 sgemm (disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (`use_extra_bufts`, off for a
-target), and the tiled K-quant kernel taken at >= 8 rows (GGML_CPU_TILED_MM=0 turns it off). Without them
-every output is one dot-product kernel call whatever the batch, and logits are bit-identical
-(tests/test_llamacpp.py checks it). A draft needs no such care: any q is verified exactly, so drafts may
+target), and the tiled K-quant kernel taken at >= 8 rows (GGML_CPU_TILED_MM=0 turns it off); flash
+attention also switches to a tiled kernel for >= 64 queries, so it stays off. Without them every output is
+one dot-product kernel call whatever the batch, and logits are bit-identical (tests/test_llamacpp.py
+checks batches up to 100 tokens). A draft needs no such care: any q is verified exactly, so drafts may
 load with repacking on (`repack=True`), which is faster.
 """
 
@@ -55,7 +56,7 @@ class LlamaCppBackend(Backend):
     """One GGUF model and one llama.cpp context (sequence 0)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
-                 n_batch: int = 512, repack: bool = False, flash_attn: int = 1):
+                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0):
         super().__init__()
         self.path = Path(path)
         self.name = self.path.name

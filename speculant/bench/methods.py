@@ -60,6 +60,31 @@ register(Method("draft", lambda ctx, k: Engine(ctx.target, ctx.model_drafter(), 
                 needs_draft=True, cost="draft_model", help="draft model (-md) proposes k tokens"))
 
 
+def _lookup(ctx):
+    from ..drafters.lookup import LookupDrafter
+
+    return LookupDrafter(**{k: v for k, v in ctx.options.items() if k in ("ngram_max", "ngram_min")})
+
+
+def _composite(ctx):
+    from ..drafters.composite import CompositeDrafter
+
+    return CompositeDrafter(_lookup(ctx), ctx.model_drafter())
+
+
+register(Method("lookup", lambda ctx, k: Engine(ctx.target, _lookup(ctx), draft_max=k),
+                help="prompt lookup (n-gram copy from prompt and output), k tokens"))
+register(Method("draft+lookup", lambda ctx, k: Engine(ctx.target, _composite(ctx), draft_max=k),
+                needs_draft=True, help="prompt lookup first, the draft model when it finds nothing"))
+register(Method("adaptive", lambda ctx, k: Engine(ctx.target, ctx.model_drafter(), draft_max=k, adaptive=True),
+                needs_draft=True, help="draft model, k chosen per step (<= --draft-max), plain when it does not pay"))
+register(Method("adaptive-lookup", lambda ctx, k: Engine(ctx.target, _lookup(ctx), draft_max=k, adaptive=True),
+                help="prompt lookup with the adaptive policy"))
+register(Method("adaptive+lookup",
+                lambda ctx, k: Engine(ctx.target, _composite(ctx), draft_max=k, adaptive=True),
+                needs_draft=True, help="lookup then draft model, adaptive k and plain fallback"))
+
+
 @dataclass(frozen=True)
 class Variant:
     label: str  # "plain", "draft-k4", ...
