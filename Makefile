@@ -16,7 +16,7 @@ $(BIN)/.installed: pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --disable-pip-version-check --upgrade pip
 	@echo "installing (the first build of llama-cpp-python compiles llama.cpp: ~10 min on 2 cores)"
-	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --disable-pip-version-check -q -e '.[test]'
+	CMAKE_ARGS="$(LLAMA_CMAKE_ARGS)" $(BIN)/pip install --disable-pip-version-check -q -e '.[test,torch]'
 	touch $@
 
 setup: $(BIN)/.installed

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from typing import Optional, Sequence
 
 from . import models
@@ -13,13 +14,32 @@ from .verify import SamplingParams
 from .vocab import check_compatible
 
 
-def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None,
-                 role: str = "target") -> Backend:
-    """A registered model name or a GGUF path -> a loaded backend."""
+BACKENDS = ("auto", "llama.cpp", "torch")
+
+
+def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",
+                 backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None) -> Backend:
+    """A registered model name, a GGUF path or a transformers directory -> a loaded backend.
+
+    backend: "llama.cpp" (GGUF), "torch" (transformers; GGUFs are converted once), or "auto": torch for a
+    directory, llama.cpp otherwise."""
     if not isinstance(n_ctx, int) or n_ctx < 16:
         raise SettingsError(f"--ctx-size must be an integer >= 16, got {n_ctx!r}")
     if threads is not None and threads < 1:
         raise SettingsError(f"--threads must be >= 1, got {threads}")
+    if backend not in BACKENDS:
+        raise SettingsError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    if backend == "auto":
+        backend = "torch" if os.path.isdir(os.path.expanduser(model)) else "llama.cpp"
+    if backend == "torch":
+        try:
+            from .backends.torch import load_torch_backend
+        except ImportError as e:
+            raise SettingsError(f"the torch backend needs torch and transformers ({e}); "
+                                "install them with: pip install -e '.[torch]'") from None
+        return load_torch_backend(model, dtype=dtype, device=device, n_ctx=n_ctx, threads=threads)
+    if dtype or device:
+        raise SettingsError("--dtype and --device apply to the torch backend only")
     path = models.resolve(model)
     from .backends.llamacpp import LlamaCppBackend
 
@@ -31,15 +51,31 @@ LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
 
 
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
-                 ngram_max: int = 4, ngram_min: int = 1, threads: Optional[int] = None) -> Optional[Drafter]:
+                 ngram_max: int = 4, ngram_min: int = 1, threads: Optional[int] = None,
+                 draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
+                 self_spec: bool = False, self_spec_exit: Optional[int] = None) -> Optional[Drafter]:
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), or both (`lookup=True`
-    with a model: lookup first, the model when lookup finds nothing). The draft's vocabulary is checked."""
+    with a model: lookup first, the model when lookup finds nothing), or the target's own first layers
+    (`self_spec`, torch targets). The draft's vocabulary is checked against the target's."""
     if not (0.0 <= draft_p_min < 1.0):
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
+    if self_spec or self_spec_exit is not None:
+        if draft_model and draft_model != LOOKUP:
+            raise SettingsError("--self-spec drafts with the target's own layers: do not also pass a draft model")
+        from .backends.torch import TorchBackend
+        from .drafters.selfspec import SelfSpecDrafter
+
+        if not isinstance(target, TorchBackend):
+            raise SettingsError("--self-spec needs the torch backend for the target (--backend torch)")
+        own = (SelfSpecDrafter(target, exit_layer=self_spec_exit, p_min=draft_p_min) if self_spec_exit is not None
+               else SelfSpecDrafter.from_config(target, p_min=draft_p_min))
+        return CompositeDrafter(lookup_drafter, own) if lookup_drafter else own
     if not draft_model or draft_model == LOOKUP:
         return lookup_drafter
-    draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft")
+    draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
+                         dtype=dtype if draft_backend == "torch" else None,
+                         device=device if draft_backend == "torch" else None)
     try:
         check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
     except BaseException:
@@ -52,7 +88,9 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
 def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
                 draft_max: int = 4, draft_min: int = 1, draft_p_min: float = 0.0, adaptive: bool = True,
                 lookup: bool = False, ngram_max: int = 4, ngram_min: int = 1, n_ctx: int = 4096,
-                threads: Optional[int] = None) -> Engine:
+                threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
+                dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
+                self_spec_exit: Optional[int] = None) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
@@ -61,10 +99,12 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
     if not isinstance(draft_min, int) or not (0 <= draft_min <= max(draft_max, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
-    target = load_backend(model, n_ctx=n_ctx, threads=threads)
+    target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device)
     try:
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
-                               ngram_max=ngram_max, ngram_min=ngram_min, threads=threads)
+                               ngram_max=ngram_max, ngram_min=ngram_min, threads=threads,
+                               draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
+                               self_spec_exit=self_spec_exit)
     except BaseException:
         target.close()
         raise

@@ -167,7 +167,5 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     add_model_args(p)
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per prompt (default 32)")
     p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
-    p.add_argument("--dtype", default=None, help="bf16 | fp32 (default: bf16 where the CPU has it)")
-    p.add_argument("--device", default=None, help="cpu | cuda (default: cuda when present)")
     p.add_argument("-o", "--output", default=None, help="where to save (default <model>.selfspec.json)")
     p.set_defaults(handler=cmd_calibrate)

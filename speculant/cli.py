@@ -39,6 +39,15 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                    help="stop drafting when the draft's confidence falls below this (default 0: off)")
     p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
+                   help="runtime of the target (auto: torch for a transformers directory, else llama.cpp)")
+    p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default="auto",
+                   help="runtime of the draft model (may differ from the target's)")
+    p.add_argument("--dtype", default=None, help="torch backend: bf16 | fp32 | fp16 (default bf16 where native)")
+    p.add_argument("--device", default=None, help="torch backend: cpu | cuda | cuda:N (default cuda if present)")
+    p.add_argument("--self-spec", action="store_true",
+                   help="draft with the target's own first layers (torch target; `speculant calibrate` picks them)")
+    p.add_argument("--self-spec-exit", type=int, default=None, help="self-spec: exit after this many layers")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
 
@@ -113,7 +122,9 @@ def engine_from_args(args):
     return load_engine(args.model, args.model_draft, draft_max=args.draft_max, draft_min=args.draft_min,
                        draft_p_min=args.draft_p_min, adaptive=args.adapt, lookup=args.lookup,
                        ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
-                       threads=args.threads)
+                       threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
+                       dtype=args.dtype, device=args.device, self_spec=args.self_spec,
+                       self_spec_exit=args.self_spec_exit)
 
 
 def cmd_generate(args) -> int:
@@ -171,9 +182,12 @@ def cmd_demo(args) -> int:
     from .engine import Engine
     from .verify import SamplingParams
 
-    target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads)
+    target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
+                          dtype=args.dtype, device=args.device)
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
-                           ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, threads=args.threads)
+                           ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, threads=args.threads,
+                           draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
+                           self_spec=args.self_spec, self_spec_exit=args.self_spec_exit)
     plain = Engine(target)
     spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)

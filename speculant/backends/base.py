@@ -62,10 +62,13 @@ class Backend(ABC):
     def sync(self, context: Sequence[int], n_logits: int = 1) -> np.ndarray:
         """Make the cache hold exactly `context` (keep the common prefix, evaluate the rest) and return the
         logits of its last n_logits tokens. At least the last token is always (re-)evaluated."""
-        common = 0
         limit = min(len(self.tokens), len(context) - n_logits)
-        while common < limit and self.tokens[common] == context[common]:
-            common += 1
+        if limit == len(self.tokens) and list(context[:limit]) == self.tokens:
+            common = limit  # the usual case in the decode loop, compared at C speed
+        else:
+            common = 0
+            while common < limit and self.tokens[common] == context[common]:
+                common += 1
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 
