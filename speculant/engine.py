@@ -142,9 +142,9 @@ class Engine:
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time)
-                if drafter:
-                    self.policy.observe(drafter.name, len(draft), n_accepted, draft_time, verify_time,
-                                        len(new_tokens))
+                if drafter:  # a catch-up prefill is not what one more drafted token costs
+                    self.policy.observe(drafter.name, len(draft), n_accepted, draft_time - draft.catchup_time,
+                                        verify_time, len(new_tokens))
                 for i, token in enumerate(new_tokens):
                     if target.is_eog(token):
                         stats.ended_by_eog = True

@@ -71,6 +71,7 @@ class SpecStats:
             "acceptance_rate": round(self.acceptance_rate, 4),
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
             "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "ended_by_eog": self.ended_by_eog,
             "target_calls": self.target_calls,
             "accepted_by_source": dict(self.accepted_by_source),
             "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)

@@ -146,3 +146,14 @@ def test_greedy_identity_with_adaptation(k):
 def test_bad_policy_settings():
     with pytest.raises(SettingsError):
         AdaptivePolicy(k_max=2, k_min=3)
+
+
+def test_model_drafter_reports_catch_up_separately():
+    """A drafter that must prefill (new prompt, or after plain steps) says so, so the policy does not take a
+    prefill for the cost of drafting."""
+    drafter = ModelDrafter(TableBackend(V, seed=1), V)
+    rng = np.random.default_rng(0)
+    first = drafter.propose([1, 2, 3, 4, 5, 6], 2, SamplingParams(), rng)
+    assert first.catchup_time > 0
+    nxt = drafter.propose([1, 2, 3, 4, 5, 6] + first.tokens[:1] + [7], 2, SamplingParams(), rng)
+    assert nxt.catchup_time == 0.0

@@ -89,7 +89,8 @@ def aggregate(rows: list[dict], base_rows: list[dict], *, k: int, costs: Optiona
                ratio_max=float(max(ratios)) if ratios else float("nan"))
     drafted = sum(r["drafted"] for r in rows)
     accepted = sum(r["accepted"] for r in rows)
-    generated = sum(r["generated_tokens"] for r in rows)
+    # the end-of-generation token is produced by a target call too, though it is not part of the text
+    generated = sum(r["generated_tokens"] + int(bool(r.get("ended_by_eog"))) for r in rows)
     calls = sum(r["target_calls"] for r in rows)
     out["drafted"], out["accepted"] = drafted, accepted
     out["acceptance"] = accepted / drafted if drafted else None

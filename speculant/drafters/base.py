@@ -16,6 +16,7 @@ class Draft:
     tokens: list[int]  # [k] proposed token ids
     probs: Optional[np.ndarray]  # [k, V] the draft's q for each proposal, or None for a deterministic draft
     source: str  # which drafter produced it ("draft", "lookup", ...)
+    catchup_time: float = 0.0  # seconds spent bringing the drafter's cache up to the context (a prefill)
 
     def __len__(self) -> int:
         return len(self.tokens)

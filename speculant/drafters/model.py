@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import Sequence
 
 import numpy as np
@@ -36,7 +37,11 @@ class ModelDrafter(Drafter):
             return Draft(tokens, None, self.name)
         room = self.backend.n_ctx - len(context)
         k = min(k, room + 1)
+        t0 = time.perf_counter()
+        behind = len(context) - len(self.backend.tokens)
         logits = self._fit(self.backend.sync(context)[0])  # [V]
+        # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
+        catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
         for i in range(k):
             if params.greedy:
                 token = int(np.argmax(logits))
@@ -55,7 +60,7 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             if i + 1 < k:
                 logits = self._fit(self.backend.eval([token])[0])
-        return Draft(tokens, np.stack(probs) if probs else None, self.name)
+        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time)
 
     def close(self) -> None:
         self.backend.close()
