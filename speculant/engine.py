@@ -112,6 +112,8 @@ class Engine:
 
         t0 = time.perf_counter()
         target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
+        if drafter:
+            drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         try:

@@ -36,5 +36,8 @@ class Drafter(ABC):
                 rng: np.random.Generator) -> Draft:
         """Up to k tokens continuing `context` (may return fewer, or none)."""
 
+    def prepare(self, context: Sequence[int]) -> None:
+        """Process the prompt before decoding starts (a draft model's prefill); optional."""
+
     def close(self) -> None:
         """Release resources (optional)."""

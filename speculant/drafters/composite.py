@@ -24,6 +24,10 @@ class CompositeDrafter(Drafter):
             return draft
         return self.fallback.propose(context, k, params, rng)
 
+    def prepare(self, context: Sequence[int]) -> None:
+        self.first.prepare(context)
+        self.fallback.prepare(context)
+
     def close(self) -> None:
         self.first.close()
         self.fallback.close()

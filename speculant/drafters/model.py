@@ -62,5 +62,8 @@ class ModelDrafter(Drafter):
                 logits = self._fit(self.backend.eval([token])[0])
         return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time)
 
+    def prepare(self, context: Sequence[int]) -> None:
+        self.backend.sync(context[:-1], n_logits=0)  # the prompt, as for the target: part of the prefill
+
     def close(self) -> None:
         self.backend.close()
