@@ -82,7 +82,7 @@ class AdaptivePolicy:
         self.probe_interval = self.probe_after
         self.recent_spec_steps = 0
         self.probing = False
-        self.history: list[int] = []  # k chosen each step
+        self.history: list[int] = []  # k chosen each step (the most recent ones)
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -129,6 +129,8 @@ class AdaptivePolicy:
                 self.backoff = self.probe_interval
                 self.probe_interval = min(self.probe_interval * 2, 256)
         self.history.append(k)
+        if len(self.history) > 20_000:  # a long-lived server: keep the recent choices only
+            del self.history[:10_000]
         return k
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
