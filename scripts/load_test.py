@@ -19,7 +19,6 @@ import ipaddress
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -50,35 +49,20 @@ def _loopback(url: str) -> bool:
         return False
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(args, draft: bool):
-    port = _free_port()
-    exe = str(Path(sys.executable).with_name("speculant"))
-    cmd = [exe, "serve", "-m", args.model, "--port", str(port), "-c", str(args.ctx_size)]
+    from speculant.server import spawn_local
+
+    cmd = ["-m", args.model, "-c", str(args.ctx_size)]
     if draft:
         cmd += ["-md", args.model_draft, "--draft-max", str(args.draft_max)]
     if args.threads:
         cmd += ["-t", str(args.threads)]
     cmd += args.server_arg + (args.spec_arg if draft else [])
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"server failed to start:\n{proc.stderr.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    proc.kill()
-    sys.exit("server did not become healthy within 180 s")
+    try:
+        return spawn_local(cmd, timeout=180, exe=str(Path(sys.executable).with_name("speculant")),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    except RuntimeError as e:
+        sys.exit(f"server failed to start: {e}")
 
 
 def stop_server(proc) -> None:

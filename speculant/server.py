@@ -689,3 +689,35 @@ def main(argv=None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+
+def spawn_local(serve_args: list[str], *, timeout: float = 120.0, exe: Optional[str] = None,
+                **popen_kwargs):
+    """Start `speculant serve <serve_args>` on a free 127.0.0.1 port and wait until /health answers.
+
+    For tests and the load script. Returns (process, base url); raises RuntimeError (with the server's
+    output when it exited) if it does not become healthy within `timeout` seconds."""
+    import socket
+    import subprocess
+
+    import httpx
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [exe] if exe else [sys.executable, "-m", "speculant"]
+    proc = subprocess.Popen([*cmd, "serve", *serve_args, "--port", str(port)], text=True, **popen_kwargs)
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            out = proc.stdout or proc.stderr
+            raise RuntimeError(f"server exited with {proc.returncode}:\n{out.read() if out else ''}")
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return proc, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    proc.kill()
+    raise RuntimeError(f"server did not become healthy within {timeout:.0f} s")

@@ -4,7 +4,6 @@
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -16,6 +15,7 @@ import httpx
 import pytest
 
 from speculant import models
+from speculant.server import spawn_local
 
 pytestmark = pytest.mark.models
 
@@ -32,31 +32,11 @@ if "--no-adapt" in subprocess.run([SPECULANT, "serve", "--help"], capture_output
 PROMPT = "The capital of France is"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(*extra, timeout=120):
     if not models.cached_path(MODEL).exists():
         pytest.skip(f"{MODEL} not pulled")
-    port = _free_port()
-    proc = subprocess.Popen([SPECULANT, "serve", *COMMON, "--port", str(port), *extra],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}:\n{proc.stdout.read()}")
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError("server did not become healthy in time")
+    return spawn_local([*COMMON, *extra], timeout=timeout, exe=SPECULANT,
+                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
 
 
 def _stop(proc):
