@@ -126,8 +126,8 @@ class Engine:
                     return
                 # draft
                 t = time.perf_counter()
-                k = min(self.policy.draft_length(drafter.name), room - 1) if drafter else 0
-                draft = drafter.propose(context, k, params, rng) if k > 0 else EMPTY
+                budget = self.policy.budget(room - 1) if drafter else None
+                draft = drafter.propose(context, budget.k, params, rng, budget) if budget and budget.k > 0 else EMPTY
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
@@ -143,10 +143,14 @@ class Engine:
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
-                stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time)
+                stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
                 if drafter:  # a catch-up prefill is not what one more drafted token costs
-                    self.policy.observe(drafter.name, len(draft), n_accepted, draft_time - draft.catchup_time,
-                                        verify_time, len(new_tokens))
+                    self.policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
+                                        verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
+                                        draft_steps=draft.steps)
+                    shadow = draft.shadow
+                    if shadow and n_accepted == len(draft):  # its position was reached: was it right?
+                        self.policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
                 for i, token in enumerate(new_tokens):
                     if target.is_eog(token):
                         stats.ended_by_eog = True

@@ -1,20 +1,30 @@
 """How many tokens to draft each step, and whether to draft at all.
 
-FixedPolicy drafts k every step. AdaptivePolicy measures online what matters and picks, each step, the k
-that maximizes expected tokens per second (Leviathan et al.'s model with measured costs):
+FixedPolicy drafts k every step. AdaptivePolicy measures online what matters and decides in two stages:
 
-    E[tokens | k] = (1 - a^(k+1)) / (1 - a)          a: per-token acceptance of this drafter
-    time(k)       = k * c + T(k + 1)                 c: one draft step; T(n): one target pass over n tokens
+1. Before drafting (per step): whether a paid drafter (a draft model) runs at all, and its upper bound k,
+   from Leviathan et al.'s model with measured costs:
 
-T(n) is measured per n (on a GPU it is nearly flat, with llama.cpp on a CPU it grows with n); k = 0 is plain
-decoding (E = 1, time = T(1)). As a guard against a wrong model, it also compares the realized seconds per
-token of speculative steps with plain steps; when speculation loses it decodes plainly for a while and
-probes again later (backing off exponentially while it keeps losing).
+       E[tokens | k] = (1 - a^(k+1)) / (1 - a)          a: per-token acceptance of this drafter
+       time(k)       = k * c + T(k + 1)                 c: one draft step; T(n): one target pass over n tokens
+
+   T(n) is measured per n (nearly flat on a GPU, growing with n with llama.cpp on a CPU); k = 0 is plain
+   decoding. As a guard against a wrong model it compares the realized seconds per token of speculative and
+   plain steps; when speculation loses it decodes plainly for a while and probes again later (backing off
+   exponentially while it keeps losing).
+2. While drafting (per token): acceptance is measured by the draft's confidence (a bucket of the draft
+   model's max probability; the matched n-gram length for prompt lookup). A proposed token is sent to
+   verification only if the chance that it and every token before it are accepted pays for the extra verify
+   cost, in plain-decoding steps: P(all accepted) >= (T(i+1) - T(i)) / T(1). Another paid draft step is taken
+   only if the expected gain pays for it and its verify cost too. These decisions look only at the context
+   and the draft's distribution, never at the sampled token's value against the target, so they keep every
+   drafter lossless.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Optional
 
 from .errors import SettingsError
 
@@ -32,6 +42,86 @@ def best_draft_length(alpha: float, draft_cost: float, target_cost, k_min: int, 
     return max(candidates, key=lambda k: expected_tokens(alpha, k) / (k * draft_cost + target_cost(k + 1)))
 
 
+# -- draft confidence -> bucket keys (the acceptance table is kept per key) ------------------------------------
+CONFIDENCE_EDGES = (0.5, 0.8, 0.9, 0.95, 0.98)
+
+
+def confidence_key(p: float) -> str:
+    """The bucket of a draft model's max probability: 'q<0.5', 'q0.5', 'q0.8', ... 'q0.98'."""
+    label = "q<0.5"
+    for edge in CONFIDENCE_EDGES:
+        if p >= edge:
+            label = f"q{edge:g}"
+    return label
+
+
+def ngram_key(n: int, first: bool) -> str:
+    """Prompt lookup's confidence: the matched n-gram length; continuations of a match are kept apart."""
+    return f"n{n}" if first else f"n{n}+"
+
+
+def prior_acceptance(key: str) -> float:
+    """A starting guess per bucket before any measurement (weighted as two observations)."""
+    if key.startswith("q<"):
+        return 0.3
+    if key.startswith("q"):
+        lo = float(key[1:])
+        hi = next((e for e in CONFIDENCE_EDGES if e > lo), 1.0)
+        return (lo + hi) / 2
+    if key.startswith("n"):
+        return 0.7 if key.endswith("+") else min(0.1 + 0.1 * int(key[1:].rstrip("+")), 0.6)
+    return 0.5
+
+
+class DraftBudget:
+    """One step's drafting allowance: at most k tokens. Drafters call `start` before using a source (0: do not),
+    `take(source, key)` for each proposed token (False: stop here, the token is not verified) and `more`
+    before paying for another draft step. Without a policy it takes everything up to k (fixed-k drafting)."""
+
+    def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None):
+        self.k = k  # upper bound for this step
+        self.policy = policy
+        self.k_now = k  # the bound granted by the last start()
+        self.taken = 0  # tokens accepted into the draft
+        self.p_all = 1.0  # estimated chance that every taken token is accepted
+        self.explore = False  # probing: take every proposal, to measure
+        self.paid: Optional[str] = None  # the paid drafter that ran this step, if any
+
+    def start(self, source: str, free: bool) -> int:
+        if self.policy is None:
+            k = self.k
+        elif free:
+            k = self.k
+        else:
+            k = min(self.policy.draft_length(source), self.k)
+            self.explore = self.explore or self.policy.last_was_probe
+        if k > 0 and not free:
+            self.paid = source
+        self.k_now = k
+        return k
+
+    def take(self, source: str, key: str) -> bool:
+        if self.taken >= self.k_now:
+            return False
+        if self.policy is not None:
+            p = self.p_all * self.policy.key_acceptance(source, key)
+            if not self.explore and p < self.policy.verify_price(self.taken + 1):
+                return False
+            self.p_all = p
+        self.taken += 1
+        return True
+
+    def more(self, source: str) -> bool:
+        """Is another paid draft step worth it? (the next token's expected gain against its costs)"""
+        if self.taken >= self.k_now:
+            return False
+        if self.policy is None or self.explore:
+            return True
+        pol = self.policy
+        price = pol.draft_step_cost(source) / pol.target_time(1) + pol.verify_price(self.taken + 1)
+        return self.p_all * pol.acceptance(source) >= price
+
+
 class FixedPolicy:
     """Draft exactly k tokens every step (bounded by the room left)."""
 
@@ -40,11 +130,16 @@ class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
+    def budget(self, room: int) -> DraftBudget:
+        return DraftBudget(min(self.k, room))
+
     def draft_length(self, source: str) -> int:
         return self.k
 
-    def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
-                n_emitted: int) -> None:
+    def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_shadow(self, source: str, key: str, accepted: bool) -> None:
         pass
 
 
@@ -73,16 +168,18 @@ class AdaptivePolicy:
     def __post_init__(self):
         if not (0 <= self.k_min <= self.k_max):
             raise SettingsError(f"need 0 <= --draft-min <= --draft-max, got {self.k_min} and {self.k_max}")
-        self.alpha: dict[str, _Ema] = {}
-        self.draft_cost: dict[str, _Ema] = {}  # seconds per drafted token
+        self.alpha: dict[str, _Ema] = {}  # source -> acceptance of its verified tokens
+        self.key_alpha: dict[tuple[str, str], _Ema] = {}  # (source, confidence key) -> acceptance
+        self.draft_cost: dict[str, _Ema] = {}  # seconds per draft step (one forward of the draft model)
         self.target_cost: dict[int, _Ema] = {}  # n tokens -> seconds of one target pass
-        self.spec_spt = _Ema(0.0)  # realized seconds per emitted token, speculative steps
+        self.spec_spt = _Ema(0.0)  # realized seconds per emitted token, steps where a paid drafter ran
         self.plain_spt = _Ema(0.0)  # same, plain steps
         self.backoff = 0  # plain steps still to take before probing again
         self.probe_interval = self.probe_after
         self.recent_spec_steps = 0
         self.probing = False
-        self.history: list[int] = []  # k chosen each step (the most recent ones)
+        self.last_was_probe = False
+        self.history: list[int] = []  # k chosen for the paid drafter each step (the most recent ones)
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -104,14 +201,30 @@ class AdaptivePolicy:
         slope = max((hi[1] - lo[1]) / (hi[0] - lo[0]), 0.0)
         return max(lo[1] + slope * (n - lo[0]), 1e-6)
 
+    def verify_price(self, i: int) -> float:
+        """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1)."""
+        return max(self.target_time(i + 1) - self.target_time(i), 0.0) / self.target_time(1)
+
     def acceptance(self, source: str) -> float:
         e = self.alpha.get(source)
         return e.value if e else self.prior_alpha
 
+    def key_acceptance(self, source: str, key: str) -> float:
+        e = self.key_alpha.get((source, key))
+        return e.value if e else prior_acceptance(key)
+
+    def draft_step_cost(self, source: str) -> float:
+        e = self.draft_cost.get(source)
+        return e.value if e else 0.0
+
     # -- decisions -----------------------------------------------------------------------------------------
+    def budget(self, room: int) -> DraftBudget:
+        return DraftBudget(min(self.k_max, room), self)
+
     def draft_length(self, source: str) -> int:
-        cost = self.draft_cost.get(source)
-        c = cost.value if cost else 0.0
+        """Upper bound on k for a paid drafter this step (0: decode plainly)."""
+        c = self.draft_step_cost(source)
+        self.last_was_probe = False
         if 1 not in self.target_cost:
             k = 0  # measure plain decoding's cost first: it is the bar speculation has to clear
         elif self.backoff > 0:
@@ -121,6 +234,7 @@ class AdaptivePolicy:
                 self.probing = True
         elif self.probing:  # probe: speculate once with the best k > 0 to refresh the estimates
             self.probing = False
+            self.last_was_probe = True
             k = best_draft_length(self.acceptance(source), c, self.target_time, max(self.k_min, 1), self.k_max)
             k = max(k, max(self.k_min, 1))
         else:
@@ -133,22 +247,44 @@ class AdaptivePolicy:
             del self.history[:10_000]
         return k
 
+    def observe_shadow(self, source: str, key: str, accepted: bool) -> None:
+        """A free drafter's proposal that was not verified, compared with what the target produced anyway."""
+        self._update_key(source, key, accepted)
+
+    def _update_key(self, source: str, key: str, accepted: bool) -> None:
+        e = self.key_alpha.get((source, key))
+        if e is None:
+            e = self.key_alpha[(source, key)] = _Ema(prior_acceptance(key), weight=2.0)
+        e.update(1.0 if accepted else 0.0, self.alpha_rate)
+
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
-                n_emitted: int) -> None:
+                n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
+                draft_steps: Optional[int] = None) -> None:
+        """One step's outcome. source: the drafter whose tokens were verified; keys: their confidence keys;
+        paid: the paid drafter that ran (even if it proposed nothing), default `source` when it drafted;
+        draft_steps: its forward passes (default n_drafted)."""
         n = n_drafted + 1
         self.target_cost.setdefault(n, _Ema(verify_time)).update(verify_time, self.rate)
         spt = (draft_time + verify_time) / max(n_emitted, 1)
-        if n_drafted == 0:
-            self.plain_spt.update(spt, self.rate)
+        if paid is None and keys is None and n_drafted:
+            paid = source  # the original call form: every drafted step was a paid one
+        rejected = n_accepted < n_drafted
+        if n_drafted:
+            a = self.alpha.setdefault(source, _Ema(self.prior_alpha))
+            for _ in range(n_accepted):  # per-token acceptance: accepted / (accepted + rejections)
+                a.update(1.0, self.alpha_rate)
+            if rejected:
+                a.update(0.0, self.alpha_rate)
+        for i, key in enumerate(keys or ()):
+            if i > n_accepted:
+                break  # after a rejection nothing is known
+            self._update_key(source, key, i < n_accepted)
+        if paid is None:
+            if n_drafted == 0:
+                self.plain_spt.update(spt, self.rate)
             return
-        self.draft_cost.setdefault(source, _Ema(0.0)).update(draft_time / n_drafted, self.rate)
-        # per-token acceptance, MLE of a geometric law truncated at n_drafted: accepted / (accepted + rejections)
-        rejected = 1 if n_accepted < n_drafted else 0
-        a = self.alpha.setdefault(source, _Ema(self.prior_alpha))
-        for _ in range(n_accepted):
-            a.update(1.0, self.alpha_rate)
-        for _ in range(rejected):
-            a.update(0.0, self.alpha_rate)
+        steps = draft_steps if draft_steps is not None else max(n_drafted, 1)
+        self.draft_cost.setdefault(paid, _Ema(0.0)).update(draft_time / max(steps, 1), self.rate)
         self.spec_spt.update(spt, self.rate)
         self.recent_spec_steps += 1
         if (self.recent_spec_steps >= self.guard_window and self.plain_spt.weight

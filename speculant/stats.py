@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Sequence
 
 
 @dataclass
@@ -18,6 +19,8 @@ class SpecStats:
     accepted_by_position: list[int] = field(default_factory=list)  # [i] of those, accepted
     accepted_by_source: Counter = field(default_factory=Counter)  # drafter name -> accepted tokens
     draft_lengths: list[int] = field(default_factory=list)  # k of each step, in order
+    # "source:confidence key" -> [drafted, accepted]; after a rejection later tokens count as neither
+    by_confidence: dict = field(default_factory=dict)
     prefill_time: float = 0.0
     draft_time: float = 0.0
     verify_time: float = 0.0
@@ -25,7 +28,7 @@ class SpecStats:
     peak_rss_mb: float = 0.0
 
     def record_step(self, source: str, n_drafted: int, n_accepted: int, draft_time: float = 0.0,
-                    verify_time: float = 0.0) -> None:
+                    verify_time: float = 0.0, keys: Sequence[str] = ()) -> None:
         self.target_calls += 1
         self.draft_time += draft_time
         self.verify_time += verify_time
@@ -42,6 +45,10 @@ class SpecStats:
             self.accepted_by_position[i] += 1
         if n_accepted:
             self.accepted_by_source[source] += n_accepted
+        for i, key in enumerate(keys[: n_accepted + 1]):
+            cell = self.by_confidence.setdefault(f"{source}:{key}", [0, 0])
+            cell[0] += 1
+            cell[1] += i < n_accepted
 
     @property
     def acceptance_rate(self) -> float:
@@ -77,6 +84,8 @@ class SpecStats:
             "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)
             if self.draft_lengths else 0.0,
             "draft_length_histogram": {str(k): n for k, n in sorted(Counter(self.draft_lengths).items())},
+            "acceptance_by_confidence": {k: {"drafted": d, "accepted": a, "rate": round(a / d, 4)}
+                                         for k, (d, a) in sorted(self.by_confidence.items())},
             "prefill_s": round(self.prefill_time, 4),
             "draft_s": round(self.draft_time, 4),
             "verify_s": round(self.verify_time, 4),

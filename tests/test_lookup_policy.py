@@ -157,3 +157,123 @@ def test_model_drafter_reports_catch_up_separately():
     assert first.catchup_time > 0
     nxt = drafter.propose([1, 2, 3, 4, 5, 6] + first.tokens[:1] + [7], 2, SamplingParams(), rng)
     assert nxt.catchup_time == 0.0
+
+
+# -- acceptance by the draft's confidence: the per-token budget ----------------------------------------------
+from speculant.policy import DraftBudget, confidence_key, ngram_key, prior_acceptance  # noqa: E402
+
+
+def _cpu_policy(**kw):
+    """A policy that has measured this CPU's costs: T(n) = 1 + 0.5 (n - 1) (a verify token costs half a step)."""
+    return _with_costs(AdaptivePolicy(**kw), lambda n: 1.0 + 0.5 * (n - 1))
+
+
+def _with_costs(policy, target_cost):
+    for n in range(1, 10):
+        policy.target_cost[n] = type(policy.spec_spt)(target_cost(n), weight=100)
+    return policy
+
+
+def test_confidence_keys():
+    assert [confidence_key(p) for p in (0.1, 0.5, 0.85, 0.93, 0.97, 0.999)] == \
+        ["q<0.5", "q0.5", "q0.8", "q0.9", "q0.95", "q0.98"]
+    assert ngram_key(3, True) == "n3" and ngram_key(3, False) == "n3+"
+
+
+def test_budget_verifies_a_token_only_when_its_acceptance_pays_for_it():
+    policy = _cpu_policy()
+    assert policy.verify_price(1) == pytest.approx(0.5)
+    for key, a in [("q0.95", 0.8), ("q<0.5", 0.3)]:
+        policy.key_alpha[("draft", key)] = type(policy.spec_spt)(a, weight=100)
+    b = policy.budget(8)
+    b.k_now = 8  # as if the draft model had been started
+    # P(all accepted): 0.8, 0.64, 0.512 >= 0.5 are worth verifying; 0.41 is not
+    assert [b.take("draft", "q0.95") for _ in range(4)] == [True, True, True, False]
+    b = policy.budget(8)
+    assert not b.take("draft", "q<0.5")  # 0.3 < 0.5
+    # GPU-like flat verify cost: nearly everything is worth verifying
+    b = _with_costs(AdaptivePolicy(), lambda n: 1.0 + 0.01 * (n - 1)).budget(8)
+    assert all(b.take("draft", "q<0.5") for _ in range(3))
+
+
+def test_budget_stops_paying_for_draft_steps_that_cannot_pay_back():
+    policy = _cpu_policy()
+    policy.draft_cost["draft"] = type(policy.spec_spt)(0.4, weight=100)  # a draft step: 0.4 of a target step
+    policy.alpha["draft"] = type(policy.spec_spt)(0.9, weight=100)
+    b = policy.budget(8)
+    b.k_now = 8
+    b.p_all = 0.95
+    assert not b.more("draft")  # 0.95 * 0.9 = 0.855 < 0.4 + 0.5
+    policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
+    assert b.more("draft")  # 0.855 >= 0.05 + 0.5
+
+
+def test_policy_learns_acceptance_per_confidence_bucket():
+    policy = _cpu_policy()
+    rng = np.random.default_rng(0)
+    for _ in range(400):
+        keys = [str(rng.choice(["q0.98", "q0.5"]))]
+        accepted = rng.random() < (0.95 if keys[0] == "q0.98" else 0.2)
+        policy.observe("draft", 1, int(accepted), 0.01, 1.5, 1 + accepted, keys=keys, paid="draft", draft_steps=1)
+    assert policy.key_acceptance("draft", "q0.98") > 0.8
+    assert policy.key_acceptance("draft", "q0.5") < 0.45
+    assert policy.budget(4).take("draft", "q0.98")
+    assert not policy.budget(4).take("draft", "q0.5")
+
+
+def test_lookup_learns_from_proposals_it_did_not_verify():
+    """Shadow observations: with a policy that refuses every lookup proposal, the engine still measures
+    how often they would have been accepted, so a profitable n-gram bucket is found without paying for it."""
+    target = TableBackend(V, seed=0)
+    plain = Engine(target).generate(PROMPT, max_tokens=60).tokens
+    eng = Engine(TableBackend(V, seed=0), LookupDrafter(ngram_max=2), draft_max=4, adaptive=True)
+    for n in range(1, 10):  # a huge verify cost: nothing is worth verifying
+        eng.policy.target_cost[n] = type(eng.policy.spec_spt)(1.0 + 5.0 * (n - 1), weight=1e9)
+    eng.policy.rate = 0.0
+    out = eng.generate(PROMPT, max_tokens=60)
+    assert out.tokens == plain and out.stats.drafted == 0
+    learned = {k: e.weight for (src, k), e in eng.policy.key_alpha.items() if src == "lookup"}
+    assert learned and max(learned.values()) > 10
+
+
+class _EagerPolicy(AdaptivePolicy):
+    """Always starts the draft model with k_max; a fixed verify price and fixed acceptance per bucket, so the
+    budget verifies a token exactly when the draft's max probability is >= 0.5."""
+
+    def draft_length(self, source):
+        self.last_was_probe = False
+        return self.k_max
+
+    def verify_price(self, i):
+        return 0.35
+
+    def key_acceptance(self, source, key):
+        return prior_acceptance(key)
+
+    def acceptance(self, source):
+        return 0.9
+
+    def draft_step_cost(self, source):
+        return 0.0
+
+
+def test_confidence_budget_keeps_the_target_distribution():
+    """Drafts cut short by the draft's confidence (different lengths every step) stay exact samples."""
+    params = SamplingParams(1.0, seed=90_000)
+    eng = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=3)
+    eng.policy = _EagerPolicy(k_max=3)
+    counts = np.zeros(V ** 3, dtype=np.int64)
+    lengths = set()
+    for i in range(20_000):
+        r = eng.generate(PROMPT, max_tokens=3, params=SamplingParams(1.0, seed=params.seed + i))
+        lengths.update(r.stats.draft_lengths)
+        counts[np.ravel_multi_index(r.tokens, (V,) * 3)] += 1
+    assert {0, 1}.issubset(lengths) and max(lengths) >= 2  # the budget really cut drafts at varying points
+    assert pvalue(counts, exact_joint(params)) > 1e-4
+
+
+def test_stats_report_acceptance_by_confidence():
+    eng = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=4)
+    out = eng.generate(PROMPT, max_tokens=60).stats.to_dict()["acceptance_by_confidence"]
+    assert out and all(k.startswith("draft:q") for k in out)
+    assert sum(v["drafted"] for v in out.values()) <= eng.generate(PROMPT, max_tokens=60).stats.drafted

@@ -3,12 +3,25 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
-from typing import Optional, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
 
 from ..verify import SamplingParams
+
+if TYPE_CHECKING:
+    from ..policy import DraftBudget
+
+
+@dataclass
+class Shadow:
+    """A free drafter's proposal for the position after the draft, not verified: the engine compares it with
+    the token the target produces there, so the acceptance of unverified proposals is measured at no cost."""
+
+    source: str
+    key: str
+    token: int
 
 
 @dataclass
@@ -17,6 +30,10 @@ class Draft:
     probs: Optional[np.ndarray]  # [k, V] the draft's q for each proposal, or None for a deterministic draft
     source: str  # which drafter produced it ("draft", "lookup", ...)
     catchup_time: float = 0.0  # seconds spent bringing the drafter's cache up to the context (a prefill)
+    keys: list[str] = field(default_factory=list)  # [k] the draft's confidence bucket for each token
+    steps: int = 0  # paid draft steps (forward passes of a draft model) this proposal took
+    paid: Optional[str] = None  # the paid drafter that ran, even if it proposed nothing
+    shadow: Optional[Shadow] = None
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -30,11 +47,13 @@ class Drafter(ABC):
     receives the whole context, so a drafter with a KV cache rewinds to the common prefix on its own."""
 
     name: str = "drafter"
+    free: bool = False  # proposing costs (next to) nothing, e.g. prompt lookup
 
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
-        """Up to k tokens continuing `context` (may return fewer, or none)."""
+                rng: np.random.Generator, budget: Optional["DraftBudget"] = None) -> Draft:
+        """Up to k tokens continuing `context` (may return fewer, or none). With a budget, the budget decides
+        token by token how far to go (see policy.DraftBudget)."""
 
     def prepare(self, context: Sequence[int]) -> None:
         """Process the prompt before decoding starts (a draft model's prefill); optional."""

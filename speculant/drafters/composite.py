@@ -1,11 +1,12 @@
-"""Composite drafting: prompt lookup first (free), the draft model when lookup finds nothing."""
+"""Composite drafting: prompt lookup first (free), the draft model when lookup has nothing worth verifying."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
+from ..policy import DraftBudget
 from ..verify import SamplingParams
 from .base import Draft, Drafter
 
@@ -13,16 +14,20 @@ from .base import Draft, Drafter
 class CompositeDrafter(Drafter):
     name = "draft+lookup"
 
-    def __init__(self, first: Drafter, fallback: Drafter, min_first: int = 1):
+    def __init__(self, first: Drafter, fallback: Drafter):
         self.first = first
         self.fallback = fallback
-        self.min_first = min_first  # take the first drafter's proposal when it has at least this many tokens
 
-    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Draft:
-        draft = self.first.propose(context, k, params, rng)
-        if len(draft) >= self.min_first:
+    def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                budget: Optional[DraftBudget] = None) -> Draft:
+        budget = budget or DraftBudget(k)
+        draft = self.first.propose(context, k, params, rng, budget)
+        if len(draft):
             return draft
-        return self.fallback.propose(context, k, params, rng)
+        other = self.fallback.propose(context, k, params, rng, budget)
+        if not len(other):
+            other.shadow = other.shadow or draft.shadow  # still the proposal for the next position
+        return other
 
     def prepare(self, context: Sequence[int]) -> None:
         self.first.prepare(context)

@@ -1,21 +1,23 @@
 """Prompt-lookup drafter (no model): copy what followed the most recent earlier occurrence of the context's
 last n-gram (Saxena's prompt lookup decoding; llama.cpp's lookup). Deterministic, so it is verified as
-q = one-hot and stays lossless at any temperature."""
+q = one-hot and stays lossless at any temperature. Its confidence is the matched n-gram's length."""
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from ..errors import SettingsError
+from ..policy import DraftBudget, ngram_key
 from ..verify import SamplingParams
-from .base import Draft, Drafter
+from .base import Draft, Drafter, Shadow
 
 
 class LookupDrafter(Drafter):
     name = "lookup"
+    free = True
 
     def __init__(self, ngram_max: int = 4, ngram_min: int = 1, window: int = 4096):
         if not (1 <= ngram_min <= ngram_max):
@@ -25,13 +27,25 @@ class LookupDrafter(Drafter):
         self.window = window  # only the most recent `window` tokens are searched
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams = None,
-                rng: np.random.Generator = None) -> Draft:
-        return Draft(self.lookup(context, k), None, self.name)
+                rng: np.random.Generator = None, budget: Optional[DraftBudget] = None) -> Draft:
+        budget = budget or DraftBudget(k)
+        k = budget.start(self.name, free=True)
+        tokens, n = self.match(context, k)
+        keys = [ngram_key(n, i == 0) for i in range(len(tokens))]
+        for i, key in enumerate(keys):
+            if not budget.take(self.name, key):
+                return Draft(tokens[:i], None, self.name, keys=keys[:i],
+                             shadow=Shadow(self.name, key, tokens[i]))
+        return Draft(tokens, None, self.name, keys=keys)
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
         """Continuation (<= k tokens) of the most recent earlier match of the longest suffix n-gram."""
+        return self.match(context, k)[0]
+
+    def match(self, context: Sequence[int], k: int) -> tuple[list[int], int]:
+        """(continuation, matched n-gram length); ([], 0) when nothing matches."""
         if k <= 0:
-            return []
+            return [], 0
         ctx = np.asarray(context[-self.window:], dtype=np.int64)  # [L]
         L = len(ctx)
         for n in range(min(self.ngram_max, L - 1), self.ngram_min - 1, -1):
@@ -40,5 +54,5 @@ class LookupDrafter(Drafter):
             hits = np.flatnonzero((windows == suffix).all(axis=1))
             if hits.size:
                 start = int(hits[-1]) + n  # the most recent match; copy what followed it
-                return ctx[start : start + k].tolist()
-        return []
+                return ctx[start : start + k].tolist(), n
+        return [], 0

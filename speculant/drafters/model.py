@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from typing import Optional, Sequence
 
 import numpy as np
 
 from ..backends.base import Backend
+from ..policy import DraftBudget, confidence_key
 from ..verify import SamplingParams, probs_from_logits, sample
 from .base import Draft, Drafter
 
@@ -30,37 +31,47 @@ class ModelDrafter(Drafter):
                                                dtype=logits.dtype)], axis=-1)
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
-                rng: np.random.Generator) -> Draft:
+                rng: np.random.Generator, budget: Optional[DraftBudget] = None) -> Draft:
+        budget = budget or DraftBudget(k)
+        k = min(budget.start(self.name, free=False), self.backend.n_ctx - len(context) + 1)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
+        keys: list[str] = []
         if k <= 0:
             return Draft(tokens, None, self.name)
-        room = self.backend.n_ctx - len(context)
-        k = min(k, room + 1)
         t0 = time.perf_counter()
         behind = len(context) - len(self.backend.tokens)
         logits = self._fit(self.backend.sync(context)[0])  # [V]
+        steps = 1
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
         catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
         for i in range(k):
+            # the draft's confidence is its max probability, never a property of the sampled token: which
+            # proposals get verified must not depend on the sampled value, or the rejection test is not exact
             if params.greedy:
                 token = int(np.argmax(logits))
-                if self.p_min > 0.0:
-                    z = logits - logits[token]
-                    if 1.0 / np.exp(z.astype(np.float64)).sum() < self.p_min:
-                        break
+                z = (logits - logits[token]).astype(np.float64)
+                confidence = 1.0 / np.exp(z).sum()
             else:
                 q = probs_from_logits(logits, params)
-                # the cut-off looks at the draft's confidence, never at the sampled token: proposals must
-                # stay exact samples of q for the rejection test to be lossless
-                if self.p_min > 0.0 and q.max() < self.p_min:
-                    break
+                confidence = float(q.max())
+            if confidence < self.p_min:
+                break
+            key = confidence_key(confidence)
+            if not budget.take(self.name, key):
+                break
+            if not params.greedy:
                 token = sample(q, rng)
                 probs.append(q)
             tokens.append(token)
-            if i + 1 < k:
+            keys.append(key)
+            if i + 1 < k and budget.more(self.name):
                 logits = self._fit(self.backend.eval([token])[0])
-        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time)
+                steps += 1
+            else:
+                break
+        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time, keys=keys,
+                     steps=steps, paid=self.name)
 
     def prepare(self, context: Sequence[int]) -> None:
         self.backend.sync(context[:-1], n_logits=0)  # the prompt, as for the target: part of the prefill
