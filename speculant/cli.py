@@ -31,7 +31,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                    help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
     p.add_argument("--draft-max", "--draft", type=int, default=4,
                    help="tokens drafted per step; an upper bound when adapting (default 4)")
-    p.add_argument("--draft-min", type=int, default=1, help="lower bound of the draft length when adapting")
+    p.add_argument("--draft-min", type=int, default=1, help="lower bound of the planned draft length when adapting (the per-token confidence rule may still stop earlier)")
     p.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=True,
                    help="choose the draft length per step from measured costs and acceptance, and decode "
                         "plainly when speculation does not pay (default on; --no-adapt drafts --draft-max always)")
