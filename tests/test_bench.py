@@ -339,3 +339,144 @@ def test_runner_interleaves_methods_on_synthetic_models(monkeypatch):
     assert set(result["costs"]["target_ms"]) == {"1", "2", "3", "4"} and result["costs"]["c"] is not None
     k3 = [r for r in s if r["variant"] == "draft-k3" and r["category"] == "overall" and r["temp"] == 0][0]
     assert len(k3["acceptance_by_position"]) == 3 and k3["greedy_equal"] == k3["greedy_checked"] == 6
+
+
+# -- torch-target methods (plain-torch, self-spec, mixed) and peak memory per method --------------------------
+
+def test_torch_methods_registered_expand_and_flags():
+    from speculant.bench import config_from_args
+    from speculant.cli import build_parser
+
+    for name in ("plain-torch", "self-spec", "mixed"):
+        assert METHODS[name].backend == "torch" and METHODS[name].baseline == "plain-torch"
+    assert METHODS["mixed"].needs_draft and not METHODS["self-spec"].needs_draft
+    assert METHODS["draft"].backend == "llama.cpp" and METHODS["draft"].baseline == "plain"
+    # plain-torch joins plain as soon as a torch-target method is selected
+    assert [v.label for v in expand(["self-spec", "draft", "mixed"], [4])] == \
+        ["plain", "plain-torch", "self-spec-k4", "draft-k4", "mixed-k4"]
+    assert [v.label for v in expand(["plain-torch"], [4, 8])] == ["plain", "plain-torch"]
+    assert [v.label for v in expand(["draft"], [4])] == ["plain", "draft-k4"]
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["bench", "-m", SMALL, "-md", SMALL, *argv]))
+
+    assert cfg("--methods", "draft").memory is False  # quick llama.cpp benches stay quick
+    c = cfg("--methods", "self-spec", "--self-spec-exit", "3", "--dtype", "bf16")
+    assert c.memory is True and c.extra == {"self_spec_exit": 3} and c.dtype == "bf16" and c.draft_model is None
+    assert cfg("--methods", "mixed", "--no-memory").memory is False
+    assert cfg("--methods", "draft", "--memory").memory is True
+    with pytest.raises(SettingsError, match="--self-spec-exit applies to the self-spec method"):
+        cfg("--methods", "mixed", "--self-spec-exit", "3")
+    with pytest.raises(SettingsError, match="--dtype and --device apply to the torch-target methods"):
+        cfg("--methods", "draft", "--dtype", "bf16")
+
+
+def test_torch_rows_compare_with_plain_torch():
+    rows = [row("a", "x", "plain", 10.0), row("a", "x", "plain-torch", 5.0), row("a", "x", "mixed-k2", 10.0, k=2)]
+    rows[1].update(baseline="plain-torch", backend="torch")
+    rows[2].update(baseline="plain-torch", backend="torch")
+    tokens = {("a", 0.0, 0, "plain"): [1, 2], ("a", 0.0, 0, "plain-torch"): [1, 3], ("a", 0.0, 0, "mixed-k2"): [1, 3]}
+    bstats.mark_greedy_equal(rows, tokens)
+    assert [r["greedy_equal"] for r in rows] == [None, None, True]  # against plain-torch, not llama.cpp plain
+    s = bstats.summarize(rows)
+    mixed = by(s, "mixed-k2", "overall")
+    assert mixed["baseline"] == "plain-torch"
+    assert (mixed["speedup"], mixed["speedup_vs_baseline"]) == (pytest.approx(1.0), pytest.approx(2.0))
+    assert by(s, "plain", "overall")["baseline"] == "plain"
+
+
+def test_runner_loads_torch_target_once_for_torch_methods(monkeypatch):
+    """Synthetic models: the llama.cpp target, the torch target and the draft each load once; torch-target
+    methods share the torch target and are checked against plain-torch's output (here a different model)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from synthetic import TableBackend
+
+    import speculant.api
+    from speculant.bench.runner import BenchConfig, run
+    from speculant.bench.suite import Prompt
+
+    class ContentOnly(TableBackend):
+        def chat_template(self):
+            return "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    loaded = []
+
+    def fake_load(name, *, n_ctx=4096, threads=None, role="target", backend="auto", dtype=None, device=None):
+        loaded.append((role, backend))
+        return ContentOnly(n_vocab=12, seed={"draft": 1, "torch": 2}.get(role if role == "draft" else backend, 0),
+                           n_ctx=256)
+
+    monkeypatch.setattr(speculant.api, "load_backend", fake_load)
+    cfg = BenchConfig(model="t", draft_model="d", variants=expand(["mixed", "draft"], [2]), temps=[0.0],
+                      n_predict=10, cost_repeats=1)
+    result = run(cfg, [Prompt("p1", "a", "1 2 3"), Prompt("p2", "b", "4 5")], progress=False)
+    assert loaded == [("target", "auto"), ("target", "torch"), ("draft", "auto")]
+    by_variant = {}
+    for r in result["rows"]:
+        by_variant.setdefault(r["variant"], []).append(r)
+    assert all(r["greedy_equal"] for r in by_variant["mixed-k2"] + by_variant["draft-k2"])
+    assert by_variant["plain-torch"][0]["tokens_sha1"] != by_variant["plain"][0]["tokens_sha1"]
+    assert {r["baseline"] for r in by_variant["mixed-k2"]} == {"plain-torch"}
+    assert result["costs_torch"]["c"] is not None and "memory" not in result
+
+
+def test_self_spec_without_torch_is_a_clear_error(monkeypatch, capsys):
+    import sys
+
+    from speculant.cli import main
+
+    monkeypatch.setitem(sys.modules, "speculant.backends.torch", None)  # as if torch were not installed
+    assert main(["bench", "-m", SMALL, "--methods", "self-spec", "--limit", "1", "--no-progress"]) == 1
+    err = capsys.readouterr().err
+    assert "self-spec run the target on the torch backend" in err and "pip install -e '.[torch]'" in err
+
+
+@pytest.mark.models
+def test_memory_probe_reports_peak_rss_of_a_child(tmp_path):
+    from speculant.bench.memory import probe
+    from speculant.bench.runner import BenchConfig
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    cfg = BenchConfig(model=SMALL, draft_model=None, variants=[], temps=[0.0], n_ctx=512, threads=1)
+    m = probe(cfg, "plain", 0, n_tokens=4)
+    assert m["peak_rss_mb"] > 0 and m["generated_tokens"] == 4, m
+    assert m["rss_file_mb"] > 50  # the GGUF (94 MB) is mmapped: file-backed pages
+    assert m["peak_rss_mb"] < 1000  # its own peak, not the (pytest) parent's carried over by fork + exec
+    cfg.model = str(tmp_path / "missing.gguf")
+    failed = probe(cfg, "plain", 0)  # the child's error comes back, no exception
+    assert failed["peak_rss_mb"] is None and "missing.gguf" in failed["error"], failed
+
+
+@pytest.mark.models
+def test_end_to_end_bench_with_torch_methods_and_memory(tmp_path):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    out = tmp_path / "bench"
+    rc = main(["bench", "-m", SMALL, "-md", SMALL, "--methods", "self-spec,mixed", "--self-spec-exit", "20",
+               "--draft-max", "3", "--categories", "coding", "--limit", "1", "-n", "6", "-c", "512", "-t", "1",
+               "--cost-repeats", "1", "--no-warmup", "--no-plots", "--no-progress", "--out", str(out)])
+    assert rc == 0
+    result = json.loads((out / "results.json").read_text())
+    assert [r["variant"] for r in result["rows"]] == ["plain", "plain-torch", "self-spec-k3", "mixed-k3"]
+    for r in result["rows"]:
+        assert r["generated_tokens"] > 0
+        assert r["baseline"] == ("plain" if r["variant"] == "plain" else "plain-torch")
+        assert r["greedy_equal"] is (None if r["variant"].startswith("plain") else True)
+    assert set(result["memory"]) == {"plain", "plain-torch", "self-spec", "mixed"}
+    for name, m in result["memory"].items():
+        assert m["peak_rss_mb"] > 0, (name, m)
+    # bf16 weights are anonymous memory; the GGUF is mmapped
+    assert result["memory"]["plain-torch"]["rss_anon_mb"] > result["memory"]["plain"]["rss_anon_mb"]
+    overall = {s["variant"]: s for s in result["summary"] if s["category"] == "overall"}
+    assert overall["mixed-k3"]["peak_rss_mb"] == result["memory"]["mixed"]["peak_rss_mb"]
+    assert overall["self-spec-k3"]["speedup_vs_baseline"] > 0
+    note = result["notes"]["self-spec"]
+    assert note.startswith("20/30 layers (early exit after 20)") and "--self-spec-exit" in note
+    md = (out / "summary.md").read_text()
+    assert "peak RSS MB" in md and "| plain-torch |" in md and "mixed-k3" in md

@@ -3,13 +3,17 @@
     speculant bench                                   # built-in suite, default Qwen pair, plain vs draft-k4
     speculant bench -m smollm2-135m-instruct -md smollm2-135m-instruct --methods plain,draft \
         --draft-max 4,8 --temp 0,0.8 --suite question.jsonl --categories qa,rag --limit 5 --out bench-out
+    speculant bench --methods draft,plain-torch,self-spec,mixed    # llama.cpp vs torch runtimes, peak memory
 
 Writes OUT/results.json (raw rows, summary, machine, versions, settings, measured costs), OUT/summary.md
-(also printed) and OUT/*.png. Methods live in speculant.bench.methods (one entry each).
+(also printed) and OUT/*.png. Methods live in speculant.bench.methods (one entry each). Methods on the torch
+backend (plain-torch, self-spec, mixed) share a second copy of the target loaded with transformers; --memory
+measures each method's peak RSS in a child process (speculant.bench.memory).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -32,7 +36,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
                    help=f"draft model (default {models.DEFAULT_DRAFT} when -m is the default target)")
     p.add_argument("--methods", default="plain,draft",
-                   help=f"comma list of methods (plain is always run; known: {', '.join(METHODS)})")
+                   help=f"comma list of methods (plain is always run, plain-torch too with a torch-target method; "
+                        f"known: {', '.join(METHODS)})")
     p.add_argument("--draft-max", "--draft", default="4", help="comma list of draft lengths k (default 4)")
     p.add_argument("--draft-p-min", type=float, default=0.0, help="draft confidence cut-off (default 0: off)")
     p.add_argument("--temp", default="0", help="comma list of temperatures (default 0 = greedy)")
@@ -53,6 +58,14 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--llama-tools", default=None, help="directory of llama.cpp tools (default: the build cache)")
     p.add_argument("--cost-repeats", type=int, default=5,
                    help="timed repeats (median) of each cost measurement at the start (default 5)")
+    p.add_argument("--dtype", default=None, help="torch-target methods: bf16 | fp32 | fp16 (default bf16 where native)")
+    p.add_argument("--device", default=None, help="torch-target methods: cpu | cuda | cuda:N (default cuda if present)")
+    p.add_argument("--self-spec-exit", type=int, default=None,
+                   help="self-spec: exit after this many layers (default: the saved `speculant calibrate` "
+                        "layers, else half the layers)")
+    p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
+                   help="measure each method's peak RSS, its models loaded alone in a child process (default: on "
+                        "when a torch-target method is selected)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -71,11 +84,18 @@ def config_from_args(args):
         draft_model = models.DEFAULT_DRAFT
     if not any(v.method.needs_draft for v in variants):
         draft_model = None
+    torch_names = [v.method.name for v in variants if v.method.backend == "torch"]
+    if (args.dtype or args.device) and not torch_names:
+        raise SettingsError("--dtype and --device apply to the torch-target methods (plain-torch, self-spec, mixed)")
+    if args.self_spec_exit is not None and "self-spec" not in torch_names:
+        raise SettingsError("--self-spec-exit applies to the self-spec method: add it to --methods")
     return BenchConfig(model=args.model, draft_model=draft_model, variants=variants, temps=temps,
                        n_predict=args.n_predict, repeats=args.repeats, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, seed=args.seed, draft_p_min=args.draft_p_min, n_ctx=args.ctx_size,
                        threads=args.threads, cost_repeats=args.cost_repeats, warmup=not args.no_warmup,
-                       suite=str(args.suite) if args.suite else "builtin")
+                       suite=str(args.suite) if args.suite else "builtin", dtype=args.dtype, device=args.device,
+                       extra={"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {},
+                       memory=bool(torch_names) if args.memory is None else args.memory)
 
 
 def cmd_bench(args) -> int:

@@ -5,8 +5,11 @@ Adding a method is one entry in METHODS (or one `register(...)` call from anothe
     register(Method("lookup", lambda ctx, k: Engine(ctx.target, LookupDrafter(), draft_max=k),
                     uses_k=True, needs_draft=False, cost="in_run", help="prompt lookup (n-gram)"))
 
-Every engine wraps the SAME loaded target backend (engines are cheap; models load once). A builder must
-not close anything: the runner closes the backends at the end.
+Every engine wraps the SAME loaded target backend (engines are cheap; models load once). A method whose
+`backend` is "torch" wraps the second target, the same model on the torch backend (loaded once, only when
+such a method is selected); its speed is also compared with, and its greedy output checked against,
+plain decoding on that runtime ("plain-torch", added automatically). A builder must not close anything:
+the runner closes the backends at the end.
 """
 
 from __future__ import annotations
@@ -21,17 +24,24 @@ from ..errors import SettingsError
 
 @dataclass
 class MethodContext:
-    target: Backend
+    target: Optional[Backend]  # the target on llama.cpp
     draft: Optional[Backend]  # the draft model, loaded once when any method needs it
     draft_p_min: float = 0.0
     options: dict = field(default_factory=dict)  # free-form settings for future methods
+    torch_target: Optional[Backend] = None  # the target on the torch backend, when a method needs it
+    notes: dict = field(default_factory=dict)  # method name -> what it chose (reported)
 
-    def model_drafter(self):
+    def model_drafter(self, target: Optional[Backend] = None):
         from ..drafters.model import ModelDrafter
 
         if self.draft is None:
             raise SettingsError("this method needs a draft model: pass -md")
-        return ModelDrafter(self.draft, self.target.n_vocab, p_min=self.draft_p_min)
+        return ModelDrafter(self.draft, (target or self.target).n_vocab, p_min=self.draft_p_min)
+
+    def torch(self) -> Backend:
+        if self.torch_target is None:
+            raise SettingsError("this method needs the target on the torch backend")
+        return self.torch_target
 
 
 @dataclass(frozen=True)
@@ -44,6 +54,15 @@ class Method:
     # (timed at the start of the run); "in_run" = the method's own draft time per drafted token
     cost: str = "in_run"
     help: str = ""
+    backend: str = "llama.cpp"  # the target's runtime: "llama.cpp" (ctx.target) or "torch" (ctx.torch_target)
+
+    @property
+    def baseline(self) -> str:
+        """The plain variant on this method's runtime: its greedy output is the reference."""
+        return BASELINES[self.backend]
+
+
+BASELINES = {"llama.cpp": "plain", "torch": "plain-torch"}
 
 
 METHODS: dict[str, Method] = {}
@@ -85,6 +104,32 @@ register(Method("adaptive+lookup",
                 needs_draft=True, help="lookup then draft model, adaptive k and plain fallback"))
 
 
+def _self_spec(ctx):
+    """The target's own first layers: --self-spec-exit when given, else the saved calibration, else the
+    SelfSpecDrafter default (half the layers)."""
+    from ..calibrate import _describe, load_config
+    from ..drafters.selfspec import SelfSpecDrafter
+
+    target, exit_layer = ctx.torch(), ctx.options.get("self_spec_exit")
+    if exit_layer is not None:
+        d, source = SelfSpecDrafter(target, exit_layer=exit_layer, p_min=ctx.draft_p_min), "--self-spec-exit"
+    else:
+        source = "calibration" if load_config(target) else "default (no calibration: run `speculant calibrate`)"
+        d = SelfSpecDrafter.from_config(target, p_min=ctx.draft_p_min)
+    n = target.n_layers
+    ctx.notes["self-spec"] = f"{len(d.layers)}/{n} layers ({_describe(d.layers, n)}), from {source}"
+    return d
+
+
+register(Method("plain-torch", lambda ctx, k: Engine(ctx.torch()), uses_k=False, backend="torch",
+                help="target alone on the torch backend (the baseline of torch-target methods)"))
+register(Method("self-spec", lambda ctx, k: Engine(ctx.torch(), _self_spec(ctx), draft_max=k), backend="torch",
+                help="torch target drafts with its own first layers (calibrated, or --self-spec-exit)"))
+register(Method("mixed", lambda ctx, k: Engine(ctx.torch(), ctx.model_drafter(ctx.torch()), draft_max=k),
+                needs_draft=True, cost="draft_model", backend="torch",
+                help="torch target, draft model (-md) on llama.cpp"))
+
+
 @dataclass(frozen=True)
 class Variant:
     label: str  # "plain", "draft-k4", ...
@@ -103,7 +148,8 @@ def parse_list(text: str, kind: type, flag: str) -> list:
 
 
 def expand(method_names: list[str], draft_max: list[int]) -> list[Variant]:
-    """Method names x draft lengths -> variants; 'plain' is always included, first."""
+    """Method names x draft lengths -> variants; 'plain' is always included, first, and 'plain-torch' after
+    it when any method runs the target on the torch backend."""
     unknown = [m for m in method_names if m not in METHODS]
     if unknown:
         raise SettingsError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
@@ -111,7 +157,8 @@ def expand(method_names: list[str], draft_max: list[int]) -> list[Variant]:
     for k in draft_max:
         if k < 1:
             raise SettingsError(f"--draft-max values must be >= 1, got {k}")
-    names = ["plain"] + [m for m in dict.fromkeys(method_names) if m != "plain"]
+    baselines = ["plain"] + (["plain-torch"] if any(METHODS[m].backend == "torch" for m in method_names) else [])
+    names = baselines + [m for m in dict.fromkeys(method_names) if m not in baselines]
     out = []
     for name in names:
         m = METHODS[name]

@@ -33,23 +33,62 @@ def markdown(result: dict) -> str:
         f"- measured costs: target pass over n tokens (ms) "
         + ", ".join(f"n={n}: {ms:.2f}" for n, ms in costs["target_ms"].items())
         + (f"; draft step {costs['draft_step_ms']:.2f} ms (c = {costs['c']:.3f})" if costs.get("c") is not None else ""),
+    ]
+    if result["models"].get("torch_target"):
+        ct = result.get("costs_torch") or {}
+        lines.append(f"- torch target: `{result['models']['torch_target']}`; measured costs (ms) "
+                     + ", ".join(f"n={n}: {ms:.2f}" for n, ms in ct.get("target_ms", {}).items())
+                     + (f"; draft step {ct['draft_step_ms']:.2f} ms (c = {ct['c']:.3f})" if ct.get("c") else ""))
+    lines += [f"- {name}: {note}" for name, note in result.get("notes", {}).items()]
+    own = any(r.get("baseline", BASELINE) != BASELINE for r in s)
+    mem = result.get("memory")
+    lines += [
         "",
         "Speedup = mean tokens/s of the method / mean tokens/s of plain over the same prompts (Spec-Bench); "
         "q1/median/q3 are quartiles of the per-prompt ratios; τ = tokens per target pass; predicted = "
         "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs.",
+    ]
+    if own:
+        lines.append("Rows on the torch target (baseline plain-torch): speedup is against plain on llama.cpp, "
+                     "'vs baseline' against plain on the torch backend, and greedy equal compares their tokens with "
+                     "plain-torch's (bf16 numerics differ from llama.cpp's); the other rows' baseline is plain.")
+    if mem:
+        lines.append("Peak RSS: each method's models loaded alone in a child process that generates a few tokens "
+                     "(see the memory table below).")
+    lines += [
         "",
-        "| T | method | category | prompts | tok/s | speedup | ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |",
-        "|---|---|---|---:|---:|---:|---|---:|---:|---:|---|",
+        "| T | method | category | prompts | tok/s | speedup |" + (" baseline | vs baseline |" if own else "")
+        + " ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |" + (" peak RSS MB |" if mem else ""),
+        "|---|---|---|---:|---:|---:|" + ("---|---:|" if own else "") + "---|---:|---:|---:|---|"
+        + ("---:|" if mem else ""),
     ]
     for r in s:
         eq = f"{r['greedy_equal']}/{r['greedy_checked']}" if r.get("greedy_checked") else "–"
         spread = (f"{_f(r['ratio_q1'])} / {_f(r['ratio_median'])} / {_f(r['ratio_q3'])}"
                   if r["variant"] != BASELINE else "–")
         name = f"**{r['category']}**" if r["category"] == OVERALL else r["category"]
+        base = r.get("baseline", BASELINE)
+        vs_base = r.get("speedup_vs_baseline") if base != BASELINE else None
         lines.append(
             f"| {r['temp']:g} | {r['variant']} | {name} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
-            f"{_f(r['speedup'], '{:.2f}x')} | {spread} | {_f(r['acceptance'], '{:.1%}')} | {_f(r['tau'])} | "
-            f"{_f(r['predicted_speedup'], '{:.2f}x')} | {eq} |")
+            f"{_f(r['speedup'], '{:.2f}x')} | "
+            + (f"{base} | {_f(vs_base, '{:.2f}x')} | " if own else "")
+            + f"{spread} | {_f(r['acceptance'], '{:.1%}')} | {_f(r['tau'])} | "
+            f"{_f(r['predicted_speedup'], '{:.2f}x')} | {eq} |"
+            + (f" {_f(r.get('peak_rss_mb'), '{:.0f}')} |" if mem else ""))
+    if mem:
+        lines += ["", "Memory per method (its models alone in a child process, a few tokens generated): peak RSS = "
+                  "the child's high-water RSS (VmHWM), loading included; RSS after (anon / file-backed) = VmRSS "
+                  "(RssAnon / RssFile) after generating. GGUF weights (llama.cpp) are mmapped, file-backed and "
+                  "shared with the page cache; torch weights converted to bf16/fp32 are anonymous memory. startup = "
+                  "before any model loaded.", "",
+                  "| method | peak RSS MB | RSS after MB | anon MB | file-backed MB | startup MB | note |",
+                  "|---|---:|---:|---:|---:|---:|---|"]
+        for name, m in mem.items():
+            note = (m.get("error") or (f"peak GPU {m['peak_gpu_mb']:.0f} MB" if m.get("peak_gpu_mb") else ""))
+            note = note.replace("|", "/")
+            lines.append(f"| {name} | " + " | ".join(_f(m.get(key), "{:.0f}") for key in (
+                "peak_rss_mb", "rss_mb", "rss_anon_mb", "rss_file_mb", "startup_rss_mb")) + f" | {note} |")
     pos = [r for r in s if r["category"] == OVERALL and r["variant"] != BASELINE and r["acceptance_by_position"]]
     if pos:
         width = max(len(r["acceptance_by_position"]) for r in pos)

@@ -1,9 +1,12 @@
-"""Run a benchmark: load the models once, build every method's engine around the same target, measure the
-costs the predicted speedup needs, then run each prompt under every method in one sitting, interleaved."""
+"""Run a benchmark: load the models once, build every method's engine around the same target (the torch
+methods around the same second target on the torch backend), measure the costs the predicted speedup needs,
+then run each prompt under every method in one sitting, interleaved; then, optionally, each method's peak
+memory in a process of its own (speculant.bench.memory)."""
 
 from __future__ import annotations
 
 import hashlib
+import importlib
 import os
 import platform
 import statistics
@@ -14,10 +17,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..errors import SettingsError
+from ..errors import SettingsError, SpeculantError
 from ..verify import SamplingParams
 from . import stats as bstats
-from .methods import MethodContext, Variant
+from .methods import Method, MethodContext, Variant
 from .suite import Prompt
 
 
@@ -39,7 +42,10 @@ class BenchConfig:
     cost_repeats: int = 5
     warmup: bool = True
     suite: str = "builtin"
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # method options (MethodContext.options), e.g. self_spec_exit
+    dtype: Optional[str] = None  # torch target: None = the backend's default (bf16 on CPUs with native bf16)
+    device: Optional[str] = None
+    memory: bool = False  # measure each method's peak RSS in a child process
 
     def settings(self) -> dict:
         d = asdict(self)
@@ -134,10 +140,8 @@ def _token_hash(tokens: list[int]) -> str:
 
 
 def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print) -> dict:
-    """Run the benchmark; returns {machine, versions, settings, costs, rows, summary}."""
-    from ..api import load_backend
-    from ..vocab import check_compatible
-
+    """Run the benchmark; returns {machine, versions, settings, models, costs, rows, summary} (and costs_torch,
+    notes, memory when they apply)."""
     if not prompts:
         raise SettingsError("no prompts selected")
     if cfg.repeats < 1:
@@ -151,15 +155,13 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
         raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} need a draft model: pass -md")
     params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
+    methods = list({v.method.name: v.method for v in cfg.variants}.values())
+    check_torch(methods)
 
     t_start = time.time()
-    target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads)
-    draft = None
+    ctx = load_context(cfg, methods)
+    target, draft, torch_target = ctx.target, ctx.draft, ctx.torch_target
     try:
-        if need_draft:
-            draft = load_backend(cfg.draft_model, n_ctx=target.n_ctx, threads=cfg.threads, role="draft")
-            check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
-        ctx = MethodContext(target, draft, draft_p_min=cfg.draft_p_min, options=dict(cfg.extra))
         engines = {v.label: v.method.build(ctx, v.k) for v in cfg.variants}
         any_engine = engines[cfg.variants[0].label]
         rendered = {p.id: any_engine.chat_prompt([{"role": "user", "content": p.text}]) for p in prompts}
@@ -171,6 +173,12 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         max_k = max([v.k for v in cfg.variants] + [1])
         ctx_tokens = any_engine.tokenize_prompt(rendered[prompts[0].id], is_chat=True)
         costs = measure_costs(target, draft, ctx_tokens, max_k + 1, cfg.cost_repeats)
+        costs_torch = None
+        if torch_target is not None:  # torch-target methods: V(n) and c relative to the torch target's pass
+            tv = [v for v in cfg.variants if v.method.backend == "torch"]
+            t_tokens = engines[tv[0].label].tokenize_prompt(rendered[prompts[0].id], is_chat=True)
+            costs_torch = measure_costs(torch_target, draft if any(v.method.needs_draft for v in tv) else None,
+                                        t_tokens, max([v.k for v in tv] + [1]) + 1, cfg.cost_repeats)
 
         rows: list[dict] = []
         tokens: dict = {}
@@ -192,7 +200,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
                                    "variant": v.label, "k": v.k, "temp": temp, "repeat": rep, "seed": seed,
-                                   "cost": v.method.cost}
+                                   "cost": v.method.cost, "backend": v.method.backend,
+                                   "baseline": v.method.baseline}
                             row.update(s.to_dict())
                             row["tokens_per_s"] = s.tokens_per_s  # unrounded
                             row["drafted_by_position"] = list(s.drafted_by_position)
@@ -207,7 +216,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             bar.close()
         bstats.mark_greedy_equal(rows, tokens)
         threads_used = getattr(target, "n_threads", cfg.threads)
-        return {
+        result = {
             "machine": machine_info(threads_used),
             "versions": versions(),
             "settings": cfg.settings(),
@@ -216,14 +225,72 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             "n_prompts": len(prompts),
             "costs": costs,
             "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(t_start)),
-            "wall_s": round(time.time() - t_start, 2),
             "rows": rows,
-            "summary": bstats.summarize(rows, costs),
+            "summary": bstats.summarize(rows, costs, {"torch": costs_torch} if costs_torch else None),
         }
+        if torch_target is not None:
+            dtype = str(getattr(torch_target, "dtype", "")).replace("torch.", "")
+            result["models"]["torch_target"] = (f"{getattr(torch_target, 'source', cfg.model)} "
+                                                f"({dtype}, {getattr(torch_target, 'device', '')})")
+            result["costs_torch"] = costs_torch
+        if ctx.notes:
+            result["notes"] = dict(ctx.notes)
     finally:
-        if draft is not None:
-            draft.close()
-        target.close()
+        close_context(ctx)
+    if cfg.memory:  # after the timed runs, so that the children do not disturb them
+        from .memory import probe_all
+
+        result["memory"] = probe_all(cfg, progress=progress)
+        for s in result["summary"]:
+            s["peak_rss_mb"] = result["memory"].get(s["method"], {}).get("peak_rss_mb")
+    result["wall_s"] = round(time.time() - t_start, 2)
+    return result
+
+
+def check_torch(methods: list[Method]) -> None:
+    """A clear error, before anything loads, when a torch-target method is selected without torch."""
+    names = [m.name for m in methods if m.backend == "torch"]
+    if not names:
+        return
+    try:
+        importlib.import_module("transformers")
+        importlib.import_module("speculant.backends.torch")
+    except (ImportError, SpeculantError) as e:
+        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} run the target on the "
+                            f"torch backend, which needs torch and transformers ({e}); install them with: "
+                            "pip install -e '.[torch]'") from None
+
+
+def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
+    """Load what `methods` need, once each: the target on llama.cpp, the target on torch, the draft model
+    (on llama.cpp), checking the draft's vocabulary against each target it drafts for."""
+    from ..api import load_backend
+    from ..vocab import check_compatible
+
+    ctx = MethodContext(None, None, draft_p_min=cfg.draft_p_min, options=dict(cfg.extra))
+    try:
+        if any(m.backend == "llama.cpp" for m in methods):
+            ctx.target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads)
+        if any(m.backend == "torch" for m in methods):
+            ctx.torch_target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads, backend="torch",
+                                            dtype=cfg.dtype, device=cfg.device)
+        need = {m.backend for m in methods if m.needs_draft}
+        drafted_for = [t for b, t in (("llama.cpp", ctx.target), ("torch", ctx.torch_target)) if b in need]
+        if drafted_for:
+            ctx.draft = load_backend(cfg.draft_model, n_ctx=min(t.n_ctx for t in drafted_for), threads=cfg.threads,
+                                     role="draft")
+            for t in drafted_for:
+                check_compatible(t.vocab_info(), ctx.draft.vocab_info(), t.name, ctx.draft.name)
+    except BaseException:
+        close_context(ctx)
+        raise
+    return ctx
+
+
+def close_context(ctx: MethodContext) -> None:
+    for b in (ctx.draft, ctx.torch_target, ctx.target):
+        if b is not None:
+            b.close()
 
 
 def _progress(total: int, enabled: bool):

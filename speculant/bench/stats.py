@@ -6,6 +6,9 @@ applicable), cost ("draft_model" | "in_run").
 
 Speedup follows Spec-Bench: mean over prompts of the method's tokens/s divided by the mean over the same
 prompts of plain tokens/s (same temperature); the spread is the quartiles of the per-prompt ratios.
+Rows may name a `baseline` variant (default plain): the plain decoding on the method's own target runtime
+("plain-torch" for torch-target methods). Greedy identity is checked against it, and a second ratio,
+speedup_vs_baseline, is taken against it; `backend` picks that runtime's measured costs.
 The predicted speedup is Leviathan et al.'s: E / (k*c + V(k+1)) with E = (1 - a^(k+1)) / (1 - a).
 """
 
@@ -119,9 +122,11 @@ def draft_cost(rows: list[dict], costs: dict) -> float:
     return (sum(r["draft_s"] for r in rows) * 1000.0 / drafted) / t1 if drafted and t1 > 0 else 0.0
 
 
-def summarize(rows: list[dict], costs: Optional[dict] = None) -> list[dict]:
+def summarize(rows: list[dict], costs: Optional[dict] = None,
+              costs_by_backend: Optional[dict] = None) -> list[dict]:
     """One summary per (temperature, variant, category) plus an 'overall' per (temperature, variant).
-    Variants keep their order of first appearance; categories too, with overall last."""
+    Variants keep their order of first appearance; categories too, with overall last. costs_by_backend:
+    runtime -> measured costs, for rows whose `backend` was measured apart (else `costs`)."""
     variants = list(dict.fromkeys(r["variant"] for r in rows))
     categories = list(dict.fromkeys(r["category"] for r in rows))
     temps = list(dict.fromkeys(r["temp"] for r in rows))
@@ -134,6 +139,8 @@ def summarize(rows: list[dict], costs: Optional[dict] = None) -> list[dict]:
             if not vrows:
                 continue
             k = int(vrows[0].get("k") or 0)
+            baseline = vrows[0].get("baseline") or BASELINE
+            vcosts = (costs_by_backend or {}).get(vrows[0].get("backend"), costs)
             for cat in categories + [OVERALL]:
                 crows = vrows if cat == OVERALL else [r for r in vrows if r["category"] == cat]
                 if not crows:
@@ -141,18 +148,25 @@ def summarize(rows: list[dict], costs: Optional[dict] = None) -> list[dict]:
                 cbase = base_all if cat == OVERALL else [r for r in base_all if r["category"] == cat]
                 s = {"temp": temp, "variant": variant, "method": vrows[0].get("method", variant), "k": k,
                      "category": cat}
-                s.update(aggregate(crows, cbase, k=k, costs=costs))
+                s.update(aggregate(crows, cbase, k=k, costs=vcosts))
+                s["baseline"] = baseline
+                s["speedup_vs_baseline"] = s["speedup"]
+                if baseline != BASELINE:
+                    own = [r for r in at_t if r["variant"] == baseline and (cat == OVERALL or r["category"] == cat)]
+                    s["speedup_vs_baseline"] = aggregate(crows, own, k=0, costs=None)["speedup"]
                 out.append(s)
     return out
 
 
 def mark_greedy_equal(rows: list[dict], tokens: dict) -> None:
-    """Set row['greedy_equal'] on temperature-0 non-plain rows: same tokens as plain for that prompt and
-    repeat. `tokens` maps (prompt_id, temp, repeat, variant) -> generated token ids."""
+    """Set row['greedy_equal'] on temperature-0 rows other than their baseline: same tokens as the baseline
+    (row['baseline'], default plain) for that prompt and repeat. `tokens` maps (prompt_id, temp, repeat,
+    variant) -> generated token ids."""
     for r in rows:
         r["greedy_equal"] = None
-        if r["temp"] != 0 or r["variant"] == BASELINE:
+        baseline = r.get("baseline") or BASELINE
+        if r["temp"] != 0 or r["variant"] == baseline:
             continue
-        ref = tokens.get((r["prompt_id"], r["temp"], r["repeat"], BASELINE))
+        ref = tokens.get((r["prompt_id"], r["temp"], r["repeat"], baseline))
         if ref is not None:
             r["greedy_equal"] = tokens[(r["prompt_id"], r["temp"], r["repeat"], r["variant"])] == ref
