@@ -114,6 +114,7 @@ class Engine:
         target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
         if drafter:
             drafter.prepare(context)  # the draft model's prompt processing is prefill too
+            self.policy.new_request()
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         try:
@@ -147,7 +148,8 @@ class Engine:
                 if drafter:  # a catch-up prefill is not what one more drafted token costs
                     self.policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
                                         verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
-                                        draft_steps=draft.steps)
+                                        draft_steps=draft.steps, catchup_time=draft.catchup_time,
+                                        catchup_tokens=draft.catchup_tokens)
                     shadow = draft.shadow
                     if shadow and n_accepted == len(draft):  # its position was reached: was it right?
                         self.policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)

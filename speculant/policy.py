@@ -87,13 +87,14 @@ class DraftBudget:
         self.explore = False  # probing: take every proposal, to measure
         self.paid: Optional[str] = None  # the paid drafter that ran this step, if any
 
-    def start(self, source: str, free: bool) -> int:
+    def start(self, source: str, free: bool, behind: int = 0) -> int:
+        """behind: tokens a paid drafter must process before its first guess (a catch-up prefill)."""
         if self.policy is None:
             k = self.k
         elif free:
             k = self.k
         else:
-            k = min(self.policy.draft_length(source), self.k)
+            k = min(self.policy.draft_length(source, behind), self.k)
             self.explore = self.explore or self.policy.last_was_probe
         if k > 0 and not free:
             self.paid = source
@@ -139,6 +140,9 @@ class FixedPolicy:
     def observe(self, *args, **kwargs) -> None:
         pass
 
+    def new_request(self) -> None:
+        pass
+
     def observe_shadow(self, source: str, key: str, accepted: bool) -> None:
         pass
 
@@ -163,6 +167,7 @@ class AdaptivePolicy:
     prior_alpha: float = 0.6
     guard_window: int = 8  # speculative steps compared against plain before backing off
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
+    catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -179,6 +184,10 @@ class AdaptivePolicy:
         self.recent_spec_steps = 0
         self.probing = False
         self.last_was_probe = False
+        self.trial = False  # after a probe: keep speculating while every step's drafts are all accepted
+        self.decode_time = 0.0  # all steps' time, catch-up included
+        self.catchup_time = 0.0  # of which draft catch-up prefills
+        self.catchup_per_token = _Ema(0.0)
         self.history: list[int] = []  # k chosen for the paid drafter each step (the most recent ones)
 
     # -- estimates ---------------------------------------------------------------------------------------
@@ -221,22 +230,46 @@ class AdaptivePolicy:
     def budget(self, room: int) -> DraftBudget:
         return DraftBudget(min(self.k_max, room), self)
 
-    def draft_length(self, source: str) -> int:
-        """Upper bound on k for a paid drafter this step (0: decode plainly)."""
+    def new_request(self) -> None:
+        """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
+        speculation better than the last one's, so an earlier backoff does not carry over: probe now."""
+        if self.backoff > 0 or self.probing:
+            self.backoff, self.probing = 0, True
+        self.trial = False
+
+    def _catchup_affordable(self, behind: int) -> bool:
+        """A probe after many plain steps makes the draft model prefill them all first; allow that only
+        within catchup_share of the decode time so far (else probes cost a fixed share of every token)."""
+        if behind <= 2:
+            return True
+        per_token = (self.catchup_per_token.value if self.catchup_per_token.weight
+                     else 0.25 * self.draft_step_cost("") or 0.05 * self.target_time(1))
+        allowance = self.catchup_share * self.decode_time + 0.25 * self.target_time(1)
+        return self.catchup_time + per_token * behind <= allowance
+
+    def draft_length(self, source: str, behind: int = 0) -> int:
+        """Upper bound on k for a paid drafter this step (0: decode plainly). behind: its catch-up, in tokens."""
         c = self.draft_step_cost(source)
         self.last_was_probe = False
+        forced = max(self.k_min, 1)
         if 1 not in self.target_cost:
             k = 0  # measure plain decoding's cost first: it is the bar speculation has to clear
+        elif self.trial:  # a probe paid off: go on while every step is fully accepted (the guard still rules)
+            k = max(best_draft_length(self.acceptance(source), c, self.target_time, forced, self.k_max), forced)
         elif self.backoff > 0:
             self.backoff -= 1
             k = 0
             if self.backoff == 0:
                 self.probing = True
+        elif self.probing and not self._catchup_affordable(behind):
+            k = 0  # too far behind: wait for the next request (its prompt is prefilled anyway)
+            self.probing = False
+            self.backoff = self.probe_interval
         elif self.probing:  # probe: speculate once with the best k > 0 to refresh the estimates
             self.probing = False
             self.last_was_probe = True
-            k = best_draft_length(self.acceptance(source), c, self.target_time, max(self.k_min, 1), self.k_max)
-            k = max(k, max(self.k_min, 1))
+            self.trial = True
+            k = max(best_draft_length(self.acceptance(source), c, self.target_time, forced, self.k_max), forced)
         else:
             k = best_draft_length(self.acceptance(source), c, self.target_time, self.k_min, self.k_max)
             if k == 0:  # the model says plain decoding wins: stay plain for a while, then probe
@@ -259,11 +292,18 @@ class AdaptivePolicy:
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
                 n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
-                draft_steps: Optional[int] = None) -> None:
+                draft_steps: Optional[int] = None, catchup_time: float = 0.0, catchup_tokens: int = 0) -> None:
         """One step's outcome. source: the drafter whose tokens were verified; keys: their confidence keys;
         paid: the paid drafter that ran (even if it proposed nothing), default `source` when it drafted;
-        draft_steps: its forward passes (default n_drafted)."""
+        draft_steps: its forward passes (default n_drafted); catchup_*: its catch-up prefill (not in
+        draft_time)."""
         n = n_drafted + 1
+        self.decode_time += draft_time + verify_time + catchup_time
+        if catchup_tokens > 0:
+            self.catchup_time += catchup_time
+            self.catchup_per_token.update(catchup_time / catchup_tokens, self.rate)
+        if self.trial and (paid is None or n_accepted < n_drafted or n_drafted == 0):
+            self.trial = False  # the trial ends at the first step that is not fully accepted
         self.target_cost.setdefault(n, _Ema(verify_time)).update(verify_time, self.rate)
         spt = (draft_time + verify_time) / max(n_emitted, 1)
         if paid is None and keys is None and n_drafted:

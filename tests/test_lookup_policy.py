@@ -240,7 +240,7 @@ class _EagerPolicy(AdaptivePolicy):
     """Always starts the draft model with k_max; a fixed verify price and fixed acceptance per bucket, so the
     budget verifies a token exactly when the draft's max probability is >= 0.5."""
 
-    def draft_length(self, source):
+    def draft_length(self, source, behind=0):
         self.last_was_probe = False
         return self.k_max
 
@@ -277,3 +277,49 @@ def test_stats_report_acceptance_by_confidence():
     out = eng.generate(PROMPT, max_tokens=60).stats.to_dict()["acceptance_by_confidence"]
     assert out and all(k.startswith("draft:q") for k in out)
     assert sum(v["drafted"] for v in out.values()) <= eng.generate(PROMPT, max_tokens=60).stats.drafted
+
+
+# -- probes: trial runs, bounded catch-up, a fresh look at each request ------------------------------------------
+def _losing_policy():
+    """This CPU's costs, a draft step 0.45 of a target step, acceptance 0.5: plain decoding wins."""
+    policy = _cpu_policy()
+    policy.draft_cost["draft"] = type(policy.spec_spt)(0.45, weight=100)
+    policy.alpha["draft"] = type(policy.spec_spt)(0.5, weight=100)
+    return policy
+
+
+def _step(policy, k, n_accepted):
+    policy.observe("draft", k, n_accepted, 0.45 * k, 1.0 + 0.5 * k, n_accepted + 1, keys=["q0.98"] * k,
+                   paid="draft", draft_steps=k)
+
+
+def test_a_probe_that_pays_goes_on_until_a_draft_is_rejected():
+    policy = _losing_policy()
+    assert policy.draft_length("draft") == 0  # the model says plain: back off
+    ks = [policy.draft_length("draft") for _ in range(policy.probe_after)]
+    assert ks == [0] * policy.probe_after
+    k = policy.draft_length("draft")  # the probe
+    assert k > 0 and policy.trial
+    for _ in range(5):  # every draft accepted: the trial continues
+        _step(policy, k, k)
+        k = policy.draft_length("draft")
+        assert k > 0
+    _step(policy, k, 0)  # a rejection ends it: back to the model, which says plain
+    assert not policy.trial and policy.draft_length("draft") == 0
+
+
+def test_probes_do_not_pay_for_long_catch_ups():
+    policy = _losing_policy()
+    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 4% of a target step per token
+    policy.decode_time = 10.0  # allowance 1.5% of it + a quarter step = 0.4: 10 tokens
+    policy.probing = True
+    assert policy.draft_length("draft", behind=200) == 0 and not policy.trial
+    policy.backoff, policy.probing = 0, True
+    assert policy.draft_length("draft", behind=5) > 0
+
+
+def test_each_request_gets_a_fresh_probe():
+    policy = _losing_policy()
+    policy.backoff, policy.probe_interval = 200, 256  # lost for a long while on earlier prompts
+    policy.new_request()
+    assert policy.draft_length("draft", behind=1) > 0  # the draft model just prefilled the prompt: try it

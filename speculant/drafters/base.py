@@ -30,6 +30,7 @@ class Draft:
     probs: Optional[np.ndarray]  # [k, V] the draft's q for each proposal, or None for a deterministic draft
     source: str  # which drafter produced it ("draft", "lookup", ...)
     catchup_time: float = 0.0  # seconds spent bringing the drafter's cache up to the context (a prefill)
+    catchup_tokens: int = 0  # tokens processed by that catch-up
     keys: list[str] = field(default_factory=list)  # [k] the draft's confidence bucket for each token
     steps: int = 0  # paid draft steps (forward passes of a draft model) this proposal took
     paid: Optional[str] = None  # the paid drafter that ran, even if it proposed nothing

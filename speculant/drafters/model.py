@@ -33,14 +33,14 @@ class ModelDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
                 rng: np.random.Generator, budget: Optional[DraftBudget] = None) -> Draft:
         budget = budget or DraftBudget(k)
-        k = min(budget.start(self.name, free=False), self.backend.n_ctx - len(context) + 1)
+        behind = len(context) - len(self.backend.tokens)  # tokens to catch up on (about: rejections rewind)
+        k = min(budget.start(self.name, free=False, behind=behind), self.backend.n_ctx - len(context) + 1)
         tokens: list[int] = []
         probs: list[np.ndarray] = []
         keys: list[str] = []
         if k <= 0:
             return Draft(tokens, None, self.name)
         t0 = time.perf_counter()
-        behind = len(context) - len(self.backend.tokens)
         logits = self._fit(self.backend.sync(context)[0])  # [V]
         steps = 1
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
@@ -70,8 +70,8 @@ class ModelDrafter(Drafter):
                 steps += 1
             else:
                 break
-        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time, keys=keys,
-                     steps=steps, paid=self.name)
+        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time,
+                     catchup_tokens=behind if catchup_time else 0, keys=keys, steps=steps, paid=self.name)
 
     def prepare(self, context: Sequence[int]) -> None:
         self.backend.sync(context[:-1], n_logits=0)  # the prompt, as for the target: part of the prefill
