@@ -12,11 +12,13 @@ caveat applies: cuBLAS picks kernels by shape, so greedy identity is "same argma
 
 NOT exact on larger models: Qwen2.5-Coder-1.5B in bf16 + eager on the same CPU gives rows that depend on
 how many tokens one pass holds (a block of M tokens after a 40-token cache vs a block of 40: max |diff|
-0.13 for M = 1, 0.19-0.25 for M = 2..33; padding one-token passes to 2 or 3 rows does not help). So on
-that model a speculative run's greedy output can leave plain-torch decoding at a near tie (2 of 9 built-in
-prompts did, `docs/bench/runtimes/`). The fix that would make it exact: the same shapes on every pass
-(a fixed number of query rows, padded, over a static KV cache of fixed length, so attention reductions
-also have one length); not done yet. llama.cpp's backend is bit-exact (see backends/llamacpp.py).
+0.13 for M = 1, 0.19-0.25 for M = 2..33). So on that model a speculative run's greedy output can leave
+plain-torch decoding at a near tie (2 of 9 built-in prompts did, `docs/bench/runtimes/`). Tried: padding
+every pass to 16 rows makes rows agree across pass sizes (max |diff| 0.0 for M = 1..15 padded) but a token
+at row i of a pass still differs from the same token in a pass of its own (0.16): the result also depends on
+the KV length the pass attends over. What would make it exact: one shape for every pass, i.e. padded rows
+AND a static KV cache of fixed length (attention reductions of one length); not done yet. llama.cpp's
+backend is bit-exact (see backends/llamacpp.py).
 
 Converting a GGUF file takes tens of seconds (dequantizing, building the tokenizer), so the converted
 model is cached once under $SPECULANT_HOME/torch/<gguf name>/ as safetensors and reloaded from there.
