@@ -85,19 +85,13 @@ class DraftBudget:
         self.taken = 0  # tokens accepted into the draft
         self.p_all = 1.0  # estimated chance that every taken token is accepted
         self.explore = False  # probing: take every proposal, to measure
-        self.paid: Optional[str] = None  # the paid drafter that ran this step, if any
 
     def start(self, source: str, free: bool, behind: int = 0) -> int:
         """behind: tokens a paid drafter must process before its first guess (a catch-up prefill)."""
-        if self.policy is None:
-            k = self.k
-        elif free:
-            k = self.k
-        else:
-            k = min(self.policy.draft_length(source, behind), self.k)
+        k = self.k
+        if self.policy is not None and not free:
+            k = min(self.policy.draft_length(source, behind), k)
             self.explore = self.explore or self.policy.last_was_probe
-        if k > 0 and not free:
-            self.paid = source
         self.k_now = k
         return k
 
@@ -237,13 +231,13 @@ class AdaptivePolicy:
             self.backoff, self.probing = 0, True
         self.trial = False
 
-    def _catchup_affordable(self, behind: int) -> bool:
+    def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
         within catchup_share of the decode time so far (else probes cost a fixed share of every token)."""
         if behind <= 2:
             return True
         per_token = (self.catchup_per_token.value if self.catchup_per_token.weight
-                     else 0.25 * self.draft_step_cost("") or 0.05 * self.target_time(1))
+                     else 0.25 * self.draft_step_cost(source) or 0.05 * self.target_time(1))
         allowance = self.catchup_share * self.decode_time + 0.25 * self.target_time(1)
         return self.catchup_time + per_token * behind <= allowance
 
@@ -261,7 +255,7 @@ class AdaptivePolicy:
             k = 0
             if self.backoff == 0:
                 self.probing = True
-        elif self.probing and not self._catchup_affordable(behind):
+        elif self.probing and not self._catchup_affordable(source, behind):
             k = 0  # too far behind: wait for the next request (its prompt is prefilled anyway)
             self.probing = False
             self.backoff = self.probe_interval

@@ -50,8 +50,7 @@ class ModelDrafter(Drafter):
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
             if params.greedy:
                 token = int(np.argmax(logits))
-                z = (logits - logits[token]).astype(np.float64)
-                confidence = 1.0 / np.exp(z).sum()
+                confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax max; sum >= 1
             else:
                 q = probs_from_logits(logits, params)
                 confidence = float(q.max())
