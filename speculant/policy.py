@@ -85,6 +85,7 @@ class DraftBudget:
         self.taken = 0  # tokens accepted into the draft
         self.p_all = 1.0  # estimated chance that every taken token is accepted
         self.explore = False  # probing: take every proposal, to measure
+        self.last_key: Optional[str] = None  # confidence bucket of the last token taken
 
     def start(self, source: str, free: bool, behind: int = 0) -> int:
         """behind: tokens a paid drafter must process before its first guess (a catch-up prefill)."""
@@ -104,6 +105,7 @@ class DraftBudget:
                 return False
             self.p_all = p
         self.taken += 1
+        self.last_key = key
         return True
 
     def more(self, source: str) -> bool:
@@ -114,7 +116,9 @@ class DraftBudget:
             return True
         pol = self.policy
         price = pol.draft_step_cost(source) / pol.target_time(1) + pol.verify_price(self.taken + 1)
-        return self.p_all * pol.acceptance(source) >= price
+        # the next token's odds: those of the last one's bucket (confidence runs in stretches), else the average
+        nxt = pol.key_acceptance(source, self.last_key) if self.last_key else pol.acceptance(source)
+        return self.p_all * nxt >= price
 
 
 class FixedPolicy:
@@ -227,9 +231,7 @@ class AdaptivePolicy:
     def new_request(self) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
         speculation better than the last one's, so an earlier backoff does not carry over: probe now."""
-        if self.backoff > 0 or self.probing:
-            self.backoff, self.probing = 0, True
-        self.trial = False
+        self.backoff, self.probing, self.trial = 0, True, False
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
