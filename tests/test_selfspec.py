@@ -82,7 +82,7 @@ def test_weights_are_shared(tiny):
     d.propose(PROMPT, 3, SamplingParams(), np.random.default_rng(0))
     assert len(base.layers) == tiny.n_layers and base.config.num_hidden_layers == tiny.n_layers
     # the draft's cache only holds the draft's layers
-    assert all(getattr(layer, "keys", None) is None or layer.keys.numel() == 0 for layer in d.backend.cache.layers[2:])
+    assert sorted(d.backend.cache.keys) == [0, 1]
 
 
 def test_first_token_distribution(tiny):

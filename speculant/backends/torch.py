@@ -1,24 +1,22 @@
 """PyTorch / Hugging Face transformers backend: a safetensors model directory, or one of our GGUF files
 loaded (and dequantized) through transformers' GGUF support.
 
-Numerics: the engine's exactness at temperature 0 needs a target pass over k+1 tokens to give the same
-logits as k+1 one-token passes. Measured on CPU (smollm2-135m, torch 2.13, 5 tokens batch vs single):
-  bf16 + eager attention  max |diff| = 0.0   (oneDNN bf16 matmuls give the same rows whatever M)
-  bf16 + sdpa attention   max |diff| = 0.75  (the fused CPU attention kernel differs by query length)
-  fp32 + eager / sdpa     max |diff| ~ 5e-5  (MKL takes a gemv path for M=1, gemm for M>1)
-so the backend defaults to bf16 with eager attention on CPUs with native bf16 (AVX512-BF16 / AMX), and
-fp32 elsewhere (where argmax agreed in every measurement but bits are not guaranteed). On CUDA the same
-caveat applies: cuBLAS picks kernels by shape, so greedy identity is "same argmax", not bit identity.
-
-NOT exact on larger models: Qwen2.5-Coder-1.5B in bf16 + eager on the same CPU gives rows that depend on
-how many tokens one pass holds (a block of M tokens after a 40-token cache vs a block of 40: max |diff|
-0.13 for M = 1, 0.19-0.25 for M = 2..33). So on that model a speculative run's greedy output can leave
-plain-torch decoding at a near tie (2 of 9 built-in prompts did, `docs/bench/runtimes/`). Tried: padding
-every pass to 16 rows makes rows agree across pass sizes (max |diff| 0.0 for M = 1..15 padded) but a token
-at row i of a pass still differs from the same token in a pass of its own (0.16): the result also depends on
-the KV length the pass attends over. What would make it exact: one shape for every pass, i.e. padded rows
-AND a static KV cache of fixed length (attention reductions of one length); not done yet. llama.cpp's
-backend is bit-exact (see backends/llamacpp.py).
+Numerics: the engine's exactness at temperature 0 needs a target pass over k+1 tokens to give bit-for-bit the
+logits of k+1 one-token passes. Library kernels do not: measured on this CPU (torch 2.13, bf16), a matmul's
+rounding depends on the number of rows M (Qwen2.5-1.5B: max |diff| 0.13-0.25 between a block of M tokens and
+one-token passes), and attention's on the KV length (fused sdpa: also on the query length). So every pass here
+has ONE shape per kernel:
+  * rows: a pass is cut into chunks of exactly `pass_rows` tokens (32), the last one padded; the padding
+    rows are computed and thrown away. With M fixed, a row's result does not depend on its neighbours.
+  * attention (`blocked_attention`, our own): keys and values sit in one buffer per layer; each chunk
+    attends block by block (blocks of 256 positions at fixed absolute offsets) with an online softmax in
+    float32 and a position mask. Blocks past a row's position contribute exactly 0 (exp(-inf) = 0, scale 1),
+    so a row's result depends only on its token, its position and the KV entries before it.
+Measured: logits of every token are bit-identical (max |diff| 0.0) whether it is decoded alone, in a block of
+5 at any offset, or in a 12-token block (tests/test_torch_backend.py checks this on smollm2, and on Qwen 1.5B
+when its conversion is cached). The cost: a one-token pass computes 32 rows (on a CPU with AMX a pass over 32
+rows costs about what one over 1 does, weights dominate), and prefill runs in 32-token chunks. On CUDA the
+same shapes are used, so cuBLAS picks the same kernels for every pass.
 
 Converting a GGUF file takes tens of seconds (dequantizing, building the tokenizer), so the converted
 model is cached once under $SPECULANT_HOME/torch/<gguf name>/ as safetensors and reloaded from there.
@@ -180,14 +178,86 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
         return _convert_gguf(gguf, cache_dir)
 
 
+PASS_ROWS = 32  # every pass is cut into chunks of exactly this many tokens (see the module docstring)
+KV_BLOCK = 256  # attention runs over keys in blocks of this many positions
+ATTENTION = "speculant_blocked"
+
+
+class BlockKVCache:
+    """Keys and values per layer in one growing buffer [1, kv_heads, capacity, head_dim] (capacity a multiple
+    of KV_BLOCK). Positions are absolute; entries past the sequence are stale and masked, so cutting the
+    sequence back costs nothing: a later pass overwrites them. Layers are keyed by their own index, so a
+    layer subset (self-speculation) keeps a cache of just its layers."""
+
+    def __init__(self):
+        self.keys: dict[int, "torch.Tensor"] = {}
+        self.values: dict[int, "torch.Tensor"] = {}
+        self.start = 0  # position of the first row of the chunk being evaluated
+
+    def update(self, key, value, layer_idx, **kwargs):
+        """Store a chunk's keys/values at start.. ; return the buffers up to the block holding its last row."""
+        end = self.start + key.shape[-2]
+        used = -(-end // KV_BLOCK) * KV_BLOCK
+        buf_k = self.keys.get(layer_idx)
+        if buf_k is None or buf_k.shape[-2] < used:
+            capacity = max(used, 2 * buf_k.shape[-2] if buf_k is not None else 0)
+            new_k = key.new_zeros(*key.shape[:2], capacity, key.shape[-1])
+            new_v = value.new_zeros(*value.shape[:2], capacity, value.shape[-1])
+            if buf_k is not None:
+                new_k[..., :buf_k.shape[-2], :] = buf_k
+                new_v[..., :buf_k.shape[-2], :] = self.values[layer_idx]
+            self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
+        buf_k, buf_v = self.keys[layer_idx], self.values[layer_idx]
+        buf_k[..., self.start:end, :] = key
+        buf_v[..., self.start:end, :] = value
+        return buf_k[..., :used, :], buf_v[..., :used, :]
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:  # transformers asks; positions are always given
+        return self.start
+
+
+def blocked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, position_ids=None,
+                      **kwargs):
+    """Causal attention with the same kernel shapes for every pass: query [1, heads, rows, d] against
+    key/value [1, kv_heads, n_blocks * KV_BLOCK, d], block by block with an online softmax (float32).
+    Grouped-query heads share their keys without copies. Returns [1, rows, heads, d]."""
+    _, n_heads, n_rows, d = query.shape
+    n_kv = key.shape[1]
+    group = n_heads // n_kv
+    dev = query.device
+    q = query.reshape(n_kv, group * n_rows, d)  # [kv_heads, group*rows, d]: head h uses kv head h // group
+    q_pos = position_ids[0].to(dev).repeat(group)  # [group*rows]
+    run_max = torch.full((n_kv, group * n_rows), -float("inf"), device=dev)
+    run_sum = torch.zeros(n_kv, group * n_rows, device=dev)
+    acc = torch.zeros(n_kv, group * n_rows, d, device=dev)
+    offsets = torch.arange(KV_BLOCK, device=dev)
+    last = int(q_pos.max())
+    for b0 in range(0, min(key.shape[2], last + 1), KV_BLOCK):
+        k_blk, v_blk = key[0, :, b0:b0 + KV_BLOCK], value[0, :, b0:b0 + KV_BLOCK]  # [kv_heads, KV_BLOCK, d]
+        scores = torch.matmul(q, k_blk.transpose(1, 2)).float() * scaling  # [kv_heads, group*rows, KV_BLOCK]
+        scores = scores.masked_fill((offsets + b0)[None, None, :] > q_pos[None, :, None], -float("inf"))
+        new_max = torch.maximum(run_max, scores.amax(-1))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(scores - new_max[..., None])
+        run_sum = run_sum * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.matmul(p.to(value.dtype), v_blk).float()
+        run_max = new_max
+    out = (acc / run_sum[..., None]).to(query.dtype)
+    return out.reshape(1, n_heads, n_rows, d).transpose(1, 2).contiguous(), None
+
+
+def _register_attention() -> None:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(ATTENTION, blocked_attention)
+
+
 class TorchBackend(Backend):
-    """One transformers causal LM and one DynamicCache (sequence 0)."""
+    """One transformers causal LM and one BlockKVCache (sequence 0); passes of fixed shape (module docstring)."""
 
     def __init__(self, model, tokenizer=None, *, name: str = "torch", n_ctx: int = 4096,
                  specials: Optional[dict] = None, source: Optional[Path] = None):
         super().__init__()
-        from transformers import DynamicCache
-
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.name = name
@@ -200,8 +270,11 @@ class TorchBackend(Backend):
         self.n_vocab = int(model.get_output_embeddings().weight.shape[0])
         n_train = int(getattr(cfg, "max_position_embeddings", 0) or 0)
         self.n_ctx = min(n_ctx, n_train) if n_train > 0 else n_ctx
-        self._cache_cls = DynamicCache
-        self.cache = DynamicCache(config=cfg)
+        if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None):
+            raise ModelError(f"{name}: logit soft-capping is not supported by the torch backend")
+        _register_attention()
+        cfg._attn_implementation = ATTENTION  # whatever it was loaded with: fixed-shape attention only
+        self.cache = BlockKVCache()
         self.specials = self._special_ids(specials or {})
         self._eog = self._eog_ids()
         self._piece_cache: dict[int, bytes] = {}
@@ -212,42 +285,47 @@ class TorchBackend(Backend):
     def n_layers(self) -> int:
         return int(self.model.config.num_hidden_layers)
 
-    def new_cache(self):
-        return self._cache_cls(config=self.model.config)
+    def new_cache(self) -> BlockKVCache:
+        return BlockKVCache()
 
     @staticmethod
     def crop_cache(cache, n_kept: int) -> None:
-        for layer in cache.layers:
-            keys = getattr(layer, "keys", None)
-            if keys is not None and keys.dim() >= 2 and keys.shape[-2] > n_kept:
-                layer.keys = layer.keys[..., :n_kept, :]
-                layer.values = layer.values[..., :n_kept, :]
+        """Nothing to free: entries past n_kept are masked until a later pass overwrites them."""
 
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], start: int, n_logits: int, cache,
                 layers: Optional[Sequence[int]] = None) -> np.ndarray:
         """Evaluate tokens at positions start.. with `cache` (cut to start first) through `layers` (all by
         default) and the final norm + LM head; float32 logits of the last n_logits tokens."""
-        self.crop_cache(cache, start)
         if not len(tokens):
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        base = self.model.model
-        ids = torch.tensor([list(tokens)], dtype=torch.long, device=self.device)
-        pos = torch.arange(start, start + len(tokens), device=self.device).unsqueeze(0)
+        base, head = self.model.model, self.model.get_output_embeddings()
         saved = None
         if layers is not None:
             saved = (base.layers, base.config.num_hidden_layers)
             base.layers = torch.nn.ModuleList([saved[0][i] for i in layers])
             base.config.num_hidden_layers = len(layers)
+        first_logit = len(tokens) - max(n_logits, 0)
+        logits = []
         try:
-            hidden = base(input_ids=ids, position_ids=pos, cache=cache, use_cache=True).last_hidden_state
+            for c in range(0, len(tokens), PASS_ROWS):
+                chunk = list(tokens[c:c + PASS_ROWS])
+                n_real = len(chunk)
+                chunk += [chunk[-1]] * (PASS_ROWS - n_real)  # padding rows: computed, thrown away
+                ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
+                pos = torch.arange(start + c, start + c + PASS_ROWS, device=self.device).unsqueeze(0)
+                cache.start = start + c
+                hidden = base(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                              attention_mask={"full_attention": None}).last_hidden_state  # [1, rows, hidden]
+                if c + n_real > first_logit:  # the head over all rows too: one shape for every pass
+                    rows = head(hidden[0]).float()[max(first_logit - c, 0):n_real]
+                    logits.append(rows.cpu().numpy())
         finally:
             if saved is not None:
                 base.layers, base.config.num_hidden_layers = saved
-        if n_logits <= 0:
+        if not logits:
             return np.empty((0, self.n_vocab), dtype=np.float32)
-        logits = self.model.get_output_embeddings()(hidden[0, -n_logits:])
-        return logits.float().cpu().numpy()
+        return np.concatenate(logits)
 
     # -- decode loop --------------------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
@@ -394,8 +472,8 @@ def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device
         tok = AutoTokenizer.from_pretrained(str(path))
     except Exception:
         tok = None
-    # eager attention: the fused sdpa CPU kernel rounds differently by query length (see the docstring)
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation="eager")
+    _register_attention()  # fixed-shape attention: see the module docstring
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTENTION)
     model.to(device)
     specials_file = path / "gguf_specials.json"
     specials = json.loads(specials_file.read_text()) if specials_file.exists() else {}
