@@ -85,6 +85,43 @@ def test_weights_are_shared(tiny):
     assert sorted(d.backend.cache.keys) == [0, 1]
 
 
+def test_kv_shared_with_target(tiny):
+    """Layers before the first skipped one use the target's KV entries: an early-exit draft never prefills or
+    catches up (every draft pass is one token), and a draft evaluating another context invalidates just the
+    part of the target's cache it overwrote (the target's logits stay those of a fresh model)."""
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    d = SelfSpecDrafter(tiny, exit_layer=2)
+    assert d.backend.n_shared == 2 and d.backend.early_exit
+    calls = []
+    forward = tiny.forward
+
+    def spy(tokens, start, n_logits, cache, layers=None):
+        calls.append((cache is d.backend.cache, len(tokens)))
+        return forward(tokens, start, n_logits, cache, layers)
+
+    tiny.forward = spy
+    try:
+        plain = Engine(tiny).generate(PROMPT, max_tokens=24).tokens
+        r = Engine(tiny, d, draft_max=3).generate(PROMPT, max_tokens=24)
+    finally:
+        del tiny.forward
+    assert r.tokens == plain and r.stats.drafted > 0
+    assert not d.backend.cache.own.keys  # no layers of its own
+    assert {n for is_draft, n in calls if is_draft and n} == {1}  # (an empty call is the no-op prefill)
+    skip = SelfSpecDrafter(tiny, skip=[2])
+    assert skip.backend.n_shared == 2 and not skip.backend.early_exit
+
+    tiny.rewind(0)
+    ref = tiny.sync(PROMPT + [2, 4, 6], n_logits=3).copy()
+    for draft in (d, skip):
+        tiny.rewind(0)
+        tiny.sync(PROMPT + [2, 4, 6], n_logits=3)
+        draft.backend.sync(PROMPT[:2] + [9, 9, 9])  # diverges at position 2: overwrites shared entries there
+        assert len(tiny.tokens) == 2
+        assert np.array_equal(tiny.sync(PROMPT + [2, 4, 6], n_logits=3), ref)
+
+
 def test_first_token_distribution(tiny):
     """Sampled first tokens through the engine (self-spec drafts, rejection sampling) follow softmax(target)."""
     from speculant.drafters.selfspec import SelfSpecDrafter

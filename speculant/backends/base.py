@@ -72,6 +72,10 @@ class Backend(ABC):
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 
+    def behind(self, context: Sequence[int]) -> int:
+        """About how many tokens a sync to `context` evaluates (a drafter's catch-up)."""
+        return len(context) - len(self.tokens)
+
     # -- text ---------------------------------------------------------------------------------------------
     @abstractmethod
     def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...

@@ -186,18 +186,22 @@ ATTENTION = "speculant_blocked"
 class BlockKVCache:
     """Keys and values per layer in one growing buffer [1, kv_heads, capacity, head_dim] (capacity a multiple
     of KV_BLOCK). Positions are absolute; entries past the sequence are stale and masked, so cutting the
-    sequence back costs nothing: a later pass overwrites them. Layers are keyed by their own index, so a
-    layer subset (self-speculation) keeps a cache of just its layers."""
+    sequence back costs nothing: a later pass overwrites them. Only a chunk's real rows are stored (padding
+    rows never overwrite anything). Layers are keyed by their own index, so a layer subset
+    (self-speculation) keeps a cache of just its layers."""
 
     def __init__(self):
         self.keys: dict[int, "torch.Tensor"] = {}
         self.values: dict[int, "torch.Tensor"] = {}
         self.start = 0  # position of the first row of the chunk being evaluated
+        self.n_real = 0  # its rows that are real tokens
+
+    def set_chunk(self, start: int, n_real: int) -> None:
+        self.start, self.n_real = start, n_real
 
     def update(self, key, value, layer_idx, **kwargs):
-        """Store a chunk's keys/values at start.. ; return the buffers up to the block holding its last row."""
-        end = self.start + key.shape[-2]
-        used = -(-end // KV_BLOCK) * KV_BLOCK
+        """Store a chunk's real rows at start.. ; return the buffers up to the block holding its last row."""
+        used = -(-(self.start + key.shape[-2]) // KV_BLOCK) * KV_BLOCK
         buf_k = self.keys.get(layer_idx)
         if buf_k is None or buf_k.shape[-2] < used:
             capacity = max(used, 2 * buf_k.shape[-2] if buf_k is not None else 0)
@@ -208,12 +212,39 @@ class BlockKVCache:
                 new_v[..., :buf_k.shape[-2], :] = self.values[layer_idx]
             self.keys[layer_idx], self.values[layer_idx] = new_k, new_v
         buf_k, buf_v = self.keys[layer_idx], self.values[layer_idx]
-        buf_k[..., self.start:end, :] = key
-        buf_v[..., self.start:end, :] = value
+        end = self.start + self.n_real
+        buf_k[..., self.start:end, :] = key[..., :self.n_real, :]
+        buf_v[..., self.start:end, :] = value[..., :self.n_real, :]
         return buf_k[..., :used, :], buf_v[..., :used, :]
 
     def get_seq_length(self, layer_idx: int = 0) -> int:  # transformers asks; positions are always given
         return self.start
+
+
+class SharedPrefixCache:
+    """A layer-subset draft's cache: layers below n_shared use the target's own cache, the rest the draft's.
+    Valid because passes are bit-exact: a layer the draft runs with the same inputs as the target (every
+    layer before the first skipped one) computes exactly the target's keys and values."""
+
+    def __init__(self, target, n_shared: int):
+        self.target = target  # its .cache is looked up each time (close() replaces it)
+        self.own = BlockKVCache()
+        self.n_shared = n_shared
+
+    def set_chunk(self, start: int, n_real: int) -> None:
+        self.own.set_chunk(start, n_real)
+        self.target.cache.set_chunk(start, n_real)
+
+    def update(self, key, value, layer_idx, **kwargs):
+        cache = self.target.cache if layer_idx < self.n_shared else self.own
+        return cache.update(key, value, layer_idx)
+
+    @property
+    def keys(self) -> dict:
+        return {i: k for i, k in self.target.cache.keys.items() if i < self.n_shared} | self.own.keys
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.own.start
 
 
 def blocked_attention(module, query, key, value, attention_mask, scaling, dropout=0.0, position_ids=None,
@@ -314,7 +345,7 @@ class TorchBackend(Backend):
                 chunk += [chunk[-1]] * (PASS_ROWS - n_real)  # padding rows: computed, thrown away
                 ids = torch.tensor([chunk], dtype=torch.long, device=self.device)
                 pos = torch.arange(start + c, start + c + PASS_ROWS, device=self.device).unsqueeze(0)
-                cache.start = start + c
+                cache.set_chunk(start + c, n_real)
                 hidden = base(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
                               attention_mask={"full_attention": None}).last_hidden_state  # [1, rows, hidden]
                 if c + n_real > first_logit:  # the head over all rows too: one shape for every pass

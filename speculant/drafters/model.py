@@ -33,7 +33,7 @@ class ModelDrafter(Drafter):
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
                 rng: np.random.Generator, budget: Optional[DraftBudget] = None) -> Draft:
         budget = budget or DraftBudget(k)
-        behind = len(context) - len(self.backend.tokens)  # tokens to catch up on (about: rejections rewind)
+        behind = self.backend.behind(context)  # tokens to catch up on (about: rejections rewind)
         k = min(budget.start(self.name, free=False, behind=behind), self.backend.n_ctx - len(context) + 1)
         tokens: list[int] = []
         probs: list[np.ndarray] = []

@@ -1,7 +1,11 @@
 """Self-speculative drafter: the target drafts with a subset of its own layers (early exit after the first L
 layers, or a set of skipped layers), then its final norm and LM head. The weights are the target's (the
-layer modules are borrowed, never copied); the draft keeps its own KV cache (a separate DynamicCache over the
-layer subset; the target's KV entries are not reused). Lossless like every drafter: the target verifies.
+layer modules are borrowed, never copied). KV entries are shared where that is exact: every layer before the
+first skipped one sees the same inputs in the draft as in the target, and torch passes are bit-exact however
+they are cut (backends/torch.py), so those layers use the target's own KV cache, in both directions. An
+early-exit draft (the first L layers) therefore has no cache of its own and never prefills or catches up:
+the target's passes already computed everything it needs, and it only evaluates the newest token. Layers
+after the first skipped one keep the draft's own entries. Lossless like every drafter: the target verifies.
 
 The layer subset comes from `speculant calibrate` (<model>.selfspec.json, see speculant/calibrate.py).
 """
@@ -38,24 +42,59 @@ def normalize_layers(n_layers: int, *, exit_layer: Optional[int] = None,
     return [i for i in range(n_layers) if i not in skip_set]
 
 
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class LayerSubsetBackend(Backend):
-    """A view of a TorchBackend that runs only `layers`, with its own KV cache."""
+    """A view of a TorchBackend that runs only `layers`; the layers before the first skipped one share the
+    target's KV cache, the others have their own."""
 
     def __init__(self, target, layers: Sequence[int]):
+        from ..backends.torch import SharedPrefixCache
+
         super().__init__()
         self.target = target
         self.layers = list(layers)
         self.name = f"{target.name}[{len(self.layers)}/{target.n_layers} layers]"
         self.n_vocab = target.n_vocab
         self.n_ctx = target.n_ctx
-        self.cache = target.new_cache()
+        self.n_shared = next((i for i, layer in enumerate(self.layers) if layer != i), len(self.layers))
+        self.early_exit = self.n_shared == len(self.layers)
+        self.cache = SharedPrefixCache(target, self.n_shared)
+
+    def sync(self, context, n_logits: int = 1):
+        """The shared layers hold the target's entries for target.tokens: an early-exit draft takes them as
+        its own; a draft with own layers keeps only the part of its cache that agrees with them."""
+        mine, theirs = self.tokens, self.target.tokens
+        if self.early_exit:
+            self.tokens = list(theirs)
+        elif self.n_shared and mine[:len(theirs)] != theirs[:len(mine)]:
+            self.rewind(_common_prefix(mine, theirs))
+        return super().sync(context, n_logits)
 
     def _decode(self, tokens, start, n_logits):
         layers = None if len(self.layers) == self.target.n_layers else self.layers
-        return self.target.forward(tokens, start, n_logits, self.cache, layers=layers)
+        logits = self.target.forward(tokens, start, n_logits, self.cache, layers=layers)
+        theirs = self.target.tokens
+        if self.n_shared and start < len(theirs):  # positions start.. of the shared layers now hold our tokens
+            written = list(self.tokens[:start]) + list(tokens)
+            agree = _common_prefix(written, theirs)
+            if agree < len(written):  # the target's entries from `agree` on are not its own any more
+                self.target.rewind(max(start, agree))
+        return logits
+
+    def behind(self, context) -> int:
+        known = self.target.tokens if self.early_exit else self.tokens
+        return len(context) - len(known)
 
     def _truncate(self, n_kept: int) -> None:
-        self.target.crop_cache(self.cache, n_kept)
+        pass  # entries past n_kept are masked until overwritten (BlockKVCache)
 
     # text: the target's
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
@@ -82,7 +121,7 @@ class LayerSubsetBackend(Backend):
         return self.target.eos_token
 
     def close(self) -> None:
-        self.cache = self.target.new_cache()
+        self.cache.own = self.target.new_cache()
         self.tokens = []
 
 
