@@ -114,7 +114,7 @@ class Engine:
         target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
         if drafter:
             drafter.prepare(context)  # the draft model's prompt processing is prefill too
-            self.policy.new_request()
+            self.policy.new_request(params.temperature if not params.greedy else 0.0)
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         try:

@@ -60,6 +60,13 @@ def ngram_key(n: int, first: bool) -> str:
     return f"n{n}" if first else f"n{n}+"
 
 
+def regime_of(temperature: float) -> str:
+    """'' for greedy requests, '@T<=0.5' / '@T<=1' / '@T>1' for sampled ones (a suffix of the source name)."""
+    if temperature <= 0:
+        return ""
+    return "@T<=0.5" if temperature <= 0.5 else "@T<=1" if temperature <= 1.0 else "@T>1"
+
+
 def prior_acceptance(key: str) -> float:
     """A starting guess per bucket before any measurement (weighted as two observations)."""
     if key.startswith("q<"):
@@ -138,7 +145,7 @@ class FixedPolicy:
     def observe(self, *args, **kwargs) -> None:
         pass
 
-    def new_request(self) -> None:
+    def new_request(self, temperature: float = 0.0) -> None:
         pass
 
     def observe_shadow(self, source: str, key: str, accepted: bool) -> None:
@@ -183,10 +190,11 @@ class AdaptivePolicy:
         self.probing = False
         self.last_was_probe = False
         self.trial = False  # after a probe: keep speculating while every step's drafts are all accepted
-        self.decode_time = 0.0  # all steps' time, catch-up included
+        self.decode_time = 0.0  # this request's steps' time, catch-up included
         self.catchup_time = 0.0  # of which draft catch-up prefills
         self.catchup_per_token = _Ema(0.0)
         self.history: list[int] = []  # k chosen for the paid drafter each step (the most recent ones)
+        self.regime = ""  # the current request's sampling regime (regime_of)
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -212,12 +220,16 @@ class AdaptivePolicy:
         """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1)."""
         return max(self.target_time(i + 1) - self.target_time(i), 0.0) / self.target_time(1)
 
+    def _src(self, source: str) -> str:
+        """Acceptance is kept per sampling regime: greedy and sampled requests accept differently."""
+        return source + self.regime
+
     def acceptance(self, source: str) -> float:
-        e = self.alpha.get(source)
+        e = self.alpha.get(self._src(source))
         return e.value if e else self.prior_alpha
 
     def key_acceptance(self, source: str, key: str) -> float:
-        e = self.key_alpha.get((source, key))
+        e = self.key_alpha.get((self._src(source), key))
         return e.value if e else prior_acceptance(key)
 
     def draft_step_cost(self, source: str) -> float:
@@ -228,10 +240,14 @@ class AdaptivePolicy:
     def budget(self, room: int) -> DraftBudget:
         return DraftBudget(min(self.k_max, room), self)
 
-    def new_request(self) -> None:
+    def new_request(self, temperature: float = 0.0) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
-        speculation better than the last one's, so an earlier backoff does not carry over: probe now."""
+        speculation better than the last one's, so an earlier backoff does not carry over: probe now. The
+        catch-up allowance starts again too (a share of this request's decode time, so no request pays for
+        probes more than that share)."""
         self.backoff, self.probing, self.trial = 0, True, False
+        self.decode_time = self.catchup_time = 0.0
+        self.regime = regime_of(temperature)
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
@@ -281,9 +297,9 @@ class AdaptivePolicy:
         self._update_key(source, key, accepted)
 
     def _update_key(self, source: str, key: str, accepted: bool) -> None:
-        e = self.key_alpha.get((source, key))
+        e = self.key_alpha.get((self._src(source), key))
         if e is None:
-            e = self.key_alpha[(source, key)] = _Ema(prior_acceptance(key), weight=2.0)
+            e = self.key_alpha[(self._src(source), key)] = _Ema(prior_acceptance(key), weight=2.0)
         e.update(1.0 if accepted else 0.0, self.alpha_rate)
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
@@ -306,7 +322,7 @@ class AdaptivePolicy:
             paid = source  # the original call form: every drafted step was a paid one
         rejected = n_accepted < n_drafted
         if n_drafted:
-            a = self.alpha.setdefault(source, _Ema(self.prior_alpha))
+            a = self.alpha.setdefault(self._src(source), _Ema(self.prior_alpha))
             for _ in range(n_accepted):  # per-token acceptance: accepted / (accepted + rejections)
                 a.update(1.0, self.alpha_rate)
             if rejected:

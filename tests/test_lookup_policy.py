@@ -160,7 +160,7 @@ def test_model_drafter_reports_catch_up_separately():
 
 
 # -- acceptance by the draft's confidence: the per-token budget ----------------------------------------------
-from speculant.policy import DraftBudget, confidence_key, ngram_key, prior_acceptance  # noqa: E402
+from speculant.policy import DraftBudget, confidence_key, ngram_key, prior_acceptance, regime_of  # noqa: E402
 
 
 def _cpu_policy(**kw):
@@ -323,3 +323,32 @@ def test_each_request_gets_a_fresh_probe():
     policy.backoff, policy.probe_interval = 200, 256  # lost for a long while on earlier prompts
     policy.new_request()
     assert policy.draft_length("draft", behind=1) > 0  # the draft model just prefilled the prompt: try it
+
+
+def test_catch_up_allowance_is_per_request():
+    """The 1.5% catch-up share counts this request's decode time: a long earlier request does not pay for
+    a big catch-up in a short new one."""
+    policy = _losing_policy()
+    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)
+    policy.decode_time = 1000.0  # lifetime: allowance would cover 375 tokens
+    policy.new_request()
+    assert policy.decode_time == 0.0
+    policy.backoff, policy.probing = 0, True
+    assert policy.draft_length("draft", behind=50) == 0  # this request: 0 s decoded, a quarter step allowed
+
+
+def test_acceptance_is_kept_per_sampling_regime():
+    policy = AdaptivePolicy(k_max=4)
+    policy.new_request(0.0)
+    for _ in range(50):
+        policy.observe("draft", 1, 1, 0.4, 1.5, 2, keys=["q0.8"], paid="draft")
+    greedy = policy.key_acceptance("draft", "q0.8")
+    assert greedy > 0.9 and policy.acceptance("draft") > 0.9
+    policy.new_request(0.8)  # sampled requests start from the prior, then learn on their own
+    assert policy.key_acceptance("draft", "q0.8") == prior_acceptance("q0.8")
+    for _ in range(50):
+        policy.observe("draft", 1, 0, 0.4, 1.5, 1, keys=["q0.8"], paid="draft")
+    assert policy.key_acceptance("draft", "q0.8") < 0.2
+    policy.new_request(0.0)
+    assert policy.key_acceptance("draft", "q0.8") == greedy
+    assert regime_of(0.0) == "" and regime_of(0.3) != regime_of(0.8) != regime_of(1.5)
