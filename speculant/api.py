@@ -48,15 +48,19 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
 
 
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
+DRAFT_VOCAB = 32768  # default --draft-vocab: a llama.cpp draft with a larger vocabulary is cut to this
 
 
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
                  ngram_max: int = 4, ngram_min: int = 1, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
-                 self_spec: bool = False, self_spec_exit: Optional[int] = None) -> Optional[Drafter]:
+                 self_spec: bool = False, self_spec_exit: Optional[int] = None,
+                 draft_vocab: int = DRAFT_VOCAB) -> Optional[Drafter]:
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), or both (`lookup=True`
     with a model: lookup first, the model when lookup finds nothing), or the target's own first layers
-    (`self_spec`, torch targets). The draft's vocabulary is checked against the target's."""
+    (`self_spec`, torch targets). The draft's vocabulary is checked against the target's. draft_vocab: a
+    llama.cpp draft with more token ids than this runs from a copy whose output layer keeps only the first
+    draft_vocab ids (speculant/vocabcut.py: a cheaper draft step, still lossless); 0 keeps them all."""
     if not (0.0 <= draft_p_min < 1.0):
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
@@ -76,12 +80,24 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
     draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
                          dtype=dtype if draft_backend == "torch" else None,
                          device=device if draft_backend == "torch" else None)
+    keep = None
     try:
         check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+        if draft_vocab < 0:
+            raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+        from .backends.llamacpp import LlamaCppBackend
+
+        if draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
+            from .vocabcut import cut_model, read_keep
+
+            cut = cut_model(models.resolve(draft_model), draft_vocab)
+            draft.close()
+            draft = load_backend(str(cut), n_ctx=target.n_ctx, threads=threads, role="draft")
+            keep = read_keep(cut)
     except BaseException:
         draft.close()
         raise
-    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min)
+    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep)
     return CompositeDrafter(lookup_drafter, model_drafter) if lookup_drafter else model_drafter
 
 
@@ -90,7 +106,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 lookup: bool = False, ngram_max: int = 4, ngram_min: int = 1, n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
-                self_spec_exit: Optional[int] = None) -> Engine:
+                self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
@@ -104,7 +120,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=threads,
                                draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
-                               self_spec_exit=self_spec_exit)
+                               self_spec_exit=self_spec_exit, draft_vocab=draft_vocab)
     except BaseException:
         target.close()
         raise

@@ -37,6 +37,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                         "plainly when speculation does not pay (default on; --no-adapt drafts --draft-max always)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's confidence falls below this (default 0: off)")
+    p.add_argument("--draft-vocab", type=int, default=32768,
+                   help="run a llama.cpp draft from a copy whose output layer keeps only its first N token ids "
+                        "(a cheaper draft step; lossless; made once under $SPECULANT_HOME/cut; default "
+                        "%(default)s, 0: the full vocabulary)")
     p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
@@ -124,7 +128,7 @@ def engine_from_args(args):
                        ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
                        threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
-                       self_spec_exit=args.self_spec_exit)
+                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab)
 
 
 def cmd_generate(args) -> int:
@@ -187,7 +191,8 @@ def cmd_demo(args) -> int:
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, threads=args.threads,
                            draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
-                           self_spec=args.self_spec, self_spec_exit=args.self_spec_exit)
+                           self_spec=args.self_spec, self_spec_exit=args.self_spec_exit,
+                           draft_vocab=args.draft_vocab)
     plain = Engine(target)
     spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)

@@ -40,6 +40,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                         f"known: {', '.join(METHODS)})")
     p.add_argument("--draft-max", "--draft", default="4", help="comma list of draft lengths k (default 4)")
     p.add_argument("--draft-p-min", type=float, default=0.0, help="draft confidence cut-off (default 0: off)")
+    p.add_argument("--draft-vocab", type=int, default=32768,
+                   help="token ids the *-cut methods' draft keeps in its output layer (default %(default)s)")
     p.add_argument("--temp", default="0", help="comma list of temperatures (default 0 = greedy)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
@@ -94,7 +96,8 @@ def config_from_args(args):
                        min_p=args.min_p, seed=args.seed, draft_p_min=args.draft_p_min, n_ctx=args.ctx_size,
                        threads=args.threads, cost_repeats=args.cost_repeats, warmup=not args.no_warmup,
                        suite=str(args.suite) if args.suite else "builtin", dtype=args.dtype, device=args.device,
-                       extra={"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {},
+                       extra={**({"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {}),
+                              **({"draft_vocab": args.draft_vocab} if any(v.method.cut for v in variants) else {})},
                        memory=bool(torch_names) if args.memory is None else args.memory)
 
 

@@ -30,13 +30,17 @@ class MethodContext:
     options: dict = field(default_factory=dict)  # free-form settings for future methods
     torch_target: Optional[Backend] = None  # the target on the torch backend, when a method needs it
     notes: dict = field(default_factory=dict)  # method name -> what it chose (reported)
+    cut_draft: Optional[Backend] = None  # the draft model with its vocabulary cut (--draft-vocab), when needed
+    cut_keep: Optional[object] = None  # its kept target ids (np.ndarray)
 
-    def model_drafter(self, target: Optional[Backend] = None):
+    def model_drafter(self, target: Optional[Backend] = None, cut: bool = False):
         from ..drafters.model import ModelDrafter
 
-        if self.draft is None:
+        draft = self.cut_draft if cut else self.draft
+        if draft is None:
             raise SettingsError("this method needs a draft model: pass -md")
-        return ModelDrafter(self.draft, (target or self.target).n_vocab, p_min=self.draft_p_min)
+        return ModelDrafter(draft, (target or self.target).n_vocab, p_min=self.draft_p_min,
+                            keep=self.cut_keep if cut else None)
 
     def torch(self) -> Backend:
         if self.torch_target is None:
@@ -55,6 +59,7 @@ class Method:
     cost: str = "in_run"
     help: str = ""
     backend: str = "llama.cpp"  # the target's runtime: "llama.cpp" (ctx.target) or "torch" (ctx.torch_target)
+    cut: bool = False  # uses the draft model with its vocabulary cut to --draft-vocab ids
 
     @property
     def baseline(self) -> str:
@@ -85,10 +90,10 @@ def _lookup(ctx):
     return LookupDrafter(**{k: v for k, v in ctx.options.items() if k in ("ngram_max", "ngram_min")})
 
 
-def _composite(ctx):
+def _composite(ctx, cut: bool = False):
     from ..drafters.composite import CompositeDrafter
 
-    return CompositeDrafter(_lookup(ctx), ctx.model_drafter())
+    return CompositeDrafter(_lookup(ctx), ctx.model_drafter(cut=cut))
 
 
 register(Method("lookup", lambda ctx, k: Engine(ctx.target, _lookup(ctx), draft_max=k),
@@ -102,6 +107,16 @@ register(Method("adaptive-lookup", lambda ctx, k: Engine(ctx.target, _lookup(ctx
 register(Method("adaptive+lookup",
                 lambda ctx, k: Engine(ctx.target, _composite(ctx), draft_max=k, adaptive=True),
                 needs_draft=True, help="lookup then draft model, adaptive k and plain fallback"))
+
+register(Method("draft-cut", lambda ctx, k: Engine(ctx.target, ctx.model_drafter(cut=True), draft_max=k),
+                needs_draft=True, cut=True, cost="in_run",
+                help="draft model with its output layer cut to --draft-vocab ids (cheaper steps), k tokens"))
+register(Method("adaptive-cut",
+                lambda ctx, k: Engine(ctx.target, ctx.model_drafter(cut=True), draft_max=k, adaptive=True),
+                needs_draft=True, cut=True, help="adaptive with the cut draft model"))
+register(Method("adaptive+lookup-cut",
+                lambda ctx, k: Engine(ctx.target, _composite(ctx, cut=True), draft_max=k, adaptive=True),
+                needs_draft=True, cut=True, help="adaptive+lookup with the cut draft model"))
 
 
 def _self_spec(ctx):

@@ -281,6 +281,13 @@ def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
                                      role="draft")
             for t in drafted_for:
                 check_compatible(t.vocab_info(), ctx.draft.vocab_info(), t.name, ctx.draft.name)
+        if any(m.cut for m in methods):
+            from .. import models
+            from ..vocabcut import cut_model, read_keep
+
+            path = cut_model(models.resolve(cfg.draft_model), int(cfg.extra.get("draft_vocab", 32768)))
+            ctx.cut_draft = load_backend(str(path), n_ctx=ctx.target.n_ctx, threads=cfg.threads, role="draft")
+            ctx.cut_keep = read_keep(path)
     except BaseException:
         close_context(ctx)
         raise
@@ -288,7 +295,7 @@ def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
 
 
 def close_context(ctx: MethodContext) -> None:
-    for b in (ctx.draft, ctx.torch_target, ctx.target):
+    for b in (ctx.cut_draft, ctx.draft, ctx.torch_target, ctx.target):
         if b is not None:
             b.close()
 

@@ -8,6 +8,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..backends.base import Backend
+from ..errors import SettingsError
 from ..policy import DraftBudget, confidence_key
 from ..verify import SamplingParams, probs_from_logits, sample
 from .base import Draft, Drafter
@@ -16,13 +17,32 @@ from .base import Draft, Drafter
 class ModelDrafter(Drafter):
     name = "draft"
 
-    def __init__(self, backend: Backend, n_vocab_target: int, p_min: float = 0.0):
+    def __init__(self, backend: Backend, n_vocab_target: int, p_min: float = 0.0,
+                 keep: Optional[np.ndarray] = None):
+        """keep: for a draft whose vocabulary was cut (speculant/vocabcut.py), the target id of each draft
+        id [n_vocab_draft]; context ids are mapped into the draft's ids, its logits back to the target's."""
         self.backend = backend
         self.n_vocab_target = n_vocab_target  # the draft's logits are cut or padded to the target's ids
         self.p_min = p_min  # stop drafting once the draft's own probability for its token falls below this
+        self.keep = None if keep is None else np.asarray(keep, dtype=np.int64)
+        if self.keep is not None:
+            if len(self.keep) != backend.n_vocab or self.keep.max() >= n_vocab_target:
+                raise SettingsError(f"{backend.name}: its kept-id table does not fit (draft vocab "
+                                    f"{backend.n_vocab}, target vocab {n_vocab_target})")
+            # an id outside the cut is fed as draft id 0: the draft sees a stand-in, it only proposes worse
+            self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
+            self.to_draft[self.keep] = np.arange(len(self.keep))
+
+    def _ids(self, tokens: Sequence[int]) -> list[int]:
+        """Target ids -> the draft's ids."""
+        return list(tokens) if self.keep is None else self.to_draft[np.asarray(tokens, dtype=np.int64)].tolist()
 
     def _fit(self, logits: np.ndarray) -> np.ndarray:
         n = self.n_vocab_target
+        if self.keep is not None:  # scatter over the target's ids; the others get no probability
+            out = np.full(n, -np.inf, dtype=logits.dtype)
+            out[self.keep] = logits
+            return out
         if logits.shape[-1] == n:
             return logits
         if logits.shape[-1] > n:
@@ -41,7 +61,7 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft(tokens, None, self.name)
         t0 = time.perf_counter()
-        logits = self._fit(self.backend.sync(context)[0])  # [V]
+        logits = self._fit(self.backend.sync(self._ids(context))[0])  # [V]
         steps = 1
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
         catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
@@ -65,7 +85,7 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             keys.append(key)
             if i + 1 < k and budget.more(self.name):
-                logits = self._fit(self.backend.eval([token])[0])
+                logits = self._fit(self.backend.eval(self._ids([token]))[0])
                 steps += 1
             else:
                 break
@@ -73,7 +93,7 @@ class ModelDrafter(Drafter):
                      catchup_tokens=behind if catchup_time else 0, keys=keys, steps=steps, paid=self.name)
 
     def prepare(self, context: Sequence[int]) -> None:
-        self.backend.sync(context[:-1], n_logits=0)  # the prompt, as for the target: part of the prefill
+        self.backend.sync(self._ids(context[:-1]), n_logits=0)  # the prompt, as for the target: part of the prefill
 
     def close(self) -> None:
         self.backend.close()

@@ -1,0 +1,113 @@
+"""A cheaper draft model: the same GGUF with its output layer (and token embeddings) cut to the first N token
+ids, so a draft step streams fewer weights.
+
+Why: a 0.5B draft spends a large share of each step on its 152k-row output matrix (Qwen2.5-Coder-0.5B
+Q4_K_M: output.weight is Q8_0, 145 MB of the 485 MB file; every step reads all of it). llama.cpp always
+computes the full output layer, so the only way to skip rows is a model file without them.
+
+Which ids: byte-level BPE ids follow merge order, which is roughly frequency order, so the first N ids are
+the frequent ones (on the built-in suite's prompts and outputs 92.6% of Qwen tokens are below 32768); control
+and user-defined tokens (im_start, im_end, fim...) are always kept. The cut file stores the kept target ids
+as `speculant.vocab_keep`; the drafter maps context ids into the draft's ids (a token outside the set is fed
+as a stand-in) and scatters the draft's distribution back over the target's ids, zero outside the set.
+
+Exactness does not depend on any of this: the draft only proposes; a token it cannot propose simply has
+q = 0, which the rejection test handles like any other draft distribution.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+
+from .errors import ModelError, SettingsError
+
+KEEP_KEY = "speculant.vocab_keep"
+CUT_TENSORS = ("output.weight", "token_embd.weight")  # [n_vocab, ...] row-major: rows are token ids
+NORMAL = 1  # llama.cpp's LLAMA_TOKEN_TYPE_NORMAL
+
+
+def kept_ids(token_types: list[int], n: int) -> np.ndarray:
+    """The first n ids plus every non-normal token (control / user-defined: chat and FIM markers)."""
+    ids = list(range(min(n, len(token_types))))
+    ids += [i for i in range(n, len(token_types)) if token_types[i] != NORMAL]
+    return np.asarray(ids, dtype=np.int64)
+
+
+def write_cut(src: Path, dst: Path, n: int) -> Path:
+    """Write `src` with its vocabulary cut to kept_ids(n) to `dst` (atomically)."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+
+    reader = GGUFReader(str(src))
+    fields = reader.fields
+    if "tokenizer.ggml.tokens" not in fields or "tokenizer.ggml.token_type" not in fields:
+        raise ModelError(f"{src.name}: no tokenizer in the GGUF, cannot cut its vocabulary")
+    n_tokens = len(fields["tokenizer.ggml.tokens"].data)
+    keep = kept_ids([int(t) for t in fields["tokenizer.ggml.token_type"].contents()], n)
+    new_id = {int(t): i for i, t in enumerate(keep)}
+    tensors = {t.name: t for t in reader.tensors}
+    for name in CUT_TENSORS:
+        if name in tensors and tensors[name].data.shape[0] != n_tokens:
+            raise ModelError(f"{src.name}: {name} has {tensors[name].data.shape[0]} rows for {n_tokens} tokens")
+    tmp = dst.with_name(dst.name + f".tmp{os.getpid()}")
+    writer = GGUFWriter(str(tmp), fields["general.architecture"].contents())
+    for field in fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue  # written by GGUFWriter itself
+        kind = field.types[0]
+        sub = field.types[-1] if kind == GGUFValueType.ARRAY else None
+        value = field.contents()
+        if field.name in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.scores"):
+            value = [value[i] for i in keep]
+        elif field.name.startswith("tokenizer.ggml.") and field.name.endswith("_token_id"):
+            if int(value) not in new_id:
+                continue
+            value = new_id[int(value)]
+        writer.add_key_value(field.name, value, kind, sub_type=sub)
+    writer.add_key_value(KEEP_KEY, [int(t) for t in keep], GGUFValueType.ARRAY, sub_type=GGUFValueType.INT32)
+    data = {}
+    for t in reader.tensors:
+        data[t.name] = np.ascontiguousarray(t.data[keep]) if t.name in CUT_TENSORS else t.data
+        writer.add_tensor_info(t.name, data[t.name].shape, data[t.name].dtype, data[t.name].nbytes, t.tensor_type)
+    try:
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for t in reader.tensors:
+            writer.write_tensor_data(data[t.name])
+        writer.close()
+        os.replace(tmp, dst)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return dst
+
+
+def cut_model(src: Path, n: int) -> Path:
+    """The cut copy of `src` under $SPECULANT_HOME/cut/, made once (rebuilt if the source changes)."""
+    from . import models
+
+    if n < 256:
+        raise SettingsError(f"--draft-vocab must be 0 (the full vocabulary) or at least 256, got {n}")
+    out_dir = models.home() / "cut"
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dst = out_dir / f"{src.stem}.top{n}.gguf"
+    stamp = dst.with_suffix(".json")
+    source = {"source": str(src), "size": src.stat().st_size, "mtime": src.stat().st_mtime, "n": n}
+    if dst.exists() and stamp.exists() and json.loads(stamp.read_text()) == source:
+        return dst
+    write_cut(src, dst, n)
+    stamp.write_text(json.dumps(source))
+    return dst
+
+
+def read_keep(path: Path) -> Optional[np.ndarray]:
+    """The target ids a cut GGUF keeps (None: not a cut file)."""
+    from gguf import GGUFReader
+
+    field = GGUFReader(str(path)).fields.get(KEEP_KEY)
+    return None if field is None else np.asarray(field.contents(), dtype=np.int64)
