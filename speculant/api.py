@@ -48,7 +48,7 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
 
 
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
-DRAFT_VOCAB = 32768  # default --draft-vocab: a llama.cpp draft with a larger vocabulary is cut to this
+DRAFT_VOCAB = 0  # default --draft-vocab: 0 keeps the full vocabulary (a cut did not pay for the Qwen pair)
 
 
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
@@ -88,16 +88,15 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         from .backends.llamacpp import LlamaCppBackend
 
         if draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
-            from .vocabcut import cut_model, read_keep
+            from .vocabcut import load_cut_draft
 
-            cut = cut_model(models.resolve(draft_model), draft_vocab)
             draft.close()
-            draft = load_backend(str(cut), n_ctx=target.n_ctx, threads=threads, role="draft")
-            keep = read_keep(cut)
+            draft, keep = load_cut_draft(models.resolve(draft_model), draft_vocab, n_ctx=target.n_ctx,
+                                         threads=threads)
     except BaseException:
         draft.close()
         raise
-    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep)
+    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep, map_inputs=False)
     return CompositeDrafter(lookup_drafter, model_drafter) if lookup_drafter else model_drafter
 
 

@@ -37,10 +37,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                         "plainly when speculation does not pay (default on; --no-adapt drafts --draft-max always)")
     p.add_argument("--draft-p-min", type=float, default=0.0,
                    help="stop drafting when the draft's confidence falls below this (default 0: off)")
-    p.add_argument("--draft-vocab", type=int, default=32768,
+    p.add_argument("--draft-vocab", type=int, default=0,
                    help="run a llama.cpp draft from a copy whose output layer keeps only its first N token ids "
-                        "(a cheaper draft step; lossless; made once under $SPECULANT_HOME/cut; default "
-                        "%(default)s, 0: the full vocabulary)")
+                        "(a cheaper draft step that cannot propose the other ids; lossless; made once under "
+                        "$SPECULANT_HOME/cut; default 0: the full vocabulary)")
     p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
     p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",

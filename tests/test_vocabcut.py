@@ -83,15 +83,17 @@ def test_cut_gguf_gives_the_same_logits_for_kept_ids(small_cut, small_target):
     assert np.array_equal(mine, full[:, keep])
 
 
-def test_qwen_pair_greedy_identity_with_the_default_cut(qwen_target):
-    """The default CLI/API path: load_drafter cuts the 0.5B draft to 32768 ids (made once, then cached)."""
+def test_qwen_pair_greedy_identity_with_a_cut_draft(qwen_target):
+    """The CLI/API path (--draft-vocab 32768): load_drafter cuts the 0.5B draft (made once, then cached) and
+    feeds it the full vocabulary's embeddings."""
     from speculant.api import load_drafter
 
     if not models.cached_path(models.DEFAULT_DRAFT).exists():
         pytest.skip("draft not pulled")
-    drafter = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2)
+    drafter = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2, draft_vocab=32768)
     try:
         assert drafter.keep is not None and drafter.backend.n_vocab == len(drafter.keep) < qwen_target.n_vocab
+        assert drafter.to_draft is None and drafter.backend.embed is not None  # reads every id exactly
         prompt = ("<|im_start|>user\nWrite a Python function that checks whether a string is a palindrome."
                   "<|im_end|>\n<|im_start|>assistant\n")
         plain = Engine(qwen_target).generate(prompt, max_tokens=40)
@@ -99,11 +101,27 @@ def test_qwen_pair_greedy_identity_with_the_default_cut(qwen_target):
         assert r.tokens == plain.tokens and r.stats.accepted > 0
     finally:
         drafter.close()
-    full = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2, draft_vocab=0)
+    full = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2)  # the default keeps every id
     try:
         assert full.keep is None and full.backend.n_vocab >= qwen_target.n_vocab - 128
     finally:
         full.close()
+
+
+def test_embedding_input_reads_tokens_like_ids(small_target):
+    """A backend fed embeddings from the GGUF's own table computes what it computes from the ids."""
+    from speculant.backends.llamacpp import LlamaCppBackend
+    from speculant.vocabcut import TokenEmbeddings
+
+    path = models.cached_path(SMALL)
+    b = LlamaCppBackend(path, n_ctx=512, embed=TokenEmbeddings(path))
+    try:
+        ids = small_target.tokenize("def add(a, b):\n    return a + b  # Der Hund schläft")
+        by_embd, by_ids = b.sync(ids, n_logits=len(ids)), small_target.sync(ids, n_logits=len(ids))
+        assert (by_embd.argmax(-1) == by_ids.argmax(-1)).all()
+        np.testing.assert_allclose(by_embd, by_ids, atol=1e-3 * np.abs(by_ids).max())
+    finally:
+        b.close()
 
 
 def test_cut_model_is_made_once(tmp_path, monkeypatch, small_target):

@@ -56,9 +56,13 @@ class LlamaCppBackend(Backend):
     """One GGUF model and one llama.cpp context (sequence 0)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
-                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0):
+                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0, embed=None):
+        """embed: token ids -> input embeddings [n, n_embd] float32. When given, every pass feeds embeddings
+        instead of ids (a draft whose vocabulary was cut still reads every token of the context exactly:
+        speculant/vocabcut.py), and ids are not limited to this model's vocabulary."""
         super().__init__()
         self.path = Path(path)
+        self.embed = embed
         self.name = self.path.name
         mparams = ll.llama_model_default_params()
         mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
@@ -87,7 +91,8 @@ class LlamaCppBackend(Backend):
         self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
         self.n_threads = threads
         self._memory = ll.llama_get_memory(self._ctx)
-        self._batch = ll.llama_batch_init(self.n_batch, 0, 1)
+        self.n_embd = ll.llama_model_n_embd(self._model)
+        self._batch = ll.llama_batch_init(self.n_batch, self.n_embd if embed else 0, 1)
         self._piece_cache: dict[int, bytes] = {}
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
 
@@ -103,9 +108,13 @@ class LlamaCppBackend(Backend):
             b.n_tokens = len(chunk)
             first_logit = n - n_logits  # index (in tokens) of the first position whose logits we return
             n_out = 0
+            if self.embed is not None:
+                rows = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
+                rows[:len(chunk)] = self.embed(chunk)
             for i, tok in enumerate(chunk):
                 j = lo + i
-                b.token[i] = tok
+                if self.embed is None:
+                    b.token[i] = tok
                 b.pos[i] = start + j
                 b.n_seq_id[i] = 1
                 b.seq_id[i][0] = 0

@@ -40,7 +40,7 @@ class MethodContext:
         if draft is None:
             raise SettingsError("this method needs a draft model: pass -md")
         return ModelDrafter(draft, (target or self.target).n_vocab, p_min=self.draft_p_min,
-                            keep=self.cut_keep if cut else None)
+                            keep=self.cut_keep if cut else None, map_inputs=False)
 
     def torch(self) -> Backend:
         if self.torch_target is None:

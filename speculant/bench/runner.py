@@ -283,11 +283,11 @@ def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
                 check_compatible(t.vocab_info(), ctx.draft.vocab_info(), t.name, ctx.draft.name)
         if any(m.cut for m in methods):
             from .. import models
-            from ..vocabcut import cut_model, read_keep
+            from ..vocabcut import load_cut_draft
 
-            path = cut_model(models.resolve(cfg.draft_model), int(cfg.extra.get("draft_vocab", 32768)))
-            ctx.cut_draft = load_backend(str(path), n_ctx=ctx.target.n_ctx, threads=cfg.threads, role="draft")
-            ctx.cut_keep = read_keep(path)
+            ctx.cut_draft, ctx.cut_keep = load_cut_draft(models.resolve(cfg.draft_model),
+                                                         int(cfg.extra.get("draft_vocab", 32768)),
+                                                         n_ctx=ctx.target.n_ctx, threads=cfg.threads)
     except BaseException:
         close_context(ctx)
         raise

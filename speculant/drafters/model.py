@@ -18,24 +18,30 @@ class ModelDrafter(Drafter):
     name = "draft"
 
     def __init__(self, backend: Backend, n_vocab_target: int, p_min: float = 0.0,
-                 keep: Optional[np.ndarray] = None):
+                 keep: Optional[np.ndarray] = None, map_inputs: bool = True):
         """keep: for a draft whose vocabulary was cut (speculant/vocabcut.py), the target id of each draft
-        id [n_vocab_draft]; context ids are mapped into the draft's ids, its logits back to the target's."""
+        id [n_vocab_draft]: its logits are scattered back over the target's ids. map_inputs: also map
+        context ids into the draft's ids (an id outside the cut becomes a stand-in); False for a backend
+        that reads target ids itself (embeddings of the full vocabulary)."""
         self.backend = backend
         self.n_vocab_target = n_vocab_target  # the draft's logits are cut or padded to the target's ids
         self.p_min = p_min  # stop drafting once the draft's own probability for its token falls below this
         self.keep = None if keep is None else np.asarray(keep, dtype=np.int64)
+        self.to_draft = None
         if self.keep is not None:
             if len(self.keep) != backend.n_vocab or self.keep.max() >= n_vocab_target:
                 raise SettingsError(f"{backend.name}: its kept-id table does not fit (draft vocab "
                                     f"{backend.n_vocab}, target vocab {n_vocab_target})")
+        if self.keep is not None and map_inputs:
             # an id outside the cut is fed as draft id 0: the draft sees a stand-in, it only proposes worse
             self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
             self.to_draft[self.keep] = np.arange(len(self.keep))
 
     def _ids(self, tokens: Sequence[int]) -> list[int]:
         """Target ids -> the draft's ids."""
-        return list(tokens) if self.keep is None else self.to_draft[np.asarray(tokens, dtype=np.int64)].tolist()
+        if self.to_draft is None:
+            return list(tokens)
+        return self.to_draft[np.asarray(tokens, dtype=np.int64)].tolist()
 
     def _fit(self, logits: np.ndarray) -> np.ndarray:
         n = self.n_vocab_target
