@@ -279,7 +279,7 @@ def test_stats_report_acceptance_by_confidence():
     assert sum(v["drafted"] for v in out.values()) <= eng.generate(PROMPT, max_tokens=60).stats.drafted
 
 
-# -- probes: trial runs, bounded catch-up, a fresh look at each request ------------------------------------------
+# -- probes: the model decides after them, bounded catch-up, a fresh look at each request ------------------------------------------
 def _losing_policy():
     """This CPU's costs, a draft step 0.45 of a target step, acceptance 0.5: plain decoding wins."""
     policy = _cpu_policy()
@@ -293,19 +293,19 @@ def _step(policy, k, n_accepted):
                    paid="draft", draft_steps=k)
 
 
-def test_a_probe_that_pays_goes_on_until_a_draft_is_rejected():
+def test_after_a_probe_the_model_decides_with_the_refreshed_estimates():
     policy = _losing_policy()
     assert policy.draft_length("draft") == 0  # the model says plain: back off
     ks = [policy.draft_length("draft") for _ in range(policy.probe_after)]
     assert ks == [0] * policy.probe_after
     k = policy.draft_length("draft")  # the probe
-    assert k > 0 and policy.trial
-    for _ in range(5):  # every draft accepted: the trial continues
-        _step(policy, k, k)
-        k = policy.draft_length("draft")
-        assert k > 0
-    _step(policy, k, 0)  # a rejection ends it: back to the model, which says plain
-    assert not policy.trial and policy.draft_length("draft") == 0
+    assert k > 0 and policy.last_was_probe
+    _step(policy, k, k)  # fully accepted, but one good step does not make a draft step cost less:
+    assert policy.draft_length("draft") == 0  # still plain
+    cheap = _losing_policy()  # the same acceptance with a draft step of 0.05 target steps pays
+    cheap.draft_cost["draft"] = type(cheap.spec_spt)(0.05, weight=100)
+    cheap.alpha["draft"] = type(cheap.spec_spt)(0.8, weight=100)
+    assert all(cheap.draft_length("draft") > 0 for _ in range(5))
 
 
 def test_probes_do_not_pay_for_long_catch_ups():
@@ -313,7 +313,7 @@ def test_probes_do_not_pay_for_long_catch_ups():
     policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 4% of a target step per token
     policy.decode_time = 10.0  # allowance 1.5% of it + a quarter step = 0.4: 10 tokens
     policy.probing = True
-    assert policy.draft_length("draft", behind=200) == 0 and not policy.trial
+    assert policy.draft_length("draft", behind=200) == 0 and not policy.last_was_probe
     policy.backoff, policy.probing = 0, True
     assert policy.draft_length("draft", behind=5) > 0
 
