@@ -186,6 +186,9 @@ class AdaptivePolicy:
         self.plain_spt = _Ema(0.0)  # same, plain steps
         self.backoff = 0  # plain steps still to take before probing again
         self.probe_interval = self.probe_after
+        self.request_probe_every = 1  # requests per request-start probe (doubles while probes find nothing)
+        self.requests_to_skip = 0
+        self.after_probe = False  # the next decision tells whether the last probe found speculation paying
         self.recent_spec_steps = 0
         self.probing = False
         self.last_was_probe = False
@@ -241,10 +244,13 @@ class AdaptivePolicy:
 
     def new_request(self, temperature: float = 0.0) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
-        speculation better than the last one's, so an earlier backoff does not carry over: probe now. The
-        catch-up allowance starts again too (a share of this request's decode time, so no request pays for
-        probes more than that share)."""
-        self.backoff, self.probing = 0, True
+        speculation better than the last one's, so an earlier backoff does not carry over: probe now, unless
+        request-start probes keep finding nothing (then every 2nd, 4th, ... 16th request: a probe costs about
+        one target step, 3% of a 30-token answer). The catch-up allowance starts again too (a share of this
+        request's decode time, so no request pays for probes more than that share)."""
+        self.backoff = 0
+        self.probing = self.requests_to_skip == 0
+        self.requests_to_skip = max(self.requests_to_skip - 1, 0)
         self.decode_time = self.catchup_time = 0.0
         self.regime = regime_of(temperature)
 
@@ -278,10 +284,14 @@ class AdaptivePolicy:
             # is the model's call with them (a forced run of fully accepted 1-token drafts after a probe lost
             # 4% of plain's time over the suite: at this CPU's costs a 1-token draft cannot pay)
             self.probing = False
-            self.last_was_probe = True
+            self.last_was_probe = self.after_probe = True
             k = max(best_draft_length(self.acceptance(source), c, self.target_time, forced, self.k_max), forced)
         else:
             k = best_draft_length(self.acceptance(source), c, self.target_time, self.k_min, self.k_max)
+            if self.after_probe:  # did the probe find speculation paying? then probe every request again
+                self.after_probe = False
+                self.request_probe_every = 1 if k else min(self.request_probe_every * 2, 16)
+                self.requests_to_skip = self.request_probe_every - 1
             if k == 0:  # the model says plain decoding wins: stay plain for a while, then probe
                 self.backoff = self.probe_interval
                 self.probe_interval = min(self.probe_interval * 2, 256)

@@ -318,6 +318,35 @@ def test_probes_do_not_pay_for_long_catch_ups():
     assert policy.draft_length("draft", behind=5) > 0
 
 
+def test_request_start_probes_back_off_while_they_find_nothing():
+    """Probes at request start cost about a target step each: while they keep showing that plain wins,
+    only every 2nd, 4th, 8th, 16th request starts with one; as soon as drafting pays, every request does."""
+    def probed_requests(policy, n_requests, accept, c=0.45):
+        def step(k, n_accepted):
+            policy.observe("draft", k, n_accepted, c * k, 1.0 + 0.5 * k, n_accepted + 1, keys=["q0.98"] * k,
+                           paid="draft", draft_steps=k)
+
+        probed = []
+        for _ in range(n_requests):
+            policy.new_request()
+            k = policy.draft_length("draft", behind=1)
+            probed.append(k > 0)
+            if k:
+                step(k, k if accept else 0)
+            for _ in range(3):
+                k = policy.draft_length("draft")
+                if k:
+                    step(k, k)
+        return probed
+
+    losing = probed_requests(_losing_policy(), 40, accept=False)
+    assert [i for i, p in enumerate(losing) if p] == [0, 2, 6, 14, 30]  # gaps 2, 4, 8, 16 (the cap)
+    cheap = _losing_policy()
+    cheap.draft_cost["draft"] = type(cheap.spec_spt)(0.05, weight=100)
+    cheap.alpha["draft"] = type(cheap.spec_spt)(0.8, weight=100)
+    assert all(probed_requests(cheap, 10, accept=True, c=0.05))
+
+
 def test_each_request_gets_a_fresh_probe():
     policy = _losing_policy()
     policy.backoff, policy.probe_interval = 200, 256  # lost for a long while on earlier prompts
