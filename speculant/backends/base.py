@@ -24,6 +24,16 @@ class VocabInfo:
     unused: frozenset[int] = frozenset()  # ids the model never emits (padding slots, unused/control)
 
 
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of two token sequences."""
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 class Backend(ABC):
     """One model with one KV cache holding the tokens `self.tokens` at positions 0..len-1."""
 
@@ -66,9 +76,7 @@ class Backend(ABC):
         if limit == len(self.tokens) and list(context[:limit]) == self.tokens:
             common = limit  # the usual case in the decode loop, compared at C speed
         else:
-            common = 0
-            while common < limit and self.tokens[common] == context[common]:
-                common += 1
+            common = common_prefix(self.tokens[:limit], context)
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 

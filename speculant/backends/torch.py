@@ -319,15 +319,12 @@ class TorchBackend(Backend):
     def new_cache(self) -> BlockKVCache:
         return BlockKVCache()
 
-    @staticmethod
-    def crop_cache(cache, n_kept: int) -> None:
-        """Nothing to free: entries past n_kept are masked until a later pass overwrites them."""
-
     @torch.inference_mode()
     def forward(self, tokens: Sequence[int], start: int, n_logits: int, cache,
                 layers: Optional[Sequence[int]] = None) -> np.ndarray:
-        """Evaluate tokens at positions start.. with `cache` (cut to start first) through `layers` (all by
-        default) and the final norm + LM head; float32 logits of the last n_logits tokens."""
+        """Evaluate tokens at positions start.. with `cache` (a BlockKVCache: entries from start on are
+        overwritten) through `layers` (all by default) and the final norm + LM head, in PASS_ROWS-row chunks;
+        float32 logits of the last n_logits tokens."""
         if not len(tokens):
             return np.empty((0, self.n_vocab), dtype=np.float32)
         base, head = self.model.model, self.model.get_output_embeddings()
@@ -363,7 +360,7 @@ class TorchBackend(Backend):
         return self.forward(tokens, start, n_logits, self.cache)
 
     def _truncate(self, n_kept: int) -> None:
-        self.crop_cache(self.cache, n_kept)
+        pass  # nothing to free: entries past n_kept are masked until a later pass overwrites them
 
     # -- text ---------------------------------------------------------------------------------------------
     def _special_ids(self, gguf: dict) -> dict:

@@ -37,10 +37,10 @@ class ModelDrafter(Drafter):
             self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
             self.to_draft[self.keep] = np.arange(len(self.keep))
 
-    def _ids(self, tokens: Sequence[int]) -> list[int]:
-        """Target ids -> the draft's ids."""
+    def _ids(self, tokens: Sequence[int]) -> Sequence[int]:
+        """Target ids -> the draft's ids (the same sequence, not a copy, when they are the same ids)."""
         if self.to_draft is None:
-            return list(tokens)
+            return tokens
         return self.to_draft[np.asarray(tokens, dtype=np.int64)].tolist()
 
     def _fit(self, logits: np.ndarray) -> np.ndarray:

@@ -19,7 +19,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..backends.base import Backend, VocabInfo
+from ..backends.base import Backend, VocabInfo, common_prefix
 from ..errors import SettingsError
 from .model import ModelDrafter
 
@@ -40,15 +40,6 @@ def normalize_layers(n_layers: int, *, exit_layer: Optional[int] = None,
     if 0 in skip_set:
         raise SettingsError("self-spec cannot skip layer 0")
     return [i for i in range(n_layers) if i not in skip_set]
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 class LayerSubsetBackend(Backend):
@@ -75,7 +66,7 @@ class LayerSubsetBackend(Backend):
         if self.early_exit:
             self.tokens = list(theirs)
         elif self.n_shared and mine[:len(theirs)] != theirs[:len(mine)]:
-            self.rewind(_common_prefix(mine, theirs))
+            self.rewind(common_prefix(mine, theirs))
         return super().sync(context, n_logits)
 
     def _decode(self, tokens, start, n_logits):
@@ -84,7 +75,7 @@ class LayerSubsetBackend(Backend):
         theirs = self.target.tokens
         if self.n_shared and start < len(theirs):  # positions start.. of the shared layers now hold our tokens
             written = list(self.tokens[:start]) + list(tokens)
-            agree = _common_prefix(written, theirs)
+            agree = common_prefix(written, theirs)
             if agree < len(written):  # the target's entries from `agree` on are not its own any more
                 self.target.rewind(max(start, agree))
         return logits
