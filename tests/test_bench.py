@@ -182,6 +182,14 @@ def test_method_registry_variants_and_errors():
         expand(["plain", "lookahead"], [4])
     with pytest.raises(SettingsError, match="--draft-max"):
         expand(["draft"], [0])
+    # a method may name its own k: that one variant, whatever --draft-max says
+    assert [v.label for v in expand(["draft", "adaptive-k4", "lookup-k1"], [2, 3])] == \
+        ["plain", "draft-k2", "draft-k3", "adaptive-k4", "lookup-k1"]
+    assert [v.k for v in expand(["adaptive-k4"], [2])] == [0, 4]
+    with pytest.raises(SettingsError, match="unknown method plain-k2"):
+        expand(["plain-k2"], [4])
+    with pytest.raises(SettingsError, match="--draft-max"):
+        expand(["draft-k0"], [4])
     with pytest.raises(SettingsError, match="--temp"):
         parse_list("0,hot", float, "--temp")
     assert parse_list("0, 0.8", float, "--temp") == [0.0, 0.8]
@@ -339,6 +347,52 @@ def test_runner_interleaves_methods_on_synthetic_models(monkeypatch):
     assert set(result["costs"]["target_ms"]) == {"1", "2", "3", "4"} and result["costs"]["c"] is not None
     k3 = [r for r in s if r["variant"] == "draft-k3" and r["category"] == "overall" and r["temp"] == 0][0]
     assert len(k3["acceptance_by_position"]) == 3 and k3["greedy_equal"] == k3["greedy_checked"] == 6
+
+
+def test_step_interleave_gives_each_method_its_own_models_and_only_its_own_time(monkeypatch):
+    """--interleave step on synthetic models: every method loads its own target (and draft), all methods
+    decode a prompt together, and each is charged only the time of its own steps: the decode times of all
+    methods add up to no more than the run's wall time (each stream's own clock would count every method's
+    steps, about three times the wall time here)."""
+    import time as _time
+
+    from synthetic import TableBackend
+
+    import speculant.api
+    from speculant.bench.runner import BenchConfig, run
+    from speculant.bench.suite import Prompt
+
+    class SlowContentOnly(TableBackend):
+        def chat_template(self):
+            return "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+        def _decode(self, tokens, start, n_logits):
+            _time.sleep(0.002)  # a pass takes time, as a real one does
+            return super()._decode(tokens, start, n_logits)
+
+    loaded = []
+
+    def fake_load(name, *, n_ctx=4096, threads=None, role="target"):
+        loaded.append(role)
+        return SlowContentOnly(n_vocab=12, seed=0 if role == "target" else 1, n_ctx=256)
+
+    monkeypatch.setattr(speculant.api, "load_backend", fake_load)
+    prompts = [Prompt("p1", "a", "1 2 3"), Prompt("p2", "b", "4 5 6 7")]
+    cfg = BenchConfig(model="t", draft_model="d", variants=expand(["draft", "lookup"], [2]), temps=[0.0, 1.0],
+                      n_predict=20, cost_repeats=1, warmup=False, interleave="step")
+    t0 = _time.perf_counter()
+    result = run(cfg, prompts, progress=False)
+    wall = _time.perf_counter() - t0
+    assert loaded == ["target", "target", "draft", "target"]  # plain, draft-k2 (+ its draft), lookup-k2
+    rows = result["rows"]
+    assert len(rows) == 2 * 2 * 3 and all(r["generated_tokens"] == 20 for r in rows)
+    assert all(r["greedy_equal"] for r in rows if r["temp"] == 0 and r["variant"] != "plain")
+    assert sum(r["decode_s"] for r in rows) <= wall
+    assert all(r["decode_s"] > 0.002 for r in rows)
+    assert result["settings"]["interleave"] == "step"
+    with pytest.raises(SettingsError, match="--interleave must be"):
+        run(BenchConfig(model="t", draft_model=None, variants=expand(["lookup"], [2]), temps=[0.0],
+                        interleave="sideways"), prompts, progress=False)
 
 
 # -- torch-target methods (plain-torch, self-spec, mixed) and peak memory per method --------------------------

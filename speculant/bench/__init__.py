@@ -68,6 +68,10 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                    help="measure each method's peak RSS, its models loaded alone in a child process (default: on "
                         "when a torch-target method is selected)")
+    p.add_argument("--interleave", choices=("auto", "step", "prompt"), default="auto",
+                   help="step: all methods decode each prompt together, one step each in turn, each with its own "
+                        "copy of the models (drift hits all alike); prompt: one method after another on shared "
+                        "models; auto (default): step unless a method runs the target on torch")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -98,7 +102,9 @@ def config_from_args(args):
                        suite=str(args.suite) if args.suite else "builtin", dtype=args.dtype, device=args.device,
                        extra={**({"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {}),
                               **({"draft_vocab": args.draft_vocab} if any(v.method.cut for v in variants) else {})},
-                       memory=bool(torch_names) if args.memory is None else args.memory)
+                       memory=bool(torch_names) if args.memory is None else args.memory,
+                       interleave=(("prompt" if torch_names else "step") if args.interleave == "auto"
+                                   else args.interleave))
 
 
 def cmd_bench(args) -> int:

@@ -162,23 +162,34 @@ def parse_list(text: str, kind: type, flag: str) -> list:
         raise SettingsError(f"{flag}: expected comma-separated {kind.__name__} values, got {text!r}") from None
 
 
+def _split_k(name: str) -> tuple[str, Optional[int]]:
+    """'adaptive-k4' -> ('adaptive', 4): one variant with its own k; a plain method name -> (name, None)."""
+    base, sep, k = name.rpartition("-k")
+    if sep and base in METHODS and METHODS[base].uses_k and k.isdigit() and name not in METHODS:
+        return base, int(k)
+    return name, None
+
+
 def expand(method_names: list[str], draft_max: list[int]) -> list[Variant]:
     """Method names x draft lengths -> variants; 'plain' is always included, first, and 'plain-torch' after
-    it when any method runs the target on the torch backend."""
-    unknown = [m for m in method_names if m not in METHODS]
+    it when any method runs the target on the torch backend. A name with its k ("adaptive-k4") is that one
+    variant, whatever --draft-max says."""
+    split = [_split_k(m) for m in method_names]
+    unknown = [m for m, _ in split if m not in METHODS]
     if unknown:
         raise SettingsError(f"unknown method{'s' if len(unknown) > 1 else ''} {', '.join(unknown)}; "
-                            f"known: {', '.join(METHODS)}")
-    for k in draft_max:
+                            f"known: {', '.join(METHODS)} (a method taking k may name it: draft-k4)")
+    for k in list(draft_max) + [k for _, k in split if k is not None]:
         if k < 1:
             raise SettingsError(f"--draft-max values must be >= 1, got {k}")
-    baselines = ["plain"] + (["plain-torch"] if any(METHODS[m].backend == "torch" for m in method_names) else [])
-    names = baselines + [m for m in dict.fromkeys(method_names) if m not in baselines]
-    out = []
-    for name in names:
+    baselines = ["plain"] + (["plain-torch"] if any(METHODS[m].backend == "torch" for m, _ in split) else [])
+    out = [Variant(name, METHODS[name], 0) for name in baselines]
+    for name, k in split:
         m = METHODS[name]
-        if m.uses_k:
-            out += [Variant(f"{name}-k{k}", m, k) for k in dict.fromkeys(draft_max)]
-        else:
-            out.append(Variant(name, m, 0))
+        if name in baselines:
+            continue
+        for kk in ([k] if k is not None else dict.fromkeys(draft_max)) if m.uses_k else [0]:
+            label = f"{name}-k{kk}" if m.uses_k else name
+            if label not in [v.label for v in out]:
+                out.append(Variant(label, m, kk))
     return out

@@ -1,7 +1,16 @@
-"""Run a benchmark: load the models once, build every method's engine around the same target (the torch
-methods around the same second target on the torch backend), measure the costs the predicted speedup needs,
-then run each prompt under every method in one sitting, interleaved; then, optionally, each method's peak
-memory in a process of its own (speculant.bench.memory)."""
+"""Run a benchmark: load the models, build every method's engine, measure the costs the predicted speedup
+needs, then run each prompt under every method in one sitting, interleaved; then, optionally, each method's
+peak memory in a process of its own (speculant.bench.memory).
+
+Two ways to interleave (`interleave`):
+- "prompt": every engine wraps the same loaded target (models load once); each prompt runs under one method
+  after another, the first method rotating between prompts. On a shared machine, speed drifts between two
+  runs of the same prompt: plain against plain, one run each, spreads 0.85-1.11 per prompt here.
+- "step": every method gets its own copy of the models, and all methods generate the same prompt at once,
+  one decoding step each in turn (round robin); each is charged only the time its own steps took. A drift
+  then hits every method alike: plain against plain spreads 0.99-1.01 per prompt. Costs a target (and draft)
+  in memory per method, so the torch-target methods stay with "prompt".
+"""
 
 from __future__ import annotations
 
@@ -46,6 +55,7 @@ class BenchConfig:
     dtype: Optional[str] = None  # torch target: None = the backend's default (bf16 on CPUs with native bf16)
     device: Optional[str] = None
     memory: bool = False  # measure each method's peak RSS in a child process
+    interleave: str = "prompt"  # "prompt" | "step" (see the module docstring)
 
     def settings(self) -> dict:
         d = asdict(self)
@@ -157,12 +167,33 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
     params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
     methods = list({v.method.name: v.method for v in cfg.variants}.values())
     check_torch(methods)
+    if cfg.interleave not in ("prompt", "step"):
+        raise SettingsError(f"--interleave must be prompt or step, got {cfg.interleave!r}")
+    if cfg.interleave == "step" and any(m.backend == "torch" for m in methods):
+        raise SettingsError("--interleave step loads the target once per method, too much for torch-target "
+                            "methods: use --interleave prompt")
 
     t_start = time.time()
-    ctx = load_context(cfg, methods)
+    contexts: list[MethodContext] = []
+    try:
+        if cfg.interleave == "step":  # a copy of the models per method: their states advance together
+            own = {}
+            for v in cfg.variants:
+                contexts.append(load_context(cfg, [v.method]))
+                own[v.label] = contexts[-1]
+            drafted = [c for c in contexts if c.draft is not None]
+            ctx = MethodContext(contexts[0].target, drafted[0].draft if drafted else None)  # for the costs
+        else:
+            contexts.append(load_context(cfg, methods))
+            ctx = contexts[0]
+            own = {v.label: ctx for v in cfg.variants}
+    except BaseException:
+        for c in contexts:
+            close_context(c)
+        raise
     target, draft, torch_target = ctx.target, ctx.draft, ctx.torch_target
     try:
-        engines = {v.label: v.method.build(ctx, v.k) for v in cfg.variants}
+        engines = {v.label: v.method.build(own[v.label], v.k) for v in cfg.variants}
         any_engine = engines[cfg.variants[0].label]
         rendered = {p.id: any_engine.chat_prompt([{"role": "user", "content": p.text}]) for p in prompts}
 
@@ -193,10 +224,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         seed = cfg.seed + 1000 * pi + rep
                         base_params = params_by_temp[temp]
                         params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
-                        for v in order:
-                            bar.set_postfix_str(f"{p.category}/{p.id} {v.label} T={temp:g}", refresh=False)
-                            res = engines[v.label].generate(rendered[p.id], max_tokens=cfg.n_predict, params=params,
-                                                            is_chat=True)
+                        runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave)
+                        for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
                                    "variant": v.label, "k": v.k, "temp": temp, "repeat": rep, "seed": seed,
@@ -212,6 +241,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                             rows.append(row)
                             tokens[(p.id, temp, rep, v.label)] = res.tokens
                             bar.update(1)
+                        bar.set_postfix_str(f"{p.category}/{p.id} T={temp:g}", refresh=False)
         finally:
             bar.close()
         bstats.mark_greedy_equal(rows, tokens)
@@ -236,7 +266,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         if ctx.notes:
             result["notes"] = dict(ctx.notes)
     finally:
-        close_context(ctx)
+        for c in contexts:
+            close_context(c)
     if cfg.memory:  # after the timed runs, so that the children do not disturb them
         from .memory import probe_all
 
@@ -245,6 +276,35 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             s["peak_rss_mb"] = result["memory"].get(s["method"], {}).get("peak_rss_mb")
     result["wall_s"] = round(time.time() - t_start, 2)
     return result
+
+
+def _generate_all(engines: dict, order: list[Variant], prompt: str, n_predict: int, params: SamplingParams,
+                  interleave: str) -> list:
+    """One prompt under every variant in `order`; returns their Results in that order. "prompt": one
+    generation after another. "step": round robin, one decoding step of each in turn; a variant's decode
+    time is then the time spent inside its own steps (its stream's own clock would also count the others')."""
+    from ..engine import Result
+    from ..stats import SpecStats
+
+    if interleave == "prompt":
+        return [engines[v.label].generate(prompt, max_tokens=n_predict, params=params, is_chat=True)
+                for v in order]
+    results = [Result("", [], SpecStats()) for _ in order]
+    streams = [engines[v.label].stream(prompt, max_tokens=n_predict, params=params, is_chat=True, result=res)
+               for v, res in zip(order, results)]
+    inside = [0.0] * len(order)  # seconds spent inside each stream: prefill + its steps
+    live = list(range(len(order)))
+    while live:
+        for i in list(live):
+            t = time.perf_counter()
+            try:
+                next(streams[i])  # one step: it yields its first new token (the others come free)
+            except StopIteration:
+                live.remove(i)
+            inside[i] += time.perf_counter() - t
+    for res, spent in zip(results, inside):
+        res.stats.decode_time = max(spent - res.stats.prefill_time, 1e-9)
+    return results
 
 
 def check_torch(methods: list[Method]) -> None:
