@@ -19,6 +19,12 @@ FixedPolicy drafts k every step. AdaptivePolicy measures online what matters and
    only if the expected gain pays for it and its verify cost too. These decisions look only at the context
    and the draft's distribution, never at the sampled token's value against the target, so they keep every
    drafter lossless.
+
+Acceptance differs far more between requests than between stretches of one (prompt lookup copies well in a
+summary, badly in new code), so an estimate blends the long-run average with this request's own outcomes:
+(request_weight * average + hits) / (request_weight + tries). Two misses in a row of a bucket that usually
+pays stop it for the rest of the request; unverified lookup proposals are still scored (shadows), so a
+request whose text turns repetitive starts copying again.
 """
 
 from __future__ import annotations
@@ -173,6 +179,7 @@ class AdaptivePolicy:
     guard_window: int = 8  # speculative steps compared against plain before backing off
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
+    request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -197,6 +204,8 @@ class AdaptivePolicy:
         self.catchup_per_token = _Ema(0.0)
         self.history: list[int] = []  # k chosen for the paid drafter each step (the most recent ones)
         self.regime = ""  # the current request's sampling regime (regime_of)
+        self.req_alpha: dict[str, list[int]] = {}  # this request: source -> [accepted, tries]
+        self.req_key_alpha: dict[tuple[str, str], list[int]] = {}  # this request: (source, key) -> [accepted, tries]
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -226,13 +235,20 @@ class AdaptivePolicy:
         """Acceptance is kept per sampling regime: greedy and sampled requests accept differently."""
         return source + self.regime
 
+    def _blend(self, long_run: float, counts: Optional[list]) -> float:
+        """The long-run estimate, moved by this request's own outcomes (hits / tries)."""
+        if not counts:
+            return long_run
+        hits, tries = counts
+        return (self.request_weight * long_run + hits) / (self.request_weight + tries)
+
     def acceptance(self, source: str) -> float:
         e = self.alpha.get(self._src(source))
-        return e.value if e else self.prior_alpha
+        return self._blend(e.value if e else self.prior_alpha, self.req_alpha.get(self._src(source)))
 
     def key_acceptance(self, source: str, key: str) -> float:
         e = self.key_alpha.get((self._src(source), key))
-        return e.value if e else prior_acceptance(key)
+        return self._blend(e.value if e else prior_acceptance(key), self.req_key_alpha.get((self._src(source), key)))
 
     def draft_step_cost(self, source: str) -> float:
         e = self.draft_cost.get(source)
@@ -253,6 +269,7 @@ class AdaptivePolicy:
         self.requests_to_skip = max(self.requests_to_skip - 1, 0)
         self.decode_time = self.catchup_time = 0.0
         self.regime = regime_of(temperature)
+        self.req_alpha, self.req_key_alpha = {}, {}
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
@@ -309,6 +326,9 @@ class AdaptivePolicy:
         if e is None:
             e = self.key_alpha[(self._src(source), key)] = _Ema(prior_acceptance(key), weight=2.0)
         e.update(1.0 if accepted else 0.0, self.alpha_rate)
+        counts = self.req_key_alpha.setdefault((self._src(source), key), [0, 0])
+        counts[0] += int(accepted)
+        counts[1] += 1
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
                 n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
@@ -333,6 +353,9 @@ class AdaptivePolicy:
                 a.update(1.0, self.alpha_rate)
             if rejected:
                 a.update(0.0, self.alpha_rate)
+            counts = self.req_alpha.setdefault(self._src(source), [0, 0])
+            counts[0] += n_accepted
+            counts[1] += n_accepted + int(rejected)
         for i, key in enumerate(keys or ()):
             if i > n_accepted:
                 break  # after a rejection nothing is known

@@ -371,7 +371,7 @@ def test_acceptance_is_kept_per_sampling_regime():
     policy.new_request(0.0)
     for _ in range(50):
         policy.observe("draft", 1, 1, 0.4, 1.5, 2, keys=["q0.8"], paid="draft")
-    greedy = policy.key_acceptance("draft", "q0.8")
+    greedy = policy.key_alpha[("draft", "q0.8")].value  # the long-run estimate, what a new request starts from
     assert greedy > 0.9 and policy.acceptance("draft") > 0.9
     policy.new_request(0.8)  # sampled requests start from the prior, then learn on their own
     assert policy.key_acceptance("draft", "q0.8") == prior_acceptance("q0.8")
@@ -381,3 +381,30 @@ def test_acceptance_is_kept_per_sampling_regime():
     policy.new_request(0.0)
     assert policy.key_acceptance("draft", "q0.8") == greedy
     assert regime_of(0.0) == "" and regime_of(0.3) != regime_of(0.8) != regime_of(1.5)
+
+
+def test_a_request_s_own_misses_stop_a_bucket_that_usually_pays():
+    """Acceptance blends the long-run estimate with this request's outcomes: lookup's 2-gram copies pay in
+    general (0.7), but two misses in this request bring it under the verify price (0.5) and the budget stops
+    verifying them; shadows (unverified proposals) that hit bring it back; a new request starts afresh."""
+    policy = _cpu_policy()
+    policy.key_alpha[("lookup", "n2")] = type(policy.spec_spt)(0.7, weight=100)
+    policy.new_request(0.0)
+    assert policy.key_acceptance("lookup", "n2") == pytest.approx(0.7)
+    assert policy.budget(4).take("lookup", "n2")
+    policy.observe("lookup", 1, 0, 0.0, 1.5, 1, keys=["n2"])
+    long_run = policy.key_alpha[("lookup", "n2")].value  # moved a little by the miss too
+    assert policy.key_acceptance("lookup", "n2") == pytest.approx((3 * long_run + 0) / 4)
+    policy.observe("lookup", 1, 0, 0.0, 1.5, 1, keys=["n2"])
+    assert policy.key_acceptance("lookup", "n2") < 0.5
+    assert not policy.budget(4).take("lookup", "n2")
+    for _ in range(3):
+        policy.observe_shadow("lookup", "n2", True)
+    assert policy.budget(4).take("lookup", "n2")
+    policy.new_request(0.0)
+    assert policy.key_acceptance("lookup", "n2") == pytest.approx(policy.key_alpha[("lookup", "n2")].value)
+    # the draft model's overall acceptance (which sets k) is blended the same way
+    policy.alpha["draft"] = type(policy.spec_spt)(0.8, weight=100)
+    for _ in range(3):
+        policy.observe("draft", 2, 0, 0.1, 1.5, 1, keys=["q0.8", "q0.8"], paid="draft")
+    assert policy.acceptance("draft") < 0.5
