@@ -24,7 +24,10 @@ Acceptance differs far more between requests than between stretches of one (prom
 summary, badly in new code), so an estimate blends the long-run average with this request's own outcomes:
 (request_weight * average + hits) / (request_weight + tries). Two misses in a row of a bucket that usually
 pays stop it for the rest of the request; unverified lookup proposals are still scored (shadows), so a
-request whose text turns repetitive starts copying again.
+request whose text turns repetitive starts copying again. Until a request's first outcome of a drafter is an
+accept, the drafter is trusted no more than its record on first outcomes (how often the first proposal of a
+request was right): where copying works in some requests and not at all in others, that record is low, so
+the first proposal is only scored, for free, and verifying starts once the request shows it copies well.
 """
 
 from __future__ import annotations
@@ -206,6 +209,8 @@ class AdaptivePolicy:
         self.regime = ""  # the current request's sampling regime (regime_of)
         self.req_alpha: dict[str, list[int]] = {}  # this request: source -> [accepted, tries]
         self.req_key_alpha: dict[tuple[str, str], list[int]] = {}  # this request: (source, key) -> [accepted, tries]
+        self.first_alpha: dict[str, _Ema] = {}  # source -> how often a request's first outcome was an accept
+        self.req_first: dict[str, bool] = {}  # this request: source -> was its first outcome an accept
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -242,13 +247,34 @@ class AdaptivePolicy:
         hits, tries = counts
         return (self.request_weight * long_run + hits) / (self.request_weight + tries)
 
+    def _request_start(self, source: str, long_run: float) -> float:
+        """Until this request's first outcome of the source is an accept: no more than its first-outcome
+        record (a first miss makes this request look like those where it never pays)."""
+        if self.req_first.get(self._src(source)):
+            return long_run
+        first = self.first_alpha.get(self._src(source))
+        return min(long_run, first.value) if first and first.weight >= 2 else long_run
+
     def acceptance(self, source: str) -> float:
         e = self.alpha.get(self._src(source))
-        return self._blend(e.value if e else self.prior_alpha, self.req_alpha.get(self._src(source)))
+        long_run = self._request_start(source, e.value if e else self.prior_alpha)
+        return self._blend(long_run, self.req_alpha.get(self._src(source)))
 
     def key_acceptance(self, source: str, key: str) -> float:
         e = self.key_alpha.get((self._src(source), key))
-        return self._blend(e.value if e else prior_acceptance(key), self.req_key_alpha.get((self._src(source), key)))
+        long_run = self._request_start(source, e.value if e else prior_acceptance(key))
+        return self._blend(long_run, self.req_key_alpha.get((self._src(source), key)))
+
+    def _request_outcome(self, source: str, hits: int, tries: int) -> None:
+        """Count a source's outcomes in this request; the first one also goes on its first-outcome record."""
+        counts = self.req_alpha.get(self._src(source))
+        if counts is None:
+            counts = self.req_alpha[self._src(source)] = [0, 0]
+            first = self.first_alpha.setdefault(self._src(source), _Ema(0.5))
+            first.update(1.0 if hits else 0.0, self.rate)
+            self.req_first[self._src(source)] = hits > 0
+        counts[0] += hits
+        counts[1] += tries
 
     def draft_step_cost(self, source: str) -> float:
         e = self.draft_cost.get(source)
@@ -269,7 +295,7 @@ class AdaptivePolicy:
         self.requests_to_skip = max(self.requests_to_skip - 1, 0)
         self.decode_time = self.catchup_time = 0.0
         self.regime = regime_of(temperature)
-        self.req_alpha, self.req_key_alpha = {}, {}
+        self.req_alpha, self.req_key_alpha, self.req_first = {}, {}, {}
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
@@ -319,9 +345,9 @@ class AdaptivePolicy:
 
     def observe_shadow(self, source: str, key: str, accepted: bool) -> None:
         """A free drafter's proposal that was not verified, compared with what the target produced anyway."""
-        self._update_key(source, key, accepted)
+        self._update_key(source, key, accepted, shadow=True)
 
-    def _update_key(self, source: str, key: str, accepted: bool) -> None:
+    def _update_key(self, source: str, key: str, accepted: bool, shadow: bool = False) -> None:
         e = self.key_alpha.get((self._src(source), key))
         if e is None:
             e = self.key_alpha[(self._src(source), key)] = _Ema(prior_acceptance(key), weight=2.0)
@@ -329,6 +355,8 @@ class AdaptivePolicy:
         counts = self.req_key_alpha.setdefault((self._src(source), key), [0, 0])
         counts[0] += int(accepted)
         counts[1] += 1
+        if shadow:
+            self._request_outcome(source, int(accepted), 1)
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
                 n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
@@ -353,9 +381,7 @@ class AdaptivePolicy:
                 a.update(1.0, self.alpha_rate)
             if rejected:
                 a.update(0.0, self.alpha_rate)
-            counts = self.req_alpha.setdefault(self._src(source), [0, 0])
-            counts[0] += n_accepted
-            counts[1] += n_accepted + int(rejected)
+            self._request_outcome(source, n_accepted, n_accepted + int(rejected))
         for i, key in enumerate(keys or ()):
             if i > n_accepted:
                 break  # after a rejection nothing is known

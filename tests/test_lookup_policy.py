@@ -408,3 +408,32 @@ def test_a_request_s_own_misses_stop_a_bucket_that_usually_pays():
     for _ in range(3):
         policy.observe("draft", 2, 0, 0.1, 1.5, 1, keys=["q0.8", "q0.8"], paid="draft")
     assert policy.acceptance("draft") < 0.5
+
+
+def test_a_new_request_trusts_a_drafter_no_more_than_its_first_outcome_record():
+    """Copying pays in some requests and not at all in others: the long-run acceptance of lookup's 4-grams
+    is high (0.9, learned where it copies), but the first proposal of a request was right in only 1 of 4
+    requests. A new request then only scores its first proposal (a shadow, free); a hit there starts
+    verifying, a miss keeps it off."""
+    policy = _cpu_policy()
+    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    for first_right in (False, True, False, False):
+        policy.new_request(0.0)
+        policy.observe_shadow("lookup", "n4", first_right)
+        policy.observe_shadow("lookup", "n4", True)  # later outcomes do not enter the first-outcome record
+    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    policy.new_request(0.0)
+    assert policy.key_acceptance("lookup", "n4") < 0.5 and not policy.budget(4).take("lookup", "n4")
+    policy.observe_shadow("lookup", "n4", True)
+    assert policy.key_acceptance("lookup", "n4") > 0.8 and policy.budget(4).take("lookup", "n4")
+    policy.new_request(0.0)
+    policy.observe_shadow("lookup", "n4", False)
+    assert not policy.budget(4).take("lookup", "n4")
+    # a drafter whose requests start well keeps its long-run estimate from the first token on
+    fresh = _cpu_policy()
+    fresh.key_alpha[("lookup", "n4")] = type(fresh.spec_spt)(0.9, weight=100)
+    for _ in range(4):
+        fresh.new_request(0.0)
+        fresh.observe("lookup", 2, 2, 0.0, 1.5, 3, keys=["n4", "n4+"])
+    fresh.new_request(0.0)
+    assert fresh.key_acceptance("lookup", "n4") == pytest.approx(fresh.key_alpha[("lookup", "n4")].value)
