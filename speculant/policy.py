@@ -25,9 +25,10 @@ summary, badly in new code), so an estimate blends the long-run average with thi
 (request_weight * average + hits) / (request_weight + tries). Two misses in a row of a bucket that usually
 pays stop it for the rest of the request; unverified lookup proposals are still scored (shadows), so a
 request whose text turns repetitive starts copying again. Until a request's first outcome of a drafter is an
-accept, the drafter is trusted no more than its record on first outcomes (how often the first proposal of a
-request was right): where copying works in some requests and not at all in others, that record is low, so
-the first proposal is only scored, for free, and verifying starts once the request shows it copies well.
+accept, the drafter (and each of its confidence buckets) is trusted no more than its record on first outcomes
+(how often the first proposal of a request was right): where copying works in some requests and not at all
+in others, that record is low, so the first proposal is only scored, for free, and verifying starts once the
+request shows it copies well.
 """
 
 from __future__ import annotations
@@ -151,6 +152,9 @@ class FixedPolicy:
     def draft_length(self, source: str) -> int:
         return self.k
 
+    def wants_draft_prefill(self, source: Optional[str]) -> bool:
+        return True
+
     def observe(self, *args, **kwargs) -> None:
         pass
 
@@ -209,8 +213,8 @@ class AdaptivePolicy:
         self.regime = ""  # the current request's sampling regime (regime_of)
         self.req_alpha: dict[str, list[int]] = {}  # this request: source -> [accepted, tries]
         self.req_key_alpha: dict[tuple[str, str], list[int]] = {}  # this request: (source, key) -> [accepted, tries]
-        self.first_alpha: dict[str, _Ema] = {}  # source -> how often a request's first outcome was an accept
-        self.req_first: dict[str, bool] = {}  # this request: source -> was its first outcome an accept
+        self.first_alpha: dict = {}  # source or (source, key) -> how often a request's first outcome was an accept
+        self.req_first: dict = {}  # this request: source or (source, key) -> was its first outcome an accept
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
@@ -247,34 +251,34 @@ class AdaptivePolicy:
         hits, tries = counts
         return (self.request_weight * long_run + hits) / (self.request_weight + tries)
 
-    def _request_start(self, source: str, long_run: float) -> float:
-        """Until this request's first outcome of the source is an accept: no more than its first-outcome
-        record (a first miss makes this request look like those where it never pays)."""
-        if self.req_first.get(self._src(source)):
+    def _request_start(self, ident, long_run: float) -> float:
+        """Until this request's first outcome for `ident` (a source, or a source's confidence bucket) is an
+        accept: no more than its first-outcome record (a first miss makes this request look like those where
+        it never pays)."""
+        if self.req_first.get(ident):
             return long_run
-        first = self.first_alpha.get(self._src(source))
+        first = self.first_alpha.get(ident)
         return min(long_run, first.value) if first and first.weight >= 2 else long_run
 
     def acceptance(self, source: str) -> float:
         e = self.alpha.get(self._src(source))
-        long_run = self._request_start(source, e.value if e else self.prior_alpha)
+        long_run = self._request_start(self._src(source), e.value if e else self.prior_alpha)
         return self._blend(long_run, self.req_alpha.get(self._src(source)))
 
     def key_acceptance(self, source: str, key: str) -> float:
-        e = self.key_alpha.get((self._src(source), key))
-        long_run = self._request_start(source, e.value if e else prior_acceptance(key))
-        return self._blend(long_run, self.req_key_alpha.get((self._src(source), key)))
+        ident = (self._src(source), key)
+        e = self.key_alpha.get(ident)
+        long_run = self._request_start(ident, e.value if e else prior_acceptance(key))
+        return self._blend(long_run, self.req_key_alpha.get(ident))
 
-    def _request_outcome(self, source: str, hits: int, tries: int) -> None:
-        """Count a source's outcomes in this request; the first one also goes on its first-outcome record."""
-        counts = self.req_alpha.get(self._src(source))
-        if counts is None:
-            counts = self.req_alpha[self._src(source)] = [0, 0]
-            first = self.first_alpha.setdefault(self._src(source), _Ema(0.5))
-            first.update(1.0 if hits else 0.0, self.rate)
-            self.req_first[self._src(source)] = hits > 0
-        counts[0] += hits
-        counts[1] += tries
+    def _request_outcome(self, ident, counts: dict, hits: int, tries: int) -> None:
+        """Count outcomes of `ident` in this request; the first one also goes on its first-outcome record."""
+        if ident not in self.req_first:
+            self.req_first[ident] = hits > 0
+            self.first_alpha.setdefault(ident, _Ema(0.5)).update(1.0 if hits else 0.0, self.rate)
+        c = counts.setdefault(ident, [0, 0])
+        c[0] += hits
+        c[1] += tries
 
     def draft_step_cost(self, source: str) -> float:
         e = self.draft_cost.get(source)
@@ -296,6 +300,15 @@ class AdaptivePolicy:
         self.decode_time = self.catchup_time = 0.0
         self.regime = regime_of(temperature)
         self.req_alpha, self.req_key_alpha, self.req_first = {}, {}, {}
+
+    def wants_draft_prefill(self, source: Optional[str]) -> bool:
+        """Should the paid drafter process the new prompt? Only if this request may draft: it starts with a
+        probe, or the model says drafting pays. Otherwise the prompt's prefill costs the draft model's share
+        of time to first token for nothing (and later probes in this request find it too far behind)."""
+        if source is None or self.probing or 1 not in self.target_cost:
+            return True
+        return best_draft_length(self.acceptance(source), self.draft_step_cost(source), self.target_time,
+                                 self.k_min, self.k_max) > 0
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
@@ -352,11 +365,9 @@ class AdaptivePolicy:
         if e is None:
             e = self.key_alpha[(self._src(source), key)] = _Ema(prior_acceptance(key), weight=2.0)
         e.update(1.0 if accepted else 0.0, self.alpha_rate)
-        counts = self.req_key_alpha.setdefault((self._src(source), key), [0, 0])
-        counts[0] += int(accepted)
-        counts[1] += 1
+        self._request_outcome((self._src(source), key), self.req_key_alpha, int(accepted), 1)
         if shadow:
-            self._request_outcome(source, int(accepted), 1)
+            self._request_outcome(self._src(source), self.req_alpha, int(accepted), 1)
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
                 n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
@@ -381,7 +392,7 @@ class AdaptivePolicy:
                 a.update(1.0, self.alpha_rate)
             if rejected:
                 a.update(0.0, self.alpha_rate)
-            self._request_outcome(source, n_accepted, n_accepted + int(rejected))
+            self._request_outcome(self._src(source), self.req_alpha, n_accepted, n_accepted + int(rejected))
         for i, key in enumerate(keys or ()):
             if i > n_accepted:
                 break  # after a rejection nothing is known

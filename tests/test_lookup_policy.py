@@ -437,3 +437,41 @@ def test_a_new_request_trusts_a_drafter_no_more_than_its_first_outcome_record():
         fresh.observe("lookup", 2, 2, 0.0, 1.5, 3, keys=["n4", "n4+"])
     fresh.new_request(0.0)
     assert fresh.key_acceptance("lookup", "n4") == pytest.approx(fresh.key_alpha[("lookup", "n4")].value)
+
+
+def test_draft_model_skips_the_prompt_when_the_request_will_not_draft():
+    """A request that starts without a probe, with the model saying plain decoding wins, does not make the
+    draft model process the prompt (its share of time to first token, for nothing); a probing request and
+    fixed-k drafting do. Output stays the target's either way."""
+    target = TableBackend(V, seed=0)
+    plain = Engine(target).generate(PROMPT, max_tokens=12).tokens
+    draft = TableBackend(V, seed=1)
+    eng = Engine(TableBackend(V, seed=0), ModelDrafter(draft, V), draft_max=4, adaptive=True)
+    losing = _losing_policy()
+    losing.k_max = 4
+    losing.requests_to_skip = 3  # earlier request-start probes found nothing
+    eng.policy = losing
+    out = eng.generate(PROMPT, max_tokens=12)
+    assert out.tokens == plain and out.stats.drafted == 0
+    assert draft.tokens == []  # never asked to process anything
+    eng.policy.requests_to_skip = 0  # this request starts with a probe: the draft model prefills the prompt
+    assert eng.generate(PROMPT, max_tokens=12).tokens == plain
+    assert len(draft.tokens) >= len(eng.tokenize_prompt(PROMPT)) - 1
+    fixed_draft = TableBackend(V, seed=1)
+    Engine(TableBackend(V, seed=0), ModelDrafter(fixed_draft, V), draft_max=4).generate(PROMPT, max_tokens=1)
+    assert len(fixed_draft.tokens) >= len(eng.tokenize_prompt(PROMPT)) - 1
+
+
+def test_first_outcome_records_are_kept_per_confidence_bucket():
+    """Short n-gram matches miss first in every request, long ones hit: a 1-gram miss does not make the
+    request's 4-gram copies look doubtful."""
+    policy = _cpu_policy()
+    for _ in range(4):
+        policy.new_request(0.0)
+        policy.observe_shadow("lookup", "n1", False)
+        policy.observe_shadow("lookup", "n4", True)
+    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    policy.new_request(0.0)
+    policy.observe_shadow("lookup", "n1", False)
+    assert policy.key_acceptance("lookup", "n4") == pytest.approx(0.9)
+    assert policy.budget(4).take("lookup", "n4")
