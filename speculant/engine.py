@@ -113,8 +113,9 @@ class Engine:
         t0 = time.perf_counter()
         target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
         if drafter:
-            drafter.prepare(context)  # the draft model's prompt processing is prefill too
             self.policy.new_request(params.temperature if not params.greedy else 0.0)
+            if self.policy.wants_draft_prefill(drafter.paid):  # an adaptive policy that will not draft skips it
+                drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         try:

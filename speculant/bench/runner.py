@@ -199,7 +199,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
 
         if cfg.warmup:  # first calls pay for page faults and allocations; keep them out of the numbers
             for v in cfg.variants:
-                engines[v.label].generate(rendered[prompts[0].id], max_tokens=min(8, cfg.n_predict),
+                engines[v.label].generate(rendered[prompts[0].id], max_tokens=min(32, cfg.n_predict),
                                           params=SamplingParams(0.0), is_chat=True)
         max_k = max([v.k for v in cfg.variants] + [1])
         ctx_tokens = any_engine.tokenize_prompt(rendered[prompts[0].id], is_chat=True)

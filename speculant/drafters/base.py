@@ -50,6 +50,11 @@ class Drafter(ABC):
     name: str = "drafter"
     free: bool = False  # proposing costs (next to) nothing, e.g. prompt lookup
 
+    @property
+    def paid(self) -> Optional[str]:
+        """The source name of the paid drafter (a model) this drafter runs, or None when it runs none."""
+        return None if self.free else self.name
+
     @abstractmethod
     def propose(self, context: Sequence[int], k: int, params: SamplingParams,
                 rng: np.random.Generator, budget: Optional["DraftBudget"] = None) -> Draft:

@@ -29,6 +29,10 @@ class CompositeDrafter(Drafter):
             other.shadow = other.shadow or draft.shadow  # still the proposal for the next position
         return other
 
+    @property
+    def paid(self) -> Optional[str]:
+        return self.fallback.paid or self.first.paid
+
     def prepare(self, context: Sequence[int]) -> None:
         self.first.prepare(context)
         self.fallback.prepare(context)
