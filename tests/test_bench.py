@@ -207,6 +207,15 @@ def test_cli_registers_bench_and_needs_draft_for_draft_methods():
     args = build_parser().parse_args(["bench", "-m", "x.gguf", "--draft-max", "4,8", "--temp", "0,0.8"])
     assert args.handler.__name__ == "cmd_bench" and args.draft_max == "4,8"
     assert main(["bench", "-m", SMALL, "--methods", "plain,nosuch", "--out", "/nonexistent"]) == 1
+    # step interleaving by default; the torch-target methods (a target copy per method is too big) by prompt
+    from speculant.bench import config_from_args
+
+    def cfg(*argv):
+        return config_from_args(build_parser().parse_args(["bench", "-m", "x.gguf", *argv]))
+
+    assert cfg("--methods", "lookup").interleave == "step"
+    assert cfg("--methods", "lookup,plain-torch").interleave == "prompt"
+    assert cfg("--methods", "lookup", "--interleave", "prompt").interleave == "prompt"
 
 
 def test_cli_missing_draft_is_a_clear_error(capsys):
