@@ -475,3 +475,17 @@ def test_first_outcome_records_are_kept_per_confidence_bucket():
     policy.observe_shadow("lookup", "n1", False)
     assert policy.key_acceptance("lookup", "n4") == pytest.approx(0.9)
     assert policy.budget(4).take("lookup", "n4")
+
+
+def test_catch_up_counts_from_the_common_prefix():
+    """A draft model whose cache still holds another request's longer text is far behind, not ahead: a probe
+    must see the whole catch-up it would pay for (it skipped this prompt's prefill)."""
+    draft = TableBackend(V, seed=1)
+    draft.sync([1, 2, 3, 4, 5, 6, 7, 1, 2, 3], n_logits=0)
+    assert draft.behind([1, 2, 3, 4, 5, 6, 7, 1, 2, 3, 4]) == 1
+    assert draft.behind([5, 4, 3, 2, 1]) == 5
+    assert draft.behind([1, 2, 3, 7]) == 1
+    policy = _losing_policy()
+    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)
+    policy.probing = True
+    assert policy.draft_length("draft", behind=draft.behind([5, 4, 3, 2, 1] * 40)) == 0  # 200 tokens: refused

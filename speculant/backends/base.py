@@ -81,8 +81,9 @@ class Backend(ABC):
         return self.eval(context[common:], n_logits)
 
     def behind(self, context: Sequence[int]) -> int:
-        """About how many tokens a sync to `context` evaluates (a drafter's catch-up)."""
-        return len(context) - len(self.tokens)
+        """How many tokens a sync to `context` evaluates (a drafter's catch-up): past the common prefix, so a
+        cache still holding another request's text counts as far behind, not as ahead."""
+        return len(context) - common_prefix(self.tokens, context)
 
     # -- text ---------------------------------------------------------------------------------------------
     @abstractmethod

@@ -82,7 +82,7 @@ class LayerSubsetBackend(Backend):
 
     def behind(self, context) -> int:
         known = self.target.tokens if self.early_exit else self.tokens
-        return len(context) - len(known)
+        return len(context) - common_prefix(known, context)
 
     def _truncate(self, n_kept: int) -> None:
         pass  # entries past n_kept are masked until overwritten (BlockKVCache)
