@@ -25,7 +25,11 @@ class VocabInfo:
 
 
 def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the longest common prefix of two token sequences."""
+    """Length of the longest common prefix of two token sequences (per decode step: the usual case, one a
+    prefix of the other, is compared at C speed)."""
+    m = min(len(a), len(b))
+    if list(a[:m]) == list(b[:m]):
+        return m
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -73,10 +77,7 @@ class Backend(ABC):
         """Make the cache hold exactly `context` (keep the common prefix, evaluate the rest) and return the
         logits of its last n_logits tokens. At least the last token is always (re-)evaluated."""
         limit = min(len(self.tokens), len(context) - n_logits)
-        if limit == len(self.tokens) and list(context[:limit]) == self.tokens:
-            common = limit  # the usual case in the decode loop, compared at C speed
-        else:
-            common = common_prefix(self.tokens[:limit], context)
+        common = common_prefix(self.tokens[:limit], context)
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 
