@@ -21,6 +21,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ModelError
+from ..native import load_backends
 from .base import Backend, VocabInfo
 
 os.environ["GGML_CPU_TILED_MM"] = "0"  # read once by ggml at the first matmul; see the docstring
@@ -44,6 +45,7 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
 
 ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
 ll.llama_backend_init()
+load_backends()  # our wheel picks its CPU kernels (ISA level) at run time: see speculant/native.py
 
 
 def _last_errors() -> str:

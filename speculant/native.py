@@ -1,0 +1,122 @@
+"""The llama.cpp build speculant runs on: load its CPU backend for this CPU, and say what was loaded.
+
+Our wheel (native/build-llama.sh) builds ggml's CPU backend once per x86 ISA level
+(libggml-cpu-<variant>.so) and loads none of them by itself; `load_backends()` asks ggml to score every
+variant against this CPU's CPUID and register the best one (llama-cpp-python never calls
+ggml_backend_load_all). A stock llama-cpp-python (backends linked in) is left as it is.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import platform
+import re
+from functools import lru_cache
+from pathlib import Path
+from typing import Optional
+
+from .errors import ModelError
+
+# what ggml's feature names mean in /proc/cpuinfo's flags
+FEATURE_FLAGS = {
+    "SSE3": "pni", "SSSE3": "ssse3", "AVX": "avx", "AVX2": "avx2", "F16C": "f16c", "FMA": "fma",
+    "BMI2": "bmi2", "AVX_VNNI": "avx_vnni", "AVX512": "avx512f", "AVX512_VBMI": "avx512vbmi",
+    "AVX512_VNNI": "avx512_vnni", "AVX512_BF16": "avx512_bf16", "AMX_INT8": "amx_int8",
+}
+
+
+def lib_dir() -> Path:
+    import llama_cpp
+    return Path(llama_cpp.__file__).parent / "lib"
+
+
+@lru_cache(maxsize=None)
+def _ggml() -> ctypes.CDLL:
+    lib = ctypes.CDLL(str(lib_dir() / "libggml.so"))  # the instance libllama already loaded
+    lib.ggml_backend_reg_count.restype = ctypes.c_size_t
+    lib.ggml_backend_dev_count.restype = ctypes.c_size_t
+    lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_reg_get.restype = ctypes.c_void_p
+    lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
+    lib.ggml_backend_reg_name.restype = ctypes.c_char_p
+    lib.ggml_backend_reg_name.argtypes = [ctypes.c_void_p]
+    return lib
+
+
+def backend_names() -> list[str]:
+    g = _ggml()
+    return [g.ggml_backend_reg_name(g.ggml_backend_reg_get(i)).decode() for i in range(g.ggml_backend_reg_count())]
+
+
+def load_backends() -> None:
+    """Register the best CPU variant (and RPC) of a GGML_BACKEND_DL build; a no-op for a linked-in build."""
+    if any(name.upper() == "CPU" for name in backend_names()):
+        return
+    _ggml().ggml_backend_load_all_from_path(str(lib_dir()).encode())
+    if not any(name.upper() == "CPU" for name in backend_names()):
+        variants = sorted(p.name for p in lib_dir().glob("libggml-cpu*.so"))
+        raise ModelError(f"no llama.cpp CPU backend loads on this CPU ({cpu_model()}); found {variants or 'none'} "
+                         f"in {lib_dir()}: rebuild with `make setup`")
+
+
+@lru_cache(maxsize=None)
+def build_info() -> Optional[dict]:
+    """What native/build-llama.sh wrote into the wheel; None for any other llama-cpp-python."""
+    try:
+        return json.loads((lib_dir().parent / "speculant_build.json").read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def system_features() -> dict[str, str]:
+    """The loaded CPU backend's features as llama.cpp reports them (llama_print_system_info)."""
+    import llama_cpp as ll
+    text = ll.llama_print_system_info().decode("utf-8", errors="replace")
+    return dict(re.findall(r"([A-Z0-9_]+) = ([^|\s]+)", text))
+
+
+def loaded_variant() -> Optional[str]:
+    """The libggml-cpu variant this process runs (None for a build without variants)."""
+    variant = system_features().get("CPU_VARIANT")
+    if variant:
+        return variant
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = re.search(r"libggml-cpu-([\w.]+)\.so", maps)
+    return found.group(1) if found else None
+
+
+def exactness_problems() -> list[str]:
+    """Why this llama.cpp build cannot promise bit-identical batched logits (empty: it can)."""
+    features = system_features()
+    problems = []
+    if "SPECULANT" not in features:
+        problems.append("llama-cpp-python was not built by speculant (native/build-llama.sh)")
+    if features.get("LLAMAFILE") == "1":
+        problems.append("llamafile sgemm is compiled in (batched passes round differently)")
+    return problems
+
+
+@lru_cache(maxsize=None)
+def cpu_flags() -> frozenset[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+@lru_cache(maxsize=None)
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
