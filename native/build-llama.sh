@@ -8,9 +8,10 @@
 # into it (sdist, patch, flags), never by the machine.
 #
 # What goes in: the pinned llama-cpp-python sdist (sha256-checked), our patch (native/*.patch: the variant
-# list, the build reporting itself in llama_print_system_info), and the flags exactness needs: no llamafile
-# sgemm (batched passes must round like single-token ones); repacking and the tiled kernel are turned off
-# at run time for the target. The AMX variant is left out (its matmul path crashed on quantized models).
+# list, the build reporting itself in llama_print_system_info, and a hook that sends passes of a few tokens
+# to our batch-invariant kernels, native/src/speculant-mm.c), and the flags exactness needs: no llamafile
+# sgemm (batched passes must round like single-token ones); the target loads without repacking. The AMX
+# variant is left out (its matmul path crashed on quantized models).
 #
 #   native/build-llama.sh            # -> prints .../llama_cpp_python-0.3.36+spec.<key>-py3-none-linux_x86_64.whl
 #   PIP=.venv/bin/pip JOBS=2 native/build-llama.sh
@@ -26,7 +27,7 @@ export CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-$(nproc)}"
 
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_CPU_VARIANTS=$VARIANTS \
 -DGGML_LLAMAFILE=OFF -DGGML_RPC=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
-KEY="$( (echo "$VERSION $SDIST_SHA256 $CMAKE_FLAGS"; cat "$HERE"/*.patch "$0") | sha256sum | cut -c1-12)"
+KEY="$( (echo "$VERSION $SDIST_SHA256 $CMAKE_FLAGS"; cat "$HERE"/*.patch "$HERE"/src/* "$0") | sha256sum | cut -c1-12)"
 LOCAL_VERSION="$VERSION+spec.$KEY"
 
 mkdir -p "$CACHE"
@@ -49,10 +50,14 @@ SRC="$WORK/llama_cpp_python-$VERSION"
 for p in "$HERE"/*.patch; do
   patch -s -p1 -d "$SRC" < "$p" || { echo "build-llama: $p does not apply to llama-cpp-python $VERSION" >&2; exit 1; }
 done
+mkdir -p "$SRC/vendor/llama.cpp/ggml/src/ggml-cpu/speculant"  # our kernels (native/src), wired in by the patch
+cp "$HERE"/src/* "$SRC/vendor/llama.cpp/ggml/src/ggml-cpu/speculant/"
 sed -i "s/^__version__ = \"$VERSION\"/__version__ = \"$LOCAL_VERSION\"/" "$SRC/llama_cpp/__init__.py"
 grep -q "$LOCAL_VERSION" "$SRC/llama_cpp/__init__.py" || { echo "build-llama: cannot set the version" >&2; exit 1; }
-printf '{"version": "%s", "key": "%s", "cmake_args": "%s", "variants": "%s"}\n' \
-  "$LOCAL_VERSION" "$KEY" "$CMAKE_FLAGS -DSPECULANT_BUILD=$KEY" "$VARIANTS" > "$SRC/llama_cpp/speculant_build.json"
+LLAMA_COMMIT="$(git -C "$SRC/vendor/llama.cpp" rev-parse HEAD 2>/dev/null || echo unknown)"
+printf '{"version": "%s", "key": "%s", "llama_cpp_commit": "%s", "cmake_args": "%s", "variants": "%s"}\n' \
+  "$LOCAL_VERSION" "$KEY" "$LLAMA_COMMIT" "$CMAKE_FLAGS -DSPECULANT_BUILD=$KEY" "$VARIANTS" \
+  > "$SRC/llama_cpp/speculant_build.json"
 
 echo "building llama-cpp-python $LOCAL_VERSION (llama.cpp, CPU variants $VARIANTS; ~10-15 min on 2 cores)" >&2
 CMAKE_ARGS="$CMAKE_FLAGS -DSPECULANT_BUILD=$KEY" $PIP wheel -q --disable-pip-version-check --no-deps \

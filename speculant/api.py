@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from typing import Optional, Sequence
 
 from . import models
@@ -43,8 +45,22 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
     path = models.resolve(model)
     from .backends.llamacpp import LlamaCppBackend
 
+    if role == "target":
+        _warn_if_inexact()
     # a draft may use the faster repacked weights: its numerics need not match anything (see llamacpp.py)
     return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=(role == "draft"))
+
+
+@functools.lru_cache(maxsize=None)
+def _warn_if_inexact() -> None:
+    """Exactness depends on how llama.cpp was built: say so loudly, once, when it cannot be promised (results
+    carry stats.exact_numerics = False)."""
+    from .native import exactness_problems
+
+    problems = exactness_problems()
+    if problems:
+        print(f"speculant: warning: greedy speculative output is NOT guaranteed to equal plain decoding: "
+              f"{'; '.join(problems)}. Rebuild with `make setup` (native/build-llama.sh).", file=sys.stderr)
 
 
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model

@@ -100,7 +100,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_PLUGINS = ("server", "bench", "calibrate")
+_PLUGINS = ("server", "bench", "calibrate", "doctor")
 
 
 def _read_prompt(args) -> str:

@@ -106,12 +106,13 @@ class Engine:
         result = result if result is not None else Result("", [], SpecStats())
         stats = result.stats
         stats.prompt_tokens = len(context)
+        stats.exact_numerics = getattr(self.target, "exact_numerics", True)
         rng = np.random.default_rng(params.seed)
         target, drafter = self.target, self.drafter if self.draft_max > 0 else None
         text = _TextTracker(target, stop)
 
         t0 = time.perf_counter()
-        target.sync(context[:-1], n_logits=0)  # prefill: everything but the last token, which each step feeds
+        target.prefill(context[:-1])  # everything but the last token, which each step feeds
         if drafter:
             self.policy.new_request(params.temperature if not params.greedy else 0.0)
             if self.policy.wants_draft_prefill(drafter.paid):  # an adaptive policy that will not draft skips it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import platform
 import re
 from functools import lru_cache
@@ -31,9 +32,23 @@ def lib_dir() -> Path:
     return Path(llama_cpp.__file__).parent / "lib"
 
 
+def _mapped(prefix: str) -> Optional[str]:
+    """The path of an already loaded library whose file name starts with `prefix` (None if none is)."""
+    try:
+        maps = Path("/proc/self/maps").read_text()
+    except OSError:
+        return None
+    found = re.search(r"(/\S*/" + re.escape(prefix) + r"[^/\s]*)$", maps, re.M)
+    return found.group(1) if found else None
+
+
 @lru_cache(maxsize=None)
 def _ggml() -> ctypes.CDLL:
-    lib = ctypes.CDLL(str(lib_dir() / "libggml.so"))  # the instance libllama already loaded
+    import llama_cpp  # noqa: F401  (loads libllama and the libggml it links)
+
+    # the very file libllama linked (wheels hold copies, not links, of libggml.so / .so.0: another name
+    # would be a second ggml with an empty backend registry)
+    lib = ctypes.CDLL(_mapped("libggml.so") or "libggml.so.0")
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
@@ -81,12 +96,16 @@ def loaded_variant() -> Optional[str]:
     variant = system_features().get("CPU_VARIANT")
     if variant:
         return variant
-    try:
-        maps = Path("/proc/self/maps").read_text()
-    except OSError:
-        return None
-    found = re.search(r"libggml-cpu-([\w.]+)\.so", maps)
-    return found.group(1) if found else None
+    path = _mapped("libggml-cpu-")
+    return Path(path).name[len("libggml-cpu-"):-len(".so")] if path else None
+
+
+def invariant_rows() -> int:
+    """Passes of at most this many tokens get batch-invariant kernels in our build (the C side reads the same
+    variable, native/src/speculant-mm.c); a stock build with the tiled kernel off is invariant at any size."""
+    if build_info() is None:
+        return 1 << 30
+    return int(os.environ.get("SPECULANT_INVARIANT_ROWS", "64"))
 
 
 def exactness_problems() -> list[str]:

@@ -26,6 +26,7 @@ class SpecStats:
     verify_time: float = 0.0
     decode_time: float = 0.0  # wall time from the end of prefill to the last token
     peak_rss_mb: float = 0.0
+    exact_numerics: bool = True  # False: the target's runtime cannot promise bit-identical batched logits
 
     def record_step(self, source: str, n_drafted: int, n_accepted: int, draft_time: float = 0.0,
                     verify_time: float = 0.0, keys: Sequence[str] = ()) -> None:
@@ -92,4 +93,5 @@ class SpecStats:
             "decode_s": round(self.decode_time, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "exact_numerics": self.exact_numerics,
         }

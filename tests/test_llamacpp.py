@@ -16,29 +16,60 @@ PROMPTS = {
 }
 
 
-def _batch_vs_single(backend, text, sizes=(2, 3, 5, 9, 17, 64, 100)):
+def _batch_vs_single(backend, text, sizes, offsets=(4,)):
+    """Largest |logit difference| between passes of each size and one-token passes, at each cache offset."""
     toks = backend.tokenize(text)
+    assert len(toks) >= max(offsets) + max(sizes), "text too short for these passes"
     backend.rewind(0)
-    backend.eval(toks[:4], n_logits=0)
-    single = np.stack([backend.eval([t])[0] for t in toks[4:]])  # [n, V]
+    backend.eval(toks[:min(offsets)], n_logits=0)
+    single = {min(offsets) + i: backend.eval([t])[0] for i, t in enumerate(toks[min(offsets):])}  # pos -> [V]
     worst = 0.0
-    for size in sizes:
-        backend.rewind(4)
-        batched = np.concatenate([backend.eval(toks[i:i + size], n_logits=len(toks[i:i + size]))
-                                  for i in range(4, len(toks), size)])
-        worst = max(worst, float(np.abs(batched - single).max()))
+    for offset in offsets:
+        for size in sizes:
+            backend.rewind(offset)
+            while len(backend.tokens) < offset:  # refill in invariant passes (<= 64 tokens)
+                backend.eval(toks[len(backend.tokens):min(offset, len(backend.tokens) + 64)], n_logits=0)
+            batched = backend.eval(toks[offset:offset + size], n_logits=size)
+            expected = np.stack([single[offset + i] for i in range(size)])
+            worst = max(worst, float(np.abs(batched - expected).max()))
     return worst
 
 
-@pytest.mark.parametrize("which", ["qwen_target", "small_target"])
-def test_batched_pass_is_bit_identical_to_single_token_passes(which, request):
-    backend = request.getfixturevalue(which)
-    text = ("def add(a, b):\n    return a + b\n\n# Translate: Der Hund schläft im Garten, weil es warm ist.\n"
-            "Once upon a time, in a small village by the sea, there lived an old lighthouse keeper. " * 4)
-    assert len(backend.tokenize(text)) > 104
-    # batches of up to 100 tokens (verification and prefill sizes): flash attention's tiled kernel at >= 64
-    # queries and the tiled K-quant matmul at >= 8 rows would each break this
-    assert _batch_vs_single(backend, text) == 0.0
+LONG_TEXT = ("def add(a, b):\n    return a + b\n\n# Translate: Der Hund schläft im Garten, weil es warm ist.\n"
+             + "Once upon a time, in a small village by the sea, there lived an old lighthouse keeper. " * 20)
+
+
+def test_every_pass_size_up_to_the_invariant_limit_is_bit_identical_smollm2(small_target):
+    """Verify and decode passes (1..64 tokens) at two cache offsets, one crossing a 256-position boundary."""
+    assert small_target.invariant_rows >= 64
+    assert _batch_vs_single(small_target, LONG_TEXT, range(1, 65), offsets=(4, 230)) == 0.0
+
+
+def test_pass_sizes_are_bit_identical_qwen(qwen_target):
+    """The Qwen target's Q4_K/Q6_K weights go through our multi-token kernels (native/src/speculant-mm.c)."""
+    sizes = list(range(1, 18)) + [24, 33, 48, 64]
+    assert _batch_vs_single(qwen_target, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+
+
+def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):
+    """The server keeps its cache between requests: a prompt sharing a long prefix with the cache (computed by
+    fast prefill chunks and by decode steps) must give the logits a fresh prefill gives."""
+    doc = qwen_target.tokenize(LONG_TEXT * 3)[:700]  # more than one 512-token prefill chunk
+    first = doc + qwen_target.tokenize(" Summarize the story above.")
+    second = doc[:600] + qwen_target.tokenize(" How old is the lighthouse keeper?")
+    qwen_target.rewind(0)
+    qwen_target.prefill(second[:-1])
+    cold = qwen_target.eval(second[-1:])[0]
+    qwen_target.rewind(0)
+    qwen_target.prefill(first[:-1])
+    for t in [first[-1], 11, 12, 13]:  # a few decode steps past the first prompt
+        qwen_target.eval([t])
+    qwen_target.prefill(second[:-1])
+    assert qwen_target.tokens == list(second[:-1])
+    # the first chunk was reused (same fast pass), the rest recomputed in the fresh prefill's own chunks
+    assert all(kind == (0, qwen_target.n_batch) for kind in qwen_target._passes[:qwen_target.n_batch])
+    warm = qwen_target.eval(second[-1:])[0]
+    assert warm.tobytes() == cold.tobytes()
 
 
 def _chat(engine, prompt):

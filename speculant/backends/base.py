@@ -81,6 +81,11 @@ class Backend(ABC):
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 
+    def prefill(self, context: Sequence[int]) -> None:
+        """Prompt processing: make the cache hold `context` as "the model alone" would have computed it
+        (a runtime whose numerics depend on how passes are cut says how: llamacpp.py)."""
+        self.sync(context, n_logits=0)
+
     def behind(self, context: Sequence[int]) -> int:
         """How many tokens a sync to `context` evaluates (a drafter's catch-up): past the common prefix, so a
         cache still holding another request's text counts as far behind, not as ahead."""

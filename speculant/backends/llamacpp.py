@@ -1,13 +1,19 @@
 """llama.cpp backend over llama-cpp-python's low-level API (GGUF models, quantized, CPU).
 
 Numerics: the engine's exactness needs a target pass over k+1 tokens to give bit-identical logits to k+1
-single-token passes. llama.cpp has three matmul paths that round differently by batch size: the llamafile
-sgemm (disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (`use_extra_bufts`, off for a
-target), and the tiled K-quant kernel taken at >= 8 rows (GGML_CPU_TILED_MM=0 turns it off); flash
-attention also switches to a tiled kernel for >= 64 queries, so it stays off. Without them every output is
-one dot-product kernel call whatever the batch, and logits are bit-identical (tests/test_llamacpp.py
-checks batches up to 100 tokens). A draft needs no such care: any q is verified exactly, so drafts may
-load with repacking on (`repack=True`), which is faster.
+single-token passes. Stock llama.cpp has three matmul paths that round differently by batch size: the
+llamafile sgemm (disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (`use_extra_bufts`, off for a
+target), and the tiled K-quant kernel taken at >= 8 rows; flash attention also switches to a tiled kernel for
+>= 64 queries, so it stays off. Our build (native/) sends every pass of at most `invariant_rows()` (64)
+tokens to batch-invariant kernels (native/src/speculant-mm.c for Q4_K/Q6_K, ggml's dot products otherwise),
+so decode and verify passes give bit-identical logits (tests/test_llamacpp.py); longer passes, which only
+prompt processing makes, keep llama.cpp's fast batched kernels.
+
+"The target alone" is therefore: the prompt (all but its last token) evaluated in chunks of n_batch
+positions from position 0, then one token per pass. `prefill()` reproduces exactly that on a warm cache
+(the server's prefix reuse): it keeps a cached position only where a fresh prefill would have computed it
+by the same kind of pass (see `prefill`). A draft needs no such care: any q is verified exactly, so drafts
+may load with repacking on (`repack=True`), which is faster.
 """
 
 from __future__ import annotations
@@ -21,10 +27,9 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import ModelError
-from ..native import load_backends
-from .base import Backend, VocabInfo
+from ..native import build_info, exactness_problems, invariant_rows, load_backends
+from .base import Backend, VocabInfo, common_prefix
 
-os.environ["GGML_CPU_TILED_MM"] = "0"  # read once by ggml at the first matmul; see the docstring
 
 try:
     import llama_cpp as ll
@@ -43,6 +48,8 @@ def _log_callback(level: int, text: bytes, user_data) -> None:
         print(line, end="", flush=True)
 
 
+if build_info() is None:  # a stock build: its tiled K-quant kernel would break batch invariance
+    os.environ["GGML_CPU_TILED_MM"] = "0"  # read once by ggml at the first matmul
 ll.llama_log_set(_log_callback, ctypes.c_void_p(0))
 ll.llama_backend_init()
 load_backends()  # our wheel picks its CPU kernels (ISA level) at run time: see speculant/native.py
@@ -95,6 +102,9 @@ class LlamaCppBackend(Backend):
         self._memory = ll.llama_get_memory(self._ctx)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self._batch = ll.llama_batch_init(self.n_batch, self.n_embd if embed else 0, 1)
+        self.invariant_rows = invariant_rows()
+        self.exact_numerics = not exactness_problems()
+        self._passes: list = []  # per cached position, the pass that computed it: _pass_kind(start, n)
         self._piece_cache: dict[int, bytes] = {}
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
 
@@ -126,6 +136,7 @@ class LlamaCppBackend(Backend):
             rc = ll.llama_decode(self._ctx, b)
             if rc != 0:
                 raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors()})")
+            self._passes.extend([self._pass_kind(start + lo, len(chunk))] * len(chunk))
             if n_out:
                 ptr = ll.llama_get_logits(self._ctx)
                 out[filled : filled + n_out] = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
@@ -134,6 +145,36 @@ class LlamaCppBackend(Backend):
 
     def _truncate(self, n_kept: int) -> None:
         ll.llama_memory_seq_rm(self._memory, 0, n_kept, -1)
+        del self._passes[n_kept:]
+
+    def _pass_kind(self, start: int, n: int):
+        """What a position's numerics depend on besides the tokens: 0 for an invariant pass (any size up to
+        invariant_rows), else the exact (start, size) of the fast batched pass that computed it."""
+        return 0 if n <= self.invariant_rows else (start, n)
+
+    def prefill(self, context: Sequence[int]) -> None:
+        """Make the cache hold `context` exactly as a fresh prefill would: n_batch chunks from position 0.
+        A cached position is kept only where that prefill would compute it by the same kind of pass (an
+        invariant pass, or the same fast pass over the same chunk), and the rest is evaluated in the fresh
+        prefill's own chunks, so a warm cache gives the bits a cold one gives."""
+        chunks = [(a, min(a + self.n_batch, len(context))) for a in range(0, len(context), self.n_batch)]
+        common = common_prefix(self.tokens, context)
+        kept = 0
+        for a, b in chunks:
+            fresh = self._pass_kind(a, b - a)
+            if fresh == 0:  # any cached invariant position carries over, up to the first difference
+                while kept < min(b, common) and self._passes[kept] == 0:
+                    kept += 1
+                if kept < b:
+                    break
+            elif common >= b and all(kind == fresh for kind in self._passes[a:b]):
+                kept = b
+            else:
+                break
+        self.rewind(kept)
+        for a, b in chunks:
+            if b > kept:
+                self.eval(context[max(a, kept):b], n_logits=0)
 
     # -- text ---------------------------------------------------------------------------------------------
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:

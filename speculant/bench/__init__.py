@@ -72,6 +72,11 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                    help="step: all methods decode each prompt together, one step each in turn, each with its own "
                         "copy of the models (drift hits all alike); prompt: one method after another on shared "
                         "models; auto (default): step unless a method runs the target on torch")
+    p.add_argument("--costs", action="store_true",
+                   help="only measure what a target pass over n = 1..16 tokens and a 512-token prefill cost, ours "
+                        "against llama.cpp's default build (llama-bench), side by side with the ratio")
+    p.add_argument("--costs-depth", type=int, default=100, help="--costs: context tokens before the pass (default 100)")
+    p.add_argument("--costs-rounds", type=int, default=5, help="--costs: alternating rounds, median (default 5)")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -110,6 +115,11 @@ def config_from_args(args):
 def cmd_bench(args) -> int:
     from . import report
     from .runner import run
+
+    if args.costs:
+        from . import costs
+
+        return costs.run_cli(args)
 
     cfg = config_from_args(args)
     categories = parse_list(args.categories, str, "--categories") if args.categories else None

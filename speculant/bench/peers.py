@@ -1,7 +1,8 @@
 """Peers on the same GGUF files and prompts: llama.cpp's own speculative decoding and Hugging Face
 transformers' assisted generation. Each peer is compared with its own plain decoding and with ours.
 
-llama.cpp: tools built by scripts/build_llama_tools.sh (same CMake flags as our llama-cpp-python build).
+llama.cpp: tools built by scripts/build_llama_tools.sh with llama.cpp's own defaults (native CPU build, llamafile,
+  repacking and tiled kernels on: what a user gets), kept per CPU; our engine runs our exact build (native/).
   plain  = `llama-lookup --spec-draft-n-max 0` (the lookup loop drafting nothing: one target pass per token, and the
            same decode-only timing as the speculative tools), draft-kK = `llama-speculative-simple --spec-type draft-simple -md`,
   lookup-kK = `llama-lookup` (n-gram prompt lookup). tokens/s is the tools' "decoded N tokens in S seconds"
@@ -26,6 +27,7 @@ from typing import Optional
 
 import numpy as np
 
+from .. import models
 from ..errors import SettingsError
 
 PEER_NAMES = ("llama.cpp", "hf")
@@ -40,8 +42,18 @@ def check_names(names: list[str]) -> None:
 def default_tools_dir(explicit: Optional[str] = None) -> Path:
     if explicit:
         return Path(explicit)
-    home = Path(os.environ.get("SPECULANT_HOME") or Path.home() / ".cache" / "speculant")
-    return Path(os.environ.get("LLAMA_TOOLS_DIR") or home / "llama-tools") / "bin"
+    if os.environ.get("LLAMA_TOOLS_DIR"):
+        return Path(os.environ["LLAMA_TOOLS_DIR"]) / "bin"
+    return models.home() / "llama-tools" / cpu_key() / "bin"
+
+
+def cpu_key() -> str:
+    """The per-CPU folder scripts/build_llama_tools.sh builds into (a native build runs only where it was built)."""
+    import hashlib
+
+    lines = Path("/proc/cpuinfo").read_text().splitlines()
+    first = lambda prefix: next((line + "\n" for line in lines if line.startswith(prefix)), "")  # noqa: E731
+    return hashlib.sha256((first("model name") + first("flags")).encode()).hexdigest()[:10]
 
 
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+|nan|inf)\s+t/s")

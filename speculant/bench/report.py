@@ -26,6 +26,9 @@ def markdown(result: dict) -> str:
                                                         if result["models"].get("draft") else ""),
         f"- machine: {m.get('cpu')} — {m.get('cores')} cores, {m.get('threads_used')} threads used; "
         f"{m.get('platform')}, Python {m.get('python')}",
+        f"- llama.cpp: ours = build {m.get('llama.cpp', {}).get('build', '?')}, CPU variant "
+        f"{m.get('llama.cpp', {}).get('variant', '?')} (invariant kernels for passes of <= 64 tokens); peers = "
+        f"llama.cpp's own defaults, native build (scripts/build_llama_tools.sh)",
         f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
         f"- settings: suite {st['suite']}, {result['n_prompts']} prompts, -n {st['n_predict']}, repeats "
         f"{st['repeats']}, temps {', '.join(f'{t:g}' for t in st['temps'])}, top-k {st['top_k']}, top-p "

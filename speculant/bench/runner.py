@@ -83,6 +83,11 @@ def machine_info(threads_used: Optional[int]) -> dict:
         info["loadavg_at_start"] = list(os.getloadavg())
     except OSError:
         pass
+    from ..doctor import ISA_FLAGS, llama_facts  # the same facts as `speculant doctor`
+    from ..native import cpu_flags
+
+    info["cpu_features"] = [f for f in ISA_FLAGS if f in cpu_flags()]
+    info["llama.cpp"] = llama_facts()
     return info
 
 

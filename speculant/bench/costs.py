@@ -1,0 +1,113 @@
+"""`speculant bench --costs`: what one target pass over n tokens costs, ours against llama.cpp's default build.
+
+Ours: the target through our backend (invariant kernels up to 64 tokens, all logits returned, as a verify
+pass needs), n new tokens after a `--costs-depth`-token context. llama.cpp: `llama-bench -p N -d DEPTH`
+from the tools built with llama.cpp's own defaults (scripts/build_llama_tools.sh): prompt-processing
+speed of an N-token pass after DEPTH tokens, i.e. the same pass with its fastest batched kernels. Rounds
+alternate between the two so machine drift hits both; each figure is the median over rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import time
+from pathlib import Path
+from typing import Optional
+
+from ..errors import SettingsError
+
+TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n    for lo, hi in intervals:\n"
+        "        if out and lo <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], hi)\n        else:\n"
+        "            out.append([lo, hi])\n    return out\n") * 64
+
+
+def ours_ms(backend, ns: list[int], depth: int, prefill: int) -> dict:
+    """One round: ms per pass over n tokens after `depth` tokens, and prompt processing of `prefill` tokens."""
+    toks = backend.tokenize(TEXT)
+    assert len(toks) >= max(depth + max(ns), prefill), "cost text too short"
+    backend.rewind(0)
+    backend.eval(toks[:depth], n_logits=0)
+    out = {}
+    for n in ns:
+        backend.rewind(depth)
+        t = time.perf_counter()
+        backend.eval(toks[depth:depth + n], n_logits=n)
+        out[n] = (time.perf_counter() - t) * 1e3
+    backend.rewind(0)
+    t = time.perf_counter()
+    backend.prefill(toks[:prefill])
+    out["prefill_tps"] = prefill / (time.perf_counter() - t)
+    return out
+
+
+def llama_bench_ms(bindir: Path, model: str, ns: list[int], depth: int, prefill: int, threads: int) -> dict:
+    """One round of llama-bench (its own defaults build): the same quantities."""
+    cmd = [str(bindir / "llama-bench"), "-m", model, "-p", ",".join(str(n) for n in ns), "-n", "0",
+           "-d", str(depth), "-r", "1", "-t", str(threads), "-o", "json"]
+    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout)
+    out = {r["n_prompt"]: r["n_prompt"] / r["avg_ts"] * 1e3 for r in runs}
+    cmd_pp = [str(bindir / "llama-bench"), "-m", model, "-p", str(prefill), "-n", "0", "-r", "1", "-t",
+              str(threads), "-o", "json"]
+    out["prefill_tps"] = json.loads(subprocess.run(cmd_pp, capture_output=True, text=True, check=True,
+                                                   timeout=1800).stdout)[0]["avg_ts"]
+    return out
+
+
+def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100, prefill: int = 512,
+            rounds: int = 5, threads: Optional[int] = None, tools_dir: Optional[str] = None) -> dict:
+    from ..api import load_backend
+    from .peers import default_tools_dir
+
+    ns = ns or list(range(1, 17))
+    threads = threads or os.cpu_count() or 1
+    bindir = default_tools_dir(tools_dir)
+    have_peer = (bindir / "llama-bench").exists()
+    backend = load_backend(model_path, n_ctx=2048, threads=threads)
+    ours_rounds, peer_rounds = [], []
+    try:
+        ours_ms(backend, ns[:2], depth, 64)  # warm-up
+        for _ in range(rounds):
+            ours_rounds.append(ours_ms(backend, ns, depth, prefill))
+            if have_peer:
+                peer_rounds.append(llama_bench_ms(bindir, model_path, ns, depth, prefill, threads))
+    finally:
+        backend.close()
+    med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
+    keys = ns + ["prefill_tps"]
+    return {"model": model_path, "depth": depth, "prefill": prefill, "rounds": rounds, "threads": threads,
+            "ours": {k: med(ours_rounds, k) for k in keys},
+            "llama.cpp": {k: med(peer_rounds, k) for k in keys} if have_peer else None,
+            "llama_tools": str(bindir) if have_peer else f"not built ({bindir}): run scripts/build_llama_tools.sh"}
+
+
+def markdown(costs: dict) -> str:
+    ours, peer = costs["ours"], costs["llama.cpp"]
+    lines = [f"target pass over n new tokens after {costs['depth']} tokens, ms (median of {costs['rounds']} "
+             f"alternating rounds, {costs['threads']} threads); llama.cpp = {costs['llama_tools']}", "",
+             "| n | ours (invariant) | llama.cpp defaults | ratio |", "|---:|---:|---:|---:|"]
+    for n, ms in ours.items():
+        if n == "prefill_tps":
+            continue
+        p = peer[n] if peer else None
+        lines.append(f"| {n} | {ms:.1f} | {f'{p:.1f}' if p else '–'} | {f'{ms / p:.2f}' if p else '–'} |")
+    mine, p = ours["prefill_tps"], peer["prefill_tps"] if peer else None
+    lines.append(f"| prefill {costs['prefill']} tokens, tokens/s | {mine:.1f} | {f'{p:.1f}' if p else '–'} | "
+                 f"{f'{mine / p:.2f}' if p else '–'} |")
+    return "\n".join(lines) + "\n"
+
+
+def run_cli(args) -> int:
+    from .. import models
+
+    if args.costs_rounds < 1:
+        raise SettingsError("--costs-rounds must be at least 1")
+    costs = measure(str(models.resolve(args.model)), depth=args.costs_depth, rounds=args.costs_rounds,
+                    threads=args.threads, tools_dir=args.llama_tools)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "costs.json").write_text(json.dumps(costs, indent=2, default=str))
+    print(markdown(costs), end="")
+    return 0

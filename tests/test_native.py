@@ -1,0 +1,194 @@
+"""The llama.cpp build: portable CPU variants, the build reporting itself, our invariant kernels, doctor."""
+
+import ctypes
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from speculant import models, native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _run(code: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout)
+
+
+def _explain(proc: subprocess.CompletedProcess) -> str:
+    if proc.returncode == -4:  # SIGILL: kernels this CPU does not have
+        return f"killed by SIGILL (illegal instruction) on {native.cpu_model()}: {proc.stderr[-500:]}"
+    return f"exit {proc.returncode}: {proc.stderr[-1500:]}"
+
+
+def test_loaded_variant_uses_only_instructions_this_cpu_has():
+    from speculant.backends import llamacpp  # noqa: F401  (loads the backends)
+
+    features = native.system_features()
+    assert features, "llama_print_system_info reported nothing"
+    flags = native.cpu_flags()
+    used = [f for f, v in features.items() if v == "1" and f in native.FEATURE_FLAGS]
+    missing = [f for f in used if native.FEATURE_FLAGS[f] not in flags]
+    assert not missing, f"variant {native.loaded_variant()} uses {missing}, which this CPU lacks"
+    if native.build_info():  # our wheel: a run-time variant was picked, and it is the best one for this CPU
+        variant = native.loaded_variant()
+        assert variant in native.build_info()["variants"].split(",")
+        if "avx2" in flags:
+            assert "AVX2" in used, f"an AVX2 CPU got the {variant} variant"
+        if {"avx512f", "avx512vbmi", "avx512_vnni"} <= flags:
+            assert "AVX512_VNNI" in used, f"an AVX-512 VNNI CPU got the {variant} variant"
+
+
+def test_a_model_loads_and_decodes_in_a_child_process():
+    path = models.cached_path("smollm2-135m-instruct")
+    if not path.exists():
+        pytest.skip("smollm2-135m-instruct not pulled")
+    code = (f"from speculant.backends.llamacpp import LlamaCppBackend\n"
+            f"b = LlamaCppBackend({str(path)!r}, n_ctx=256)\n"
+            f"toks = b.tokenize('The capital of France is')\n"
+            f"out = [int(b.eval(toks)[-1].argmax())]\n"
+            f"for _ in range(3): out.append(int(b.eval(out[-1:])[0].argmax()))\n"
+            f"print('decoded', out)\n")
+    proc = _run(code)
+    assert proc.returncode == 0, _explain(proc)
+    assert re.search(r"decoded \[\d+, \d+, \d+, \d+\]", proc.stdout)
+
+
+def test_our_build_reports_itself_and_its_exactness():
+    from speculant.backends import llamacpp  # noqa: F401
+
+    info = native.build_info()
+    if info is None:
+        pytest.skip("llama-cpp-python was not built by native/build-llama.sh")
+    features = native.system_features()
+    assert features.get("SPECULANT") == info["key"], "the loaded kernels are not the wheel's build"
+    assert features.get("CPU_VARIANT") == native.loaded_variant()
+    assert "LLAMAFILE" not in features
+    assert native.exactness_problems() == []
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", info["llama_cpp_commit"])
+
+
+def test_the_patch_applies_to_the_pinned_sources(tmp_path):
+    sdist = models.home() / "wheels" / "llama_cpp_python-0.3.36.tar.gz"
+    if not sdist.exists():
+        pytest.skip("the llama-cpp-python sdist is not cached (native/build-llama.sh fetches it)")
+    subprocess.run(["tar", "-xzf", str(sdist), "-C", str(tmp_path)], check=True)
+    src = tmp_path / "llama_cpp_python-0.3.36"
+    for patch in sorted((ROOT / "native").glob("*.patch")):
+        proc = subprocess.run(["patch", "-p1", "--dry-run", "-d", str(src), "-i", str(patch)],
+                              capture_output=True, text=True)
+        assert proc.returncode == 0, f"{patch.name}: {proc.stdout}{proc.stderr}"
+    assert "SPECULANT_MM" in (ROOT / "native" / "llama-cpp-python-0.3.36.patch").read_text()
+
+
+def test_no_instruction_set_is_hard_coded():
+    for path in [ROOT / "Makefile", ROOT / "native" / "build-llama.sh", ROOT / "scripts" / "build_llama_tools.sh"]:
+        text = path.read_text()
+        assert not re.search(r"-DGGML_(AVX\w*|AMX\w*|F16C|FMA|BMI2)=ON|-march=", text), path.name
+
+
+# -- the kernels, on random blocks ----------------------------------------------------------------------------
+
+Q4_K, Q6_K = 12, 14  # ggml type ids
+BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
+Q8_K_BYTES = 292  # float d, int8 qs[256], int16 bsums[16]
+
+
+def _kernel_lib():
+    from speculant.backends import llamacpp  # noqa: F401
+
+    variant = native.loaded_variant()
+    if native.build_info() is None or variant is None:
+        pytest.skip("not our wheel")
+    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{variant}.so"))
+    fn = lib.speculant_mm_test_dot
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    return fn
+
+
+def _random_weights(rng, qtype: int, nb: int) -> np.ndarray:
+    x = rng.integers(0, 256, (nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    scale = lambda: np.frombuffer(np.float16(rng.uniform(-0.02, 0.02)).tobytes(), np.uint8)  # noqa: E731
+    for b in range(nb):  # finite fp16 scales
+        if qtype == Q4_K:
+            x[b, 0:2], x[b, 2:4] = scale(), scale()
+        else:
+            x[b, 208:210] = scale()
+    return x
+
+
+def _random_q8_K(rng, ncols: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """ncols q8_K rows of nb blocks, and their values as floats [ncols, nb*256]."""
+    d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float32)
+    qs = rng.integers(-127, 128, (ncols, nb, 256)).astype(np.int8)
+    bsums = qs.reshape(ncols, nb, 16, 16).sum(-1).astype(np.int16)
+    raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8), bsums.view(np.uint8)], axis=-1)
+    return np.ascontiguousarray(raw.reshape(ncols, -1)), (d[..., None] * qs).reshape(ncols, -1)
+
+
+def _dot(fn, qtype, x, y, ncols, group, reorder=0) -> np.ndarray:
+    out = np.zeros(ncols, np.float32)
+    n = x.shape[0] * 256
+    rc = fn(qtype, n, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data)
+    if rc != 0:
+        pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+    return out
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_multi_token_kernel_is_bit_identical_to_the_single_token_one(qtype):
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    fn = _kernel_lib()
+    rng = np.random.default_rng(qtype)
+    for nb in (1, 6, 35):  # 256 .. 8960 values per row (the Qwen shapes)
+        x = _random_weights(rng, qtype, nb)
+        y, yf = _random_q8_K(rng, 9, nb)
+        single = _dot(fn, qtype, x, y, 9, group=1)
+        for group in (2, 3, 4):
+            multi = _dot(fn, qtype, x, y, 9, group=group)
+            assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
+        # and it is the right dot product (gguf's own dequantization as the reference)
+        w = dequantize(x.reshape(-1), GGMLQuantizationType(qtype)).astype(np.float64)
+        ref = yf.astype(np.float64) @ w
+        np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_the_bit_identity_check_sees_a_reordered_sum(qtype):
+    fn = _kernel_lib()
+    rng = np.random.default_rng(7)
+    x = _random_weights(rng, qtype, 6)
+    y, _ = _random_q8_K(rng, 8, 6)
+    single = _dot(fn, qtype, x, y, 8, group=1)
+    reordered = _dot(fn, qtype, x, y, 8, group=4, reorder=1)
+    assert reordered.tobytes() != single.tobytes()
+    np.testing.assert_allclose(reordered, single, rtol=1e-4)  # same sum, other rounding
+
+
+# -- doctor ---------------------------------------------------------------------------------------------------
+
+def test_doctor_prints_every_fact():
+    proc = subprocess.run([sys.executable, "-m", "speculant", "doctor", "--json"], capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, _explain(proc)
+    facts = json.loads(proc.stdout)
+    for key in ("speculant", "cpu", "cpu_features", "cores", "threads", "llama.cpp", "torch", "transformers",
+                "gpu", "models"):
+        assert key in facts, key
+    ll = facts["llama.cpp"]
+    for key in ("llama_cpp_python", "build", "llama_cpp_commit", "variant", "kernel_features", "exactness"):
+        assert key in ll, key
+    assert facts["models"].get("smollm2-135m-instruct") or not models.cached_path("smollm2-135m-instruct").exists()
+    screen = subprocess.run([sys.executable, "-m", "speculant", "doctor"], capture_output=True, text=True,
+                            timeout=300).stdout
+    for label in ("cpu ", "cpu features", "llama.cpp", "variant", "kernels", "exactness", "torch", "gpu", "models"):
+        assert label in screen, label
