@@ -192,3 +192,32 @@ def test_doctor_prints_every_fact():
                             timeout=300).stdout
     for label in ("cpu ", "cpu features", "llama.cpp", "variant", "kernels", "exactness", "torch", "gpu", "models"):
         assert label in screen, label
+
+
+VARIANT_NEEDS = {"haswell": {"avx2", "fma"}, "skylakex": {"avx512f", "avx512bw"},
+                 "icelake": {"avx512f", "avx512vbmi", "avx512_vnni"}, "zen4": {"avx512f", "avx512_bf16"}}
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
+def test_every_isa_level_gives_the_same_bits(qtype):
+    """256-bit (haswell) and 512-bit (skylakex, icelake, ...) kernels: the same logits on any machine."""
+    _kernel_lib()
+    rng = np.random.default_rng(11)
+    x = _random_weights(rng, qtype, 6)
+    y, _ = _random_q8_K(rng, 7, 6)
+    results = {}
+    for variant, needs in VARIANT_NEEDS.items():
+        path = native.lib_dir() / f"libggml-cpu-{variant}.so"
+        if not path.exists() or not needs <= native.cpu_flags():
+            continue
+        lib = ctypes.CDLL(str(path))
+        lib.ggml_cpu_init()  # this copy's fp16 table (the loaded variant's was set up by the backend)
+        fn = lib.speculant_mm_test_dot
+        fn.restype = ctypes.c_int
+        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        results[variant] = [_dot(fn, qtype, x, y, 7, group=g).tobytes() for g in (1, 4)]
+    if len(results) < 2:
+        pytest.skip("fewer than two kernel ISA levels run on this CPU")
+    first = next(iter(results.values()))
+    assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
