@@ -14,7 +14,7 @@ MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-i
 $(BIN)/.llama: $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(PIPQ) --upgrade pip
-	wheel="$$(PIP=$(BIN)/pip bash native/build-llama.sh)" && $(PIPQ) --force-reinstall "$$wheel"
+	wheel="$$(PIP=$(BIN)/pip bash native/build-llama.sh)" && $(PIPQ) "$$wheel"
 	touch $@
 
 $(BIN)/.installed: pyproject.toml $(BIN)/.llama
