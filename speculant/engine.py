@@ -22,7 +22,7 @@ from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import SamplingParams, probs_from_logits, verify_greedy, verify_sampled
 
-MAX_DRAFT = 64
+MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
 
 
 @dataclass
