@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import secrets
+import signal
 import sys
 from typing import Optional
 
@@ -76,7 +77,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-td", "--threads-draft", type=int, default=None,
                    help="CPU threads of the draft model (default: --threads)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=0,
-                   help="accepted for llama.cpp compatibility: only 0 (" + NO_GPU_OFFLOAD.split(":")[0] + ")")
+                   help="accepted for llama.cpp compatibility: only 0 (no GPU offload in the llama.cpp backend; "
+                        "a GPU is --backend torch --device cuda)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -103,9 +105,10 @@ def check_model_flags(args) -> None:
     if args.ctx_size_draft not in (None, 0, args.ctx_size):
         raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
                             f"{args.ctx_size}), as it holds the same tokens; leave -cd out")
-    for flag, value in (("--threads-draft", args.threads_draft), ("--draft-vocab", args.draft_vocab)):
-        if value is not None and value < (1 if flag == "--threads-draft" else 0):
-            raise SettingsError(f"{flag} must be >= {1 if flag == '--threads-draft' else 0}, got {value}")
+    if args.threads_draft is not None and args.threads_draft < 1:
+        raise SettingsError(f"--threads-draft must be >= 1, got {args.threads_draft}")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise SettingsError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     draft = args.model_draft
     self_spec = args.self_spec or args.self_spec_exit is not None
     if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
@@ -233,15 +236,6 @@ def sampling_seed(seed: int) -> int:
     return seed
 
 
-def max_tokens(n_predict: int, engine) -> int:
-    """-n: -1 means until the end of generation or a full context."""
-    if n_predict == -1:
-        return engine.target.n_ctx
-    if n_predict < 1:
-        raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {n_predict}")
-    return n_predict
-
-
 def cmd_generate(args) -> int:
     from .engine import Result
     from .stats import SpecStats
@@ -250,8 +244,8 @@ def cmd_generate(args) -> int:
     if args.conversation:
         raise SettingsError("-cnv (interactive conversation) is not supported: generate answers one prompt; "
                             "use --chat for one chat turn, or `speculant serve` with an OpenAI chat client")
-    if args.n_predict != -1 and args.n_predict < 1:
-        max_tokens(args.n_predict, None)  # the error, before loading anything
+    if args.n_predict < 1 and args.n_predict != -1:
+        raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
     seed = sampling_seed(args.seed)
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)
     prompt = _read_prompt(args)
@@ -262,8 +256,9 @@ def cmd_generate(args) -> int:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
-        for event in engine.stream(text, max_tokens=max_tokens(args.n_predict, engine), params=params,
-                                   stop=args.stop, is_chat=args.chat, result=result):
+        limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
+        for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
+                                   result=result):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -334,7 +329,7 @@ MODEL_COMMANDS = ("generate", "serve", "demo")  # the commands with the common m
 
 
 def main(argv: Optional[list[str]] = None) -> int:
-    exit_on_sigterm()  # SIGTERM cleans up like Ctrl-C (a pull's staging directory, loaded models)
+    previous = exit_on_sigterm()  # SIGTERM cleans up like Ctrl-C (a pull's staging directory, loaded models)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
@@ -351,6 +346,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("speculant: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

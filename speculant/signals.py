@@ -43,11 +43,14 @@ class deferred_signals:
                 signal.raise_signal(self.received)
 
 
-def exit_on_sigterm() -> None:
+def exit_on_sigterm():
     """SIGTERM raises SystemExit(143) in the main thread, so `finally` blocks and temporary directories
-    are cleaned up as they are on Ctrl-C (the default action kills the process on the spot)."""
+    are cleaned up as they are on Ctrl-C (the default action kills the process on the spot). Returns the
+    previous handler (None off the main thread, where nothing changes)."""
 
     def terminate(signum, frame):
         raise SystemExit(128 + signum)
 
-    signal.signal(signal.SIGTERM, terminate)
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, terminate)
