@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import secrets
 import signal
 import sys
@@ -111,6 +112,9 @@ def check_model_flags(args) -> None:
         raise SettingsError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     draft = args.model_draft
     self_spec = args.self_spec or args.self_spec_exit is not None
+    if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
+        raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
+                            "the target: add --backend torch")
     if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
         raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
                             "lookup alone pass -md lookup")

@@ -135,6 +135,7 @@ def test_every_flag_has_help_and_calibrate_lists_only_its_own():
     (["--draft-vocab", "-5", "-md", "lookup"], "--draft-vocab must be >= 0"),
     (["-n", "-5"], "token limit"),
     (["--seed", "-2"], "--seed must be >= 0, or -1"),
+    (["--self-spec"], "add --backend torch"),
 ])
 def test_impossible_llama_cpp_flags_are_refused_before_loading(args, fragment):
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *args), fragment)
