@@ -639,11 +639,15 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                         "are cut with a 'shutting_down' error; new ones get 503 (default 10)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="info (default): one line per /v1 request; warning: errors and warnings only")
-    for action in p._actions:  # the sampling flags are request defaults here
-        if action.dest == "n_predict":
-            action.help = ("max_tokens of requests that do not set it (default 128; -1: until the end of "
-                           "generation or a full context); a request may ask for more, up to the context")
-        elif action.dest in ("temp", "top_k", "top_p", "min_p", "seed", "stop"):
+    request_defaults = {  # the sampling flags are defaults for requests here
+        "n_predict": "max_tokens of requests that do not set it (default 128; -1: until the end of generation or "
+                     "a full context); a request may ask for more, up to the context",
+        "seed": "seed of requests that do not set one (default -1: each samples with a random seed)",
+    }
+    for action in p._actions:
+        if action.dest in request_defaults:
+            action.help = request_defaults[action.dest]
+        elif action.dest in ("temp", "top_k", "top_p", "min_p", "stop"):
             action.help = f"default for requests that leave it out; {action.help}"
     p.set_defaults(handler=cmd_serve)
 
