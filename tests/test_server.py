@@ -418,7 +418,8 @@ def test_one_log_line_per_request_and_the_context_full_message():
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
         _post(url, "/v1/completions", {"model": MODEL, "prompt": 42}, key=None)
         httpx.get(url + "/health")
-        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4,", "max_tokens": 64}, key=None)
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                                  "max_tokens": 64}, key=None)
         body = r.json()
         assert body["choices"][0]["finish_reason"] == "length" and "context window full" in body["message"]
     finally:
