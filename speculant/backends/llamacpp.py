@@ -71,50 +71,45 @@ class LlamaCppBackend(Backend):
         mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
         mparams.n_gpu_layers = 0
         _LOG.clear()
-        self._model = self._ctx = None
-        try:
-            # Ctrl-C here would be raised inside the log callback and lost: record it, let the progress
-            # callback abort the load, and raise KeyboardInterrupt when the C calls return
-            with deferred_signals() as interrupt:
-                keep_loading = ll.llama_progress_callback(lambda progress, user_data: interrupt.received is None)
-                mparams.progress_callback = keep_loading
-                self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
-                if self._model and interrupt.received is None:
-                    self._init_context(n_ctx, n_threads, n_batch, flash_attn)
-        except BaseException:
-            self.close()
-            raise
+        # Ctrl-C inside llama.cpp's callbacks would be lost: it is recorded, the progress callback aborts the
+        # load, and KeyboardInterrupt is raised when the C call has returned
+        with deferred_signals() as interrupt:
+            mparams.progress_callback = ll.llama_progress_callback(  # False aborts the load
+                lambda progress, user_data: interrupt.received is None)
+            self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+            if self._model and interrupt.received is not None:
+                ll.llama_model_free(self._model)
+                self._model = None
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors()}")
-        if not self._ctx:
-            self.close()
-            raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
+        self._vocab = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
-        self.n_ctx = min(self._n_ctx_asked, ll.llama_n_ctx(self._ctx))  # llama.cpp pads n_ctx; keep the user's limit
+        threads = n_threads or os.cpu_count() or 1
+        cparams = ll.llama_context_default_params()
+        n_ctx = n_ctx or self.n_ctx_train  # 0: the model's training context
+        cparams.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
+        cparams.n_batch = cparams.n_ubatch = n_batch
+        cparams.n_seq_max = 1
+        cparams.n_threads = cparams.n_threads_batch = threads
+        cparams.no_perf = True
+        cparams.flash_attn_type = flash_attn
+        with deferred_signals() as interrupt:
+            self._ctx = ll.llama_init_from_model(self._model, cparams)
+            if interrupt.received is not None:
+                self.close()
+        if not self._ctx:
+            ll.llama_model_free(self._model)
+            self._model = None
+            raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
+        self.n_ctx = min(cparams.n_ctx, ll.llama_n_ctx(self._ctx))  # llama.cpp pads n_ctx; keep the user's limit
         self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
-        self.n_threads = self._threads
+        self.n_threads = threads
         self._memory = ll.llama_get_memory(self._ctx)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self._batch = ll.llama_batch_init(self.n_batch, self.n_embd if embed else 0, 1)
         self._piece_cache: dict[int, bytes] = {}
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
-
-    def _init_context(self, n_ctx: int, n_threads: Optional[int], n_batch: int, flash_attn: int) -> None:
-        """The llama.cpp context of the loaded model; n_ctx 0 means the model's training context."""
-        self._vocab = ll.llama_model_get_vocab(self._model)
-        n_ctx_train = ll.llama_model_n_ctx_train(self._model)
-        if n_ctx <= 0:
-            n_ctx = n_ctx_train
-        self._threads = n_threads or os.cpu_count() or 1
-        cparams = ll.llama_context_default_params()
-        cparams.n_ctx = self._n_ctx_asked = min(n_ctx, n_ctx_train) if n_ctx_train > 0 else n_ctx
-        cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_seq_max = 1
-        cparams.n_threads = cparams.n_threads_batch = self._threads
-        cparams.no_perf = True
-        cparams.flash_attn_type = flash_attn
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
 
     # -- decode loop --------------------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
