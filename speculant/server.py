@@ -663,7 +663,7 @@ def listen(host: str, port: int):
     try:
         return socket.create_server((host, port), family=family, backlog=2048)
     except OSError as e:
-        raise SpeculantError(f"cannot listen on {host}:{port}: {e.strerror or e}"
+        raise SpeculantError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
                              + (" (another server is using it; pick one with --port)"
                                 if e.errno == errno.EADDRINUSE else "")) from None
 
