@@ -8,7 +8,7 @@ latency and time-to-first-token percentiles, and the server's acceptance rate an
     .venv/bin/python scripts/load_test.py -m smollm2-135m-instruct -md smollm2-135m-instruct \
         --requests 16 --concurrency 4 -n 32 -t 1
 
-Or against a server you started yourself (loopback only): --url http://127.0.0.1:8000 (one mode).
+Or against a server you started yourself (loopback only): --url http://127.0.0.1:8080 (one mode).
 Bounded: at most --requests requests per mode (<= 1000) and --max-seconds of wall time per mode; requests
 not started by then are skipped and reported.
 """

@@ -25,8 +25,8 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
 
     backend: "llama.cpp" (GGUF), "torch" (transformers; GGUFs are converted once), or "auto": torch for a
     directory, llama.cpp otherwise."""
-    if not isinstance(n_ctx, int) or n_ctx < 16:
-        raise SettingsError(f"--ctx-size must be an integer >= 16, got {n_ctx!r}")
+    if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
+        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
     if threads is not None and threads < 1:
         raise SettingsError(f"--threads must be >= 1, got {threads}")
     if backend not in BACKENDS:
@@ -79,6 +79,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
     draft_vocab ids (speculant/vocabcut.py: a cheaper draft step, still lossless); 0 keeps them all."""
     if not (0.0 <= draft_p_min < 1.0):
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
+    if draft_vocab < 0:
+        raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
     if self_spec or self_spec_exit is not None:
         if draft_model and draft_model != LOOKUP:
@@ -93,14 +95,13 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         return CompositeDrafter(lookup_drafter, own) if lookup_drafter else own
     if not draft_model or draft_model == LOOKUP:
         return lookup_drafter
+    models.check_draft(draft_model, target.name, target.n_vocab)  # before a registered draft is pulled
     draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
                          dtype=dtype if draft_backend == "torch" else None,
                          device=device if draft_backend == "torch" else None)
     keep = None
     try:
         check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
-        if draft_vocab < 0:
-            raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
         from .backends.llamacpp import LlamaCppBackend
 
         if draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
@@ -121,19 +122,29 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 lookup: bool = False, ngram_max: int = 4, ngram_min: int = 1, n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
-                self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB) -> Engine:
+                self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
+                draft_threads: Optional[int] = None) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
-    and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always."""
+    and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
+    draft_threads: CPU threads of the draft model (default: threads). Names, paths and a registered draft's
+    tokenizer are checked before anything is loaded or downloaded."""
     if not isinstance(draft_max, int) or draft_max < 0:
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
     if not isinstance(draft_min, int) or not (0 <= draft_min <= max(draft_max, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
+    if draft_threads is not None and draft_threads < 1:
+        raise SettingsError(f"--threads-draft must be >= 1, got {draft_threads}")
+    for name in (model, draft_model):
+        if name and name != LOOKUP and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
+            models.resolve(name)  # an unknown name or a missing file fails now, not after a load
+    if draft_model:
+        models.check_draft(draft_model, model)
     target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device)
     try:
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
-                               ngram_max=ngram_max, ngram_min=ngram_min, threads=threads,
+                               ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,
                                draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
                                self_spec_exit=self_spec_exit, draft_vocab=draft_vocab)
     except BaseException:

@@ -162,10 +162,22 @@ def cmd_calibrate(args) -> int:
     return 0
 
 
-def add_cli(sub, add_model_args, add_sampling_args) -> None:
-    p = sub.add_parser("calibrate", help="choose the self-speculative layer subset of a model (torch backend)")
-    add_model_args(p)
+def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    from . import models
+
+    p = sub.add_parser("calibrate", help="choose the self-speculative layer subset of a model (torch backend)",
+                       description="Greedy generation on a few built-in prompts with candidate layer subsets; "
+                                   "saves the fastest for --self-spec.")
+    p.add_argument("-m", "--model", default=models.DEFAULT_TARGET,
+                   help="model: registered name, GGUF path (converted once) or transformers directory "
+                        "(default %(default)s)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp32 | fp16 (default bf16 where native)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda if present)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--draft-max", "--draft", type=int, default=4, help="tokens drafted per step (default 4)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per prompt (default 32)")
-    p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS), help="how many built-in prompts")
+    p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS),
+                   help=f"how many built-in prompts (default {len(DEFAULT_PROMPTS)})")
     p.add_argument("-o", "--output", default=None, help="where to save (default <model>.selfspec.json)")
     p.set_defaults(handler=cmd_calibrate)

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import secrets
+import signal
 import sys
 from typing import Optional
 
 from . import models
-from .errors import SpeculantError
+from .api import LOOKUP
+from .errors import SettingsError, SpeculantError
+from .signals import exit_on_sigterm
 
 DEMO_PROMPT = (
     "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals and returns "
@@ -21,6 +26,14 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"speculant: error: {message}\n")
 
 
+# flags that only act with a drafter: None means "not given" (warned about when they would do nothing)
+DRAFT_DEFAULTS = {"draft_max": 4, "draft_min": 1, "draft_p_min": 0.0, "adapt": True, "draft_vocab": 0,
+                  "lookup_ngram_max": 4, "lookup_ngram_min": 1, "threads_draft": None, "ctx_size_draft": None}
+NO_GPU_OFFLOAD = ("no GPU offload in the llama.cpp backend: speculant builds it for the CPU, where batched "
+                  "and one-token logits are bit-identical; pass -ngl 0 or leave it out (a GPU: --backend torch "
+                  "--device cuda)")
+
+
 def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> None:
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET if default_target else None,
                    help="target model: registered name or GGUF path (default %(default)s)")
@@ -29,20 +42,24 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                         "omit for plain decoding")
     p.add_argument("--lookup", action="store_true",
                    help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
-    p.add_argument("--draft-max", "--draft", type=int, default=4,
+    p.add_argument("--draft-max", "--draft", type=int, default=None,
                    help="tokens drafted per step; an upper bound when adapting (default 4)")
-    p.add_argument("--draft-min", type=int, default=1, help="lower bound of the planned draft length when adapting (the per-token confidence rule may still stop earlier)")
-    p.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=True,
+    p.add_argument("--draft-min", type=int, default=None,
+                   help="lower bound of the planned draft length when adapting (the per-token confidence rule "
+                        "may still stop earlier; default 1)")
+    p.add_argument("--adapt", action=argparse.BooleanOptionalAction, default=None,
                    help="choose the draft length per step from measured costs and acceptance, and decode "
                         "plainly when speculation does not pay (default on; --no-adapt drafts --draft-max always)")
-    p.add_argument("--draft-p-min", type=float, default=0.0,
-                   help="stop drafting when the draft's confidence falls below this (default 0: off)")
-    p.add_argument("--draft-vocab", type=int, default=0,
+    p.add_argument("--draft-p-min", type=float, default=None,
+                   help="stop drafting when the draft model's confidence falls below this (default 0: off)")
+    p.add_argument("--draft-vocab", type=int, default=None,
                    help="run a llama.cpp draft from a copy whose output layer keeps only its first N token ids "
                         "(a cheaper draft step that cannot propose the other ids; lossless; made once under "
                         "$SPECULANT_HOME/cut; default 0: the full vocabulary)")
-    p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
-    p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    p.add_argument("--lookup-ngram-max", type=int, default=None,
+                   help="prompt lookup: longest n-gram matched (default 4)")
+    p.add_argument("--lookup-ngram-min", type=int, default=None,
+                   help="prompt lookup: shortest n-gram matched (default 1)")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
                    help="runtime of the target (auto: torch for a transformers directory, else llama.cpp)")
     p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default="auto",
@@ -52,23 +69,86 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("--self-spec", action="store_true",
                    help="draft with the target's own first layers (torch target; `speculant calibrate` picks them)")
     p.add_argument("--self-spec-exit", type=int, default=None, help="self-spec: exit after this many layers")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
+    p.add_argument("-c", "--ctx-size", type=int, default=4096,
+                   help="context window in tokens; 0: the model's training context (default 4096)")
+    p.add_argument("-cd", "--ctx-size-draft", type=int, default=None,
+                   help="accepted for llama.cpp compatibility: the draft's context is always the target's (-c), "
+                        "as it holds the same tokens; only 0 or the -c value are allowed")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-td", "--threads-draft", type=int, default=None,
+                   help="CPU threads of the draft model (default: --threads)")
+    p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=0,
+                   help="accepted for llama.cpp compatibility: only 0 (no GPU offload in the llama.cpp backend; "
+                        "a GPU is --backend torch --device cuda)")
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--temp", type=float, default=0.0, help="temperature; 0 = greedy (default 0)")
-    p.add_argument("--top-k", type=int, default=0, help="top-k (0 = off)")
-    p.add_argument("--top-p", type=float, default=1.0, help="top-p in (0, 1] (1 = off)")
-    p.add_argument("--min-p", type=float, default=0.0, help="min-p in [0, 1) (0 = off)")
-    p.add_argument("--seed", type=int, default=None, help="random seed for sampling")
-    p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    p.add_argument("--temp", type=float, default=0.0,
+                   help="temperature; 0 = greedy (default 0, unlike llama-cli's 0.8: output is reproducible and "
+                        "can be checked token for token against plain decoding; pass --temp 0.8 for llama-cli's)")
+    p.add_argument("--top-k", type=int, default=40, help="top-k when sampling (0 = off; default 40, as llama-cli)")
+    p.add_argument("--top-p", type=float, default=0.95,
+                   help="top-p in (0, 1] when sampling (1 = off; default 0.95, as llama-cli)")
+    p.add_argument("--min-p", type=float, default=0.05,
+                   help="min-p in [0, 1) when sampling (0 = off; default 0.05, as llama-cli)")
+    p.add_argument("-s", "--seed", type=int, default=-1,
+                   help="random seed for sampling (default -1: a random one, reported with the result)")
+    p.add_argument("-n", "--n-predict", type=int, default=128,
+                   help="tokens to generate (default 128; -1: until the end of generation or a full context)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
 
 
+def check_model_flags(args) -> None:
+    """Refuse flags that cannot work, warn about flags that do nothing in this combination, then fill in the
+    defaults of the drafter flags (None = not given). Runs before anything is loaded."""
+    if args.gpu_layers != 0:
+        raise SettingsError(f"-ngl {args.gpu_layers}: {NO_GPU_OFFLOAD}")
+    if args.ctx_size_draft not in (None, 0, args.ctx_size):
+        raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
+                            f"{args.ctx_size}), as it holds the same tokens; leave -cd out")
+    if args.threads_draft is not None and args.threads_draft < 1:
+        raise SettingsError(f"--threads-draft must be >= 1, got {args.threads_draft}")
+    if args.draft_vocab is not None and args.draft_vocab < 0:
+        raise SettingsError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    draft = args.model_draft
+    self_spec = args.self_spec or args.self_spec_exit is not None
+    if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
+        raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
+                            "the target: add --backend torch")
+    if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
+        raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
+                            "lookup alone pass -md lookup")
+    given = {name for name in DRAFT_DEFAULTS if getattr(args, name) is not None}
+    idle: dict[str, str] = {}  # flag -> why it does nothing here
+    if not draft and not self_spec:
+        idle.update((n, "without a drafter (-md MODEL, -md lookup or --self-spec): this run decodes plainly")
+                    for n in given)
+    else:
+        if draft == LOOKUP:
+            idle.update((n, "with prompt lookup alone (-md lookup): it applies to a draft model")
+                        for n in given & {"draft_p_min", "draft_vocab", "threads_draft"})
+        elif not args.lookup:
+            idle.update((n, "without --lookup (prompt lookup)") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
+        if self_spec:
+            idle.update((n, "with --self-spec (the target drafts for itself)")
+                        for n in given & {"draft_vocab", "threads_draft"})
+        if args.adapt is False and "draft_min" in given:
+            idle["draft_min"] = "with --no-adapt (every step drafts --draft-max)"
+    for name, why in sorted(idle.items()):
+        flag = "--" + ("no-adapt" if name == "adapt" and args.adapt is False else name.replace("_", "-"))
+        print(f"speculant: warning: {flag} has no effect {why}", file=sys.stderr)
+    for name, default in DRAFT_DEFAULTS.items():
+        if getattr(args, name) is None:
+            setattr(args, name, default)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="speculant", description="Exact speculative decoding for LLMs.")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    parser = _Parser(prog="speculant", description="Exact speculative decoding for LLMs: a cheap drafter "
+                     "guesses tokens, the target checks them in one pass, and the output is what the target "
+                     "alone would produce. Flags follow llama.cpp's where they mean the same.",
+                     epilog="`speculant COMMAND --help` describes a command's flags.")
+    parser.add_argument("--version", action="version", version=_version())
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", title="commands", parser_class=_Parser)
 
     g = sub.add_parser("generate", help="generate text (speculatively with -md)")
     _add_model_args(g)
@@ -77,20 +157,27 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("--json", action="store_true", help="print one JSON object {text, tokens, stats}")
+    g.add_argument("-cnv", "--conversation", action="store_true",
+                   help="not supported: generate answers one prompt (--chat for one chat turn; `speculant serve` "
+                        "and any OpenAI chat client for a conversation)")
+    g.add_argument("-no-cnv", "--no-conversation", action="store_true",
+                   help="accepted for llama.cpp compatibility (generate is never interactive)")
+    g.add_argument("--json", action="store_true",
+                   help="print one JSON object {text, tokens, finish_reason, message, seed, stats}")
 
     pl = sub.add_parser("pull", help="download registered models into $SPECULANT_HOME")
     pl.add_argument("names", nargs="*", help="model names (default: the default target and draft)")
-    pl.add_argument("-q", "--quiet", action="store_true")
+    pl.add_argument("-q", "--quiet", action="store_true", help="no progress output")
 
     sub.add_parser("models", help="list registered models")
 
     d = sub.add_parser("demo", help="plain vs speculative on a built-in coding prompt")
     _add_model_args(d)
     d.set_defaults(model_draft=models.DEFAULT_DRAFT)
-    d.add_argument("-n", "--n-predict", type=int, default=128)
-    d.add_argument("--temp", type=float, default=0.0)
-    d.add_argument("-p", "--prompt", default=DEMO_PROMPT)
+    d.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    d.add_argument("--temp", type=float, default=0.0,
+                   help="temperature (default 0: greedy, so both outputs must be identical)")
+    d.add_argument("-p", "--prompt", default=DEMO_PROMPT, help="the prompt (default: a merge_intervals task)")
     for module in _PLUGINS:  # subcommands that live in their own modules: add_cli(sub) registers them
         try:
             mod = __import__(f"speculant.{module}", fromlist=["add_cli"])
@@ -98,6 +185,18 @@ def build_parser() -> argparse.ArgumentParser:
             continue
         mod.add_cli(sub, _add_model_args, _add_sampling_args)
     return parser
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    from . import __version__
+
+    try:
+        llama = version("llama-cpp-python")
+    except PackageNotFoundError:
+        llama = "not installed"
+    return f"speculant {__version__} (llama-cpp-python {llama})"
 
 
 _PLUGINS = ("server", "bench", "calibrate", "doctor")
@@ -128,7 +227,17 @@ def engine_from_args(args):
                        ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
                        threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
-                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab)
+                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
+                       draft_threads=args.threads_draft)
+
+
+def sampling_seed(seed: int) -> int:
+    """-s/--seed: -1 (the default) draws a random seed, which is then reported."""
+    if seed == -1:
+        return secrets.randbits(32)
+    if seed < 0:
+        raise SettingsError(f"--seed must be >= 0, or -1 for a random one, got {seed}")
+    return seed
 
 
 def cmd_generate(args) -> int:
@@ -136,32 +245,38 @@ def cmd_generate(args) -> int:
     from .stats import SpecStats
     from .verify import SamplingParams
 
-    params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    if args.conversation:
+        raise SettingsError("-cnv (interactive conversation) is not supported: generate answers one prompt; "
+                            "use --chat for one chat turn, or `speculant serve` with an OpenAI chat client")
+    if args.n_predict < 1 and args.n_predict != -1:
+        raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
+    seed = sampling_seed(args.seed)
+    params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)
     prompt = _read_prompt(args)
     if not prompt.strip():
-        raise SpeculantError("the prompt is empty")
+        raise SettingsError("the prompt is empty")
     engine = engine_from_args(args)
     try:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
-        for event in engine.stream(text, max_tokens=args.n_predict, params=params, stop=args.stop,
-                                   is_chat=args.chat, result=result):
+        limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
+        for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
+                                   result=result):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
                 printed += len(event.text)
+        speculative = engine.drafter is not None
     finally:
         engine.close()
     if args.json:
-        json.dump(result.to_dict(), sys.stdout, ensure_ascii=False)
+        json.dump({**result.to_dict(), "seed": seed}, sys.stdout, ensure_ascii=False)
         sys.stdout.write("\n")
     else:
         sys.stdout.write(result.text[printed:] + "\n")
-        s = result.stats
-        print(f"[{s.generated_tokens} tokens, {s.tokens_per_s:.2f} tokens/s, acceptance "
-              f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f}, {s.target_calls} target calls]",
-              file=sys.stderr)
+        sampled = f", seed {seed}" if not params.greedy else ""
+        print(f"[{result.stats.summary(speculative)}{sampled}]", file=sys.stderr)
     if result.message:
         print(f"speculant: {result.message}", file=sys.stderr)
     return 0
@@ -189,8 +304,8 @@ def cmd_demo(args) -> int:
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                           dtype=args.dtype, device=args.device)
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
-                           ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, threads=args.threads,
-                           draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
+                           ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,
+                           threads=args.threads_draft or args.threads, draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
                            self_spec=args.self_spec, self_spec_exit=args.self_spec_exit,
                            draft_vocab=args.draft_vocab)
     plain = Engine(target)
@@ -208,16 +323,25 @@ def cmd_demo(args) -> int:
     same = runs["plain"].tokens == runs["speculative"].tokens
     print(f"plain:       {p.tokens_per_s:6.2f} tokens/s")
     print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {args.draft_max}"
-          f"{', adaptive' if args.adapt else ''}, acceptance {s.acceptance_rate:.1%}, "
-          f"τ {s.mean_accepted_length:.2f}, mean draft length {s.to_dict()['mean_draft_length']})")
+          f"{', adaptive' if args.adapt else ''}: {s.summary(True, speed=False)})")
     print(f"speedup:     {s.tokens_per_s / p.tokens_per_s:.2f}x   identical output: {'yes' if same else 'NO'}")
     spec.close()
     return 0 if same or args.temp > 0 else 1
 
 
+MODEL_COMMANDS = ("generate", "serve", "demo")  # the commands with the common model flags
+
+
 def main(argv: Optional[list[str]] = None) -> int:
-    args = build_parser().parse_args(argv)
+    previous = exit_on_sigterm()  # SIGTERM cleans up like Ctrl-C (a pull's staging directory, loaded models)
     try:
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        if args.command is None:
+            parser.print_help(sys.stderr)
+            return 2
+        if args.command in MODEL_COMMANDS:
+            check_model_flags(args)
         handlers = {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}
         return (handlers.get(args.command) or args.handler)(args)
     except SpeculantError as e:
@@ -226,6 +350,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("speculant: interrupted", file=sys.stderr)
         return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 if __name__ == "__main__":

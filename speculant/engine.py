@@ -41,12 +41,12 @@ class Result:
     tokens: list[int]
     stats: SpecStats
     finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (token limit or context full)
-    message: str = ""  # a note for the user, e.g. that the context window filled up
+    message: str = ""  # a note for the user, e.g. that the context window filled up (finish_reason "length")
     from_draft: list[bool] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
-                "stats": self.stats.to_dict()}
+                "message": self.message, "stats": self.stats.to_dict()}
 
 
 class Engine:
@@ -164,6 +164,8 @@ class Engine:
                     result.tokens.append(token)
                     result.from_draft.append(i < n_accepted)
                     piece, stopped = text.add(token)
+                    if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
+                        del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:]
                     stats.decode_time = time.perf_counter() - t_decode
                     yield TokenEvent(token, piece, i < n_accepted)
                     if stopped:
@@ -199,15 +201,19 @@ class _TextTracker:
         self.text = ""  # everything decoded (up to a stop string, once found)
         self.emitted = 0  # how much of self.text was handed out
         self.stopped = False
+        self.starts: list[int] = []  # where each token's text begins in self.text
+        self.n_tokens_kept = 0  # once stopped: the tokens that begin before the stop string
 
     def add(self, token: int) -> tuple[str, bool]:
         before = len(self.text)
+        self.starts.append(before)
         self.text += self.decoder.decode(self.backend.token_bytes(token))
         for s in self.stop:
             at = self.text.find(s, max(0, before - len(s) + 1))
             if at >= 0:
                 self.text = self.text[:at]
                 self.stopped = True
+                self.n_tokens_kept = sum(start < at for start in self.starts)
                 return self._emit(len(self.text)), True
         hold = max((_overlap(self.text, s) for s in self.stop), default=0)
         return self._emit(len(self.text) - hold), False

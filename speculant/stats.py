@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Optional, Sequence
 
 
 @dataclass
@@ -52,23 +52,47 @@ class SpecStats:
             cell[1] += i < n_accepted
 
     @property
-    def acceptance_rate(self) -> float:
-        return self.accepted / self.drafted if self.drafted else 0.0
+    def acceptance_rate(self) -> Optional[float]:
+        """accepted / drafted; None when nothing was drafted (not 0: nothing was rejected either)."""
+        return self.accepted / self.drafted if self.drafted else None
 
     @property
     def acceptance_by_position(self) -> list[float]:
         return [a / d if d else 0.0 for a, d in zip(self.accepted_by_position, self.drafted_by_position)]
 
     @property
-    def mean_accepted_length(self) -> float:
-        """τ: tokens produced per target call, counting the target's own (recovered or bonus) token."""
-        produced = self.generated_tokens + self.ended_by_eog  # the EOS token was produced by a call too
-        return produced / self.target_calls if self.target_calls else 0.0
+    def produced_tokens(self) -> int:
+        """Tokens the target calls produced: the generated ones and an end-of-generation token."""
+        return self.generated_tokens + self.ended_by_eog
+
+    @property
+    def mean_accepted_length(self) -> Optional[float]:
+        """τ: tokens produced per target call, counting the target's own (recovered or bonus) token, so
+        >= 1 (1 for plain decoding); None before the first call. The one definition, also in /metrics and bench."""
+        return self.produced_tokens / self.target_calls if self.target_calls else None
+
+    @property
+    def plain_steps(self) -> int:
+        """Target calls that verified no draft (plain decoding steps, e.g. where the adaptive policy chose k = 0)."""
+        return self.draft_lengths.count(0)
 
     @property
     def tokens_per_s(self) -> float:
         """Generation speed: generated tokens over decode time (prefill excluded)."""
         return self.generated_tokens / self.decode_time if self.decode_time > 0 else 0.0
+
+    def summary(self, speculative: bool, speed: bool = True) -> str:
+        """One line for people: counts, never a rate of nothing ("acceptance 0%" would read as all rejected)."""
+        parts = [f"{self.generated_tokens} tokens, {self.tokens_per_s:.2f} tokens/s"] if speed else []
+        if not speculative:
+            parts.append(f"plain decoding, {self.target_calls} target calls")
+        else:
+            rate = f" ({self.acceptance_rate:.1%})" if self.drafted else ""
+            tau = f"τ {self.mean_accepted_length:.2f} over " if self.target_calls else ""
+            plain = self.plain_steps
+            parts.append(f"drafted {self.drafted}, accepted {self.accepted}{rate}, {tau}{self.target_calls} target "
+                         f"calls" + (f" ({plain} decoded plainly)" if plain else ""))
+        return ", ".join(parts)
 
     def to_dict(self) -> dict:
         return {
@@ -76,11 +100,12 @@ class SpecStats:
             "generated_tokens": self.generated_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,
-            "acceptance_rate": round(self.acceptance_rate, 4),
+            "acceptance_rate": _round(self.acceptance_rate),
             "acceptance_by_position": [round(x, 4) for x in self.acceptance_by_position],
-            "mean_accepted_length": round(self.mean_accepted_length, 4),
+            "mean_accepted_length": _round(self.mean_accepted_length),
             "ended_by_eog": self.ended_by_eog,
             "target_calls": self.target_calls,
+            "plain_steps": self.plain_steps,
             "accepted_by_source": dict(self.accepted_by_source),
             "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)
             if self.draft_lengths else 0.0,
@@ -95,3 +120,7 @@ class SpecStats:
             "peak_rss_mb": round(self.peak_rss_mb, 1),
             "exact_numerics": self.exact_numerics,
         }
+
+
+def _round(x: Optional[float]) -> Optional[float]:
+    return None if x is None else round(x, 4)

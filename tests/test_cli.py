@@ -100,3 +100,130 @@ def test_pull_unknown_name_and_models_listing():
     assert_clean_error(run("pull", "no-such-model"), "unknown model")
     listing = run("models")
     assert listing.returncode == 0 and models.DEFAULT_TARGET in listing.stdout
+
+
+# -- the first hour as a user (issue 18) ------------------------------------------------------------------------
+
+def test_no_command_lists_the_commands_and_version():
+    proc = run()
+    assert proc.returncode == 2
+    for command in ("generate", "serve", "pull", "models", "bench", "demo", "calibrate"):
+        assert command in proc.stderr
+    version = run("--version")
+    assert version.returncode == 0 and version.stdout.startswith("speculant ")
+
+
+def test_every_flag_has_help_and_calibrate_lists_only_its_own():
+    import argparse
+
+    from speculant.cli import build_parser
+
+    sub = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"{name} {a.option_strings or a.dest}" for name, p in sub.choices.items() for a in p._actions
+               if not a.help]
+    assert missing == []
+    calibrate = {s for a in sub.choices["calibrate"]._actions for s in a.option_strings}
+    assert not calibrate & {"-md", "--lookup", "--self-spec", "--backend", "--draft-vocab", "--adapt"}
+    assert "72 prompts" in sub.choices["bench"].format_help()  # the default run is long: it says so
+
+
+@pytest.mark.parametrize("args,fragment", [
+    (["-ngl", "99"], "no GPU offload in the llama.cpp backend"),
+    (["-cd", "100", "-c", "200", "-md", "lookup"], "the draft's context is always the target's"),
+    (["-cnv"], "-cnv (interactive conversation) is not supported"),
+    (["--lookup"], "for prompt lookup alone pass -md lookup"),
+    (["--draft-vocab", "-5", "-md", "lookup"], "--draft-vocab must be >= 0"),
+    (["-n", "-5"], "token limit"),
+    (["--seed", "-2"], "--seed must be >= 0, or -1"),
+    (["--self-spec"], "add --backend torch"),
+])
+def test_impossible_llama_cpp_flags_are_refused_before_loading(args, fragment):
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *args), fragment)
+
+
+def test_llama_cpp_spellings_and_conventions(small):
+    base = ["generate", "-m", small, "-p", "Once upon a time", "-n", "8", "--temp", "0.8", "--json"]
+    spec = ["-md", small, "--no-adapt"]  # a fixed draft length: the same seed gives the same sample
+    a = run(*base, *spec, "-ngl", "0", "-s", "7", "-td", "1", "-cd", "0", "-no-cnv")
+    b = run(*base, *spec, "--seed", "7")
+    assert a.returncode == 0 and b.returncode == 0, a.stderr + b.stderr
+    ra, rb = json.loads(a.stdout), json.loads(b.stdout)
+    assert ra["seed"] == rb["seed"] == 7 and ra["tokens"] == rb["tokens"]
+    r = run(*base)  # --seed -1 (the default): random, and reported
+    assert r.returncode == 0 and isinstance(json.loads(r.stdout)["seed"], int)
+    r = run(*base[:-1])
+    assert r.returncode == 0 and ", seed " in r.stderr
+
+
+def test_n_minus_one_runs_until_the_context_is_full_and_says_so(small):
+    proc = run("generate", "-m", small, "-c", "48", "-n", "-1", "--json", "-p", "1, 2, 3, 4, 5,")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["finish_reason"] == "length" and "context window full" in r["message"]
+    assert r["stats"]["prompt_tokens"] + r["stats"]["generated_tokens"] == 48
+    assert "context window full" in proc.stderr
+
+
+def test_ctx_size_zero_is_the_models_context(small):
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    backend = LlamaCppBackend(models.cached_path(small), n_ctx=0)
+    try:
+        assert backend.n_ctx == backend.n_ctx_train == 8192
+    finally:
+        backend.close()
+    proc = run("generate", "-m", small, "-c", "0", "-n", "2", "-p", "hi")
+    assert proc.returncode == 0, proc.stderr
+
+
+def test_flags_without_effect_are_warned_about(small):
+    proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "--draft-max", "3")
+    assert proc.returncode == 0 and "warning: --draft-max has no effect without a drafter" in proc.stderr
+    proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "-md", "lookup", "--draft-p-min", "0.5")
+    assert proc.returncode == 0 and "warning: --draft-p-min has no effect with prompt lookup" in proc.stderr
+
+
+def test_stats_line_tells_plain_from_speculative(small):
+    plain = run("generate", "-m", small, "-p", "hi", "-n", "4")
+    assert plain.returncode == 0 and "plain decoding" in plain.stderr and "acceptance" not in plain.stderr
+    spec = run("generate", "-m", small, "-md", small, "--no-adapt", "-p", "The capital of France is", "-n", "8")
+    assert spec.returncode == 0 and "drafted " in spec.stderr and "accepted " in spec.stderr
+    assert "τ " in spec.stderr
+
+
+def test_stop_string_is_in_neither_text_nor_tokens(small, small_target):
+    proc = run("generate", "-m", small, "-p", "The capital of France is", "-n", "24", "--stop", ".", "--json")
+    assert proc.returncode == 0, proc.stderr
+    r = json.loads(proc.stdout)
+    assert r["finish_reason"] == "stop" and "." not in r["text"]
+    assert b"".join(small_target.token_bytes(t) for t in r["tokens"]).decode() == r["text"]
+
+
+def _home_with(tmp_path, *names):
+    """A $SPECULANT_HOME where only `names` are pulled (links to the real files)."""
+    (tmp_path / "models").mkdir()
+    for name in names:
+        (tmp_path / "models" / models.cached_path(name).name).symlink_to(models.cached_path(name))
+    return {"SPECULANT_HOME": str(tmp_path)}
+
+
+def test_unpulled_draft_of_another_family_is_refused_before_download(small, tmp_path):
+    env = _home_with(tmp_path, small)
+    for target in (small, str(models.cached_path(small))):  # a registered name, and a GGUF path
+        proc = run("generate", "-m", target, "-md", models.DEFAULT_DRAFT, "-p", "hi", "-n", "2", env=env)
+        assert_clean_error(proc, "cannot draft for target", "vocabulary sizes differ", "151936", "49152")
+        assert "downloading" not in proc.stderr
+    assert not list((tmp_path / "models").glob(".pull-*"))
+    assert not (tmp_path / "models" / models.REGISTRY[models.DEFAULT_DRAFT].filename).exists()
+
+
+def test_torch_device_without_cuda_fails_before_loading(small, tmp_path):
+    torch = pytest.importorskip("torch")
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    env = _home_with(tmp_path, small)
+    proc = run("generate", "--backend", "torch", "--device", "cuda", "-m", small, "-p", "hi", env=env)
+    assert_clean_error(proc, "--device cuda", "CUDA")
+    assert not (tmp_path / "torch").exists()  # nothing was converted or loaded
+    assert_clean_error(run("generate", "--backend", "torch", "--device", "tpu:0", "-m", small, "-p", "hi", env=env),
+                       "--device")

@@ -156,3 +156,60 @@ def test_bad_settings():
         eng.generate(list(range(8)) * 2, max_tokens=5)
     with pytest.raises(SettingsError):
         Engine(TableBackend(V), draft_max=-1)
+
+
+def _spelled(target, tokens):
+    return b"".join(target.token_bytes(t) for t in tokens).decode()
+
+
+def test_stop_string_tokens_match_the_text():
+    """`tokens` are the tokens of `text`: one that only spells the stop string is not in either; one that
+    begins before it (and so put text in) stays, in both plain and speculative runs."""
+    eng = make_engine(4)
+    full = eng.generate(PROMPT, max_tokens=30)
+    target = eng.target
+    tok = full.tokens[8]
+    whole = _spelled(target, [tok])  # a stop string that is exactly one token
+    for engine in (eng, Engine(TableBackend(V, seed=0))):
+        r = engine.generate(PROMPT, max_tokens=30, stop=[whole])
+        assert r.finish_reason == "stop" and _spelled(target, r.tokens) == r.text
+        assert r.tokens == full.tokens[:full.tokens.index(tok)] and len(r.from_draft) == len(r.tokens)
+    straddle = whole[1:] + "<"  # begins inside a token and ends in the next one
+    r = eng.generate(PROMPT, max_tokens=30, stop=[straddle])
+    cut = full.text.find(straddle)
+    assert r.text == full.text[:cut]
+    assert _spelled(target, r.tokens).startswith(r.text) and len(_spelled(target, r.tokens[:-1])) < cut
+
+
+def test_stats_tell_plain_decoding_from_rejected_drafts():
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=12).stats
+    assert plain.acceptance_rate is None and plain.to_dict()["acceptance_rate"] is None
+    assert plain.mean_accepted_length == 1.0 and plain.plain_steps == plain.target_calls == 12
+    line = plain.summary(speculative=False)
+    assert "plain decoding" in line and "acceptance" not in line and "%" not in line
+    spec = make_engine(3).generate(PROMPT, max_tokens=24).stats
+    line = spec.summary(speculative=True)
+    assert f"drafted {spec.drafted}, accepted {spec.accepted} (" in line and "τ" in line
+    assert spec.mean_accepted_length >= 1
+
+
+def test_tau_counts_the_end_of_generation_token():
+    target = TableBackend(V, seed=0)
+    plain = Engine(target).generate(PROMPT, max_tokens=40).tokens
+    r = Engine(TableBackend(V, seed=0, eos=plain[3])).generate(PROMPT, max_tokens=40)
+    s = r.stats
+    assert s.ended_by_eog and s.target_calls == len(r.tokens) + 1
+    assert s.mean_accepted_length == 1.0  # plain decoding: one token per call, the EOS included
+
+
+def test_metrics_tau_is_the_per_request_tau():
+    pytest.importorskip("prometheus_client")
+    from speculant.server import Metrics
+
+    target = TableBackend(V, seed=0)
+    plain = Engine(target).generate(PROMPT, max_tokens=40).tokens
+    r = Engine(TableBackend(V, seed=0, eos=plain[3])).generate(PROMPT, max_tokens=40)
+    m = Metrics()
+    m.record(r.stats)
+    m.record(r.stats)
+    assert m.tau._value.get() == r.stats.mean_accepted_length == 1.0

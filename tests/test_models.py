@@ -52,3 +52,46 @@ def test_resolve_errors(tmp_path):
         models.resolve(str(tmp_path / "x.gguf"))
     with pytest.raises(ModelError, match="directory"):
         models.resolve(str(tmp_path) + "/")
+
+
+def _dead_pid() -> int:
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid  # reaped: no process has it (pids are not reused this quickly)
+
+
+def test_next_pull_sweeps_killed_pulls_but_not_live_ones(home, monkeypatch):
+    import os
+    import time
+
+    folder = home / "models"
+    folder.mkdir()
+    dead, live, unowned_old, unowned_new = (folder / f".pull-x-{n}" for n in ("dead", "live", "old", "new"))
+    for d in (dead, live, unowned_old, unowned_new):
+        (d / "wheels").mkdir(parents=True)
+        (d / "model.gguf.part").write_bytes(b"x" * 1000)
+    (dead / models.OWNER_FILE).write_text(f"{_dead_pid()}\n")
+    (live / models.OWNER_FILE).write_text(f"{os.getpid()}\n")
+    hour_ago = time.time() - 3600
+    os.utime(unowned_old, (hour_ago, hour_ago))  # left by a pull from before owner records
+    # a present model: the pull is a no-op, and still sweeps
+    spec = dataclasses.replace(models.REGISTRY["smollm2-135m-instruct"], name="tiny", filename="tiny.gguf", size=4)
+    monkeypatch.setitem(models.REGISTRY, "tiny", spec)
+    (folder / "tiny.gguf").write_bytes(b"GGUF")
+    models.pull("tiny", quiet=True)
+    assert sorted(p.name for p in folder.glob(".pull-*")) == [".pull-x-live", ".pull-x-new"]
+
+
+def test_registry_knows_the_tokenizer_before_any_download():
+    from speculant.errors import VocabMismatchError
+
+    models.check_draft(models.DEFAULT_DRAFT, models.DEFAULT_TARGET)
+    models.check_draft(models.DEFAULT_DRAFT, "some/path.gguf", target_n_vocab=151936 - 100)  # padding differs
+    with pytest.raises(VocabMismatchError, match="tokenizers differ.*qwen2.5.*smollm2"):
+        models.check_draft("smollm2-135m-instruct", models.DEFAULT_TARGET)
+    with pytest.raises(VocabMismatchError, match="vocabulary sizes differ"):
+        models.check_draft(models.DEFAULT_DRAFT, "some/path.gguf", target_n_vocab=49152)
+    models.check_draft("some/other.gguf", models.DEFAULT_TARGET)  # unregistered: checked after loading

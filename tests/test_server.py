@@ -131,7 +131,37 @@ def test_streaming_equals_non_streaming(client):
     assert stream[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in stream) == chat.choices[0].message.content
     assert stream[-1].choices[0].finish_reason == chat.choices[0].finish_reason
+    assert all(c.usage is None for c in stream)  # usage only when asked for (stream_options.include_usage)
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=16, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[-1].choices == [] and [c for c in stream if c.usage] == [stream[-1]]
     assert stream[-1].usage.model_extra["speculative"]["generated_tokens"] == chat.usage.completion_tokens
+
+
+def _sse(url, body):
+    with httpx.stream("POST", url, headers={"Authorization": f"Bearer {KEY}"}, json=body, timeout=60) as r:
+        assert r.status_code == 200
+        events = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    return [json.loads(e) for e in events[:-1]]
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"prompt": PROMPT}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "Name a color."}]}),
+])
+def test_stream_usage_arrives_once_as_openai_sends_it(server, path, body):
+    """With include_usage: every chunk carries "usage": null but the last, which has "choices": [] and the
+    usage (a client summing the chunks' usage counts each token once); without it, no chunk has the field."""
+    body = {"model": MODEL, "max_tokens": 12, "temperature": 0, "stream": True, **body}
+    plain = _sse(server + path, body)
+    assert all("usage" not in c for c in plain)
+    chunks = _sse(server + path, {**body, "stream_options": {"include_usage": True}})
+    assert all("usage" in c for c in chunks)
+    with_usage = [c for c in chunks if c["usage"] is not None]
+    assert with_usage == [chunks[-1]] and chunks[-1]["choices"] == []
+    assert chunks[-2]["choices"][0]["finish_reason"] in ("stop", "length")
+    assert chunks[-1]["usage"]["completion_tokens"] == chunks[-1]["usage"]["speculative"]["generated_tokens"] > 0
 
 
 def test_stream_wire_format_ends_with_done(server):
@@ -356,3 +386,53 @@ def test_graceful_shutdown_cuts_in_flight_and_exits():
     last = json.loads(lines[-1][6:]) if lines[-1] != "data: [DONE]" else None
     # either it finished in the grace period or it was cut with an error event; never a silent truncation
     assert last is None or last["error"]["code"] == "shutting_down"
+
+
+# -- fail fast, log, say what -n means ----------------------------------------------------------------------
+
+def test_busy_port_fails_before_loading_in_one_line():
+    import socket
+
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run([SPECULANT, "serve", *COMMON, "--port", str(port)], capture_output=True, text=True,
+                              timeout=120, env={**os.environ, "SPECULANT_VERBOSE": "1"})
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr
+    assert [line for line in proc.stderr.splitlines() if line.startswith("speculant: error")] == [
+        f"speculant: error: cannot listen on 127.0.0.1:{port}: Address already in use (another server is using "
+        f"it; pick one with --port)"]
+    assert "serving" not in proc.stderr and "ERROR" not in proc.stderr
+    assert "llama_model_loader" not in proc.stdout  # no model was loaded
+
+
+def test_one_log_line_per_request_and_the_context_full_message():
+    proc, url = _start("-c", "64")
+    try:
+        from openai import OpenAI
+
+        client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
+        _post(url, "/v1/completions", {"model": MODEL, "prompt": 42}, key=None)
+        httpx.get(url + "/health")
+        r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
+                                                  "max_tokens": 64}, key=None)
+        body = r.json()
+        assert body["choices"][0]["finish_reason"] == "length" and "context window full" in body["message"]
+    finally:
+        _stop(proc)
+    out = proc.stdout.read()
+    lines = [line for line in out.splitlines() if " /v1/" in line]
+    assert len(lines) == 3, out
+    assert lines[0].startswith("speculant: POST /v1/completions 200 ") and "completion=3/3" in lines[0]
+    assert "tau=" in lines[0] and "400 invalid_type" in lines[1]
+    assert out.count("serving") == 1 and "Uvicorn running" not in out
+
+
+def test_serve_help_says_what_n_means():
+    out = subprocess.run([SPECULANT, "serve", "--help"], capture_output=True, text=True).stdout
+    assert "max_tokens of requests that do not set it" in " ".join(out.split())
+    assert "8080" in out

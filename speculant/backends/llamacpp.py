@@ -28,6 +28,7 @@ import numpy as np
 
 from ..errors import ModelError
 from ..native import build_info, exactness_problems, invariant_rows, load_backends
+from ..signals import deferred_signals
 from .base import Backend, VocabInfo, common_prefix
 
 
@@ -77,7 +78,15 @@ class LlamaCppBackend(Backend):
         mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
         mparams.n_gpu_layers = 0
         _LOG.clear()
-        self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+        # Ctrl-C inside llama.cpp's callbacks would be lost: it is recorded, the progress callback aborts the
+        # load, and KeyboardInterrupt is raised when the C call has returned
+        with deferred_signals() as interrupt:
+            mparams.progress_callback = ll.llama_progress_callback(  # False aborts the load
+                lambda progress, user_data: interrupt.received is None)
+            self._model = ll.llama_model_load_from_file(str(self.path).encode(), mparams)
+            if self._model and interrupt.received is not None:
+                ll.llama_model_free(self._model)
+                self._model = None
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors()}")
         self._vocab = ll.llama_model_get_vocab(self._model)
@@ -85,13 +94,17 @@ class LlamaCppBackend(Backend):
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
         threads = n_threads or os.cpu_count() or 1
         cparams = ll.llama_context_default_params()
+        n_ctx = n_ctx or self.n_ctx_train  # 0: the model's training context
         cparams.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_seq_max = 1
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn
-        self._ctx = ll.llama_init_from_model(self._model, cparams)
+        with deferred_signals() as interrupt:
+            self._ctx = ll.llama_init_from_model(self._model, cparams)
+            if interrupt.received is not None:
+                self.close()
         if not self._ctx:
             ll.llama_model_free(self._model)
             self._model = None
@@ -252,7 +265,9 @@ class LlamaCppBackend(Backend):
 
     def close(self) -> None:
         if getattr(self, "_ctx", None):
-            ll.llama_batch_free(self._batch)
+            if getattr(self, "_batch", None) is not None:
+                ll.llama_batch_free(self._batch)
+                self._batch = None
             ll.llama_free(self._ctx)
             self._ctx = None
         if getattr(self, "_model", None):

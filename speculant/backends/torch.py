@@ -36,12 +36,12 @@ import numpy as np
 try:
     import torch
 except ImportError as e:  # pragma: no cover - an install problem, reported clearly
-    from ..errors import ModelError
+    from ..errors import ModelError, SettingsError
 
     raise ModelError("the torch backend needs `pip install 'speculant[torch]'` (torch==2.13.0, transformers, "
                      "accelerate, gguf)") from e
 
-from ..errors import ModelError
+from ..errors import ModelError, SettingsError
 from .base import Backend, VocabInfo
 
 # llama.cpp treats these texts as end-of-generation / end-of-turn when the GGUF does not say (llama-vocab.cpp)
@@ -300,7 +300,7 @@ class TorchBackend(Backend):
             raise ModelError(f"{name}: only full-attention models are supported (layer types {set(cfg.layer_types)})")
         self.n_vocab = int(model.get_output_embeddings().weight.shape[0])
         n_train = int(getattr(cfg, "max_position_embeddings", 0) or 0)
-        self.n_ctx = min(n_ctx, n_train) if n_train > 0 else n_ctx
+        self.n_ctx = min(n_ctx or n_train, n_train) if n_train > 0 else n_ctx  # 0: the model's context
         if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None):
             raise ModelError(f"{name}: logit soft-capping is not supported by the torch backend")
         _register_attention()
@@ -482,6 +482,22 @@ class TorchBackend(Backend):
         self.cache = self.new_cache() if getattr(self, "model", None) is not None else None
 
 
+def check_device(device: str) -> None:
+    """A clear SettingsError for a device this torch cannot use."""
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as e:
+        raise SettingsError(f"--device {device!r} is not a torch device ({e})") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise SettingsError(f"--device {device}: {why} (torch {torch.__version__}); use --device cpu")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise SettingsError(f"--device {device}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    elif dev.type != "cpu":
+        raise SettingsError(f"--device {device}: unsupported device type {dev.type!r} (cpu or cuda)")
+
+
 def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device: Optional[str] = None, *,
                        n_ctx: int = 4096, threads: Optional[int] = None) -> TorchBackend:
     """A registered model name, a GGUF path or a transformers directory -> a TorchBackend.
@@ -494,6 +510,7 @@ def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device
     if threads:
         torch.set_num_threads(threads)
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    check_device(device)  # before any conversion or loading
     dtype = _parse_dtype(dtype) or default_dtype(device)
     path = resolve_model_dir(model_name_or_path)
     try:

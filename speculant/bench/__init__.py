@@ -27,9 +27,12 @@ __all__ = ["add_cli", "cmd_bench", "METHODS", "Method", "MethodContext", "Varian
 
 
 def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    n_builtin = len(read_suite(None))
     p = sub.add_parser("bench", help="benchmark methods against plain decoding (speedup, acceptance, τ)",
                        description="Run every prompt under every method, interleaved, and report speedups over "
-                                   "plain decoding as ratios. Methods: " +
+                                   f"plain decoding as ratios. The default is long: the built-in suite's "
+                                   f"{n_builtin} prompts x 128 tokens x plain and draft-k4 on the Qwen pair "
+                                   "(tens of minutes on a CPU); `--limit 1` runs one prompt per category. Methods: " +
                                    "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET,
                    help="target model: registered name or GGUF path (default %(default)s)")
@@ -43,16 +46,17 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--draft-vocab", type=int, default=32768,
                    help="token ids the *-cut methods' draft keeps in its output layer (default %(default)s)")
     p.add_argument("--temp", default="0", help="comma list of temperatures (default 0 = greedy)")
-    p.add_argument("--top-k", type=int, default=0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0, help="top-k when sampling (default 0: off)")
+    p.add_argument("--top-p", type=float, default=1.0, help="top-p when sampling (default 1: off)")
+    p.add_argument("--min-p", type=float, default=0.0, help="min-p when sampling (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling (per prompt and repeat)")
-    p.add_argument("--suite", default=None, help="JSONL suite (Spec-Bench question.jsonl format; default built-in)")
+    p.add_argument("--suite", default=None,
+                   help=f"JSONL suite (Spec-Bench question.jsonl format; default: the built-in {n_builtin} prompts)")
     p.add_argument("--categories", default=None, help="comma list of categories to run (default all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt x method (default 1)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096)
+    p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--out", default="bench-out", help="output directory (default %(default)s)")
     p.add_argument("--peers", default=None,
