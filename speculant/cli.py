@@ -25,10 +25,13 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET if default_target else None,
                    help="target model: registered name or GGUF path (default %(default)s)")
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
-                   help="draft model of the same family (name or GGUF path), or 'lookup' for prompt lookup; "
-                        "omit for plain decoding")
+                   help="draft model of the same family (name or GGUF path), 'lookup' for prompt lookup, or "
+                        "'history' for history drafting; omit for plain decoding")
     p.add_argument("--lookup", action="store_true",
                    help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
+    p.add_argument("--history", action="store_true",
+                   help="draft from a suffix trie over the prompt and this process's earlier outputs (before "
+                        "lookup and the draft model); lossless, proposals only")
     p.add_argument("--draft-max", "--draft", type=int, default=4,
                    help="tokens drafted per step; an upper bound when adapting (default 4)")
     p.add_argument("--draft-min", type=int, default=1, help="lower bound of the planned draft length when adapting (the per-token confidence rule may still stop earlier)")
@@ -42,7 +45,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                         "(a cheaper draft step that cannot propose the other ids; lossless; made once under "
                         "$SPECULANT_HOME/cut; default 0: the full vocabulary)")
     p.add_argument("--lookup-ngram-max", type=int, default=4, help="longest n-gram prompt lookup matches")
-    p.add_argument("--lookup-ngram-min", type=int, default=1, help="shortest n-gram prompt lookup matches")
+    p.add_argument("--lookup-ngram-min", type=int, default=2,
+                   help="shortest n-gram prompt lookup matches (default 2: single-token matches rarely pay)")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
                    help="runtime of the target (auto: torch for a transformers directory, else llama.cpp)")
     p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default="auto",
@@ -78,6 +82,9 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object {text, tokens, stats}")
+    g.add_argument("--prediction", metavar="FILE", default=None,
+                   help="predicted output (e.g. the file being edited): drafted first wherever the output follows "
+                        "it; lossless ('-' for stdin)")
 
     pl = sub.add_parser("pull", help="download registered models into $SPECULANT_HOME")
     pl.add_argument("names", nargs="*", help="model names (default: the default target and draft)")
@@ -128,7 +135,22 @@ def engine_from_args(args):
                        ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
                        threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
-                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab)
+                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
+                       history=getattr(args, "history", False))
+
+
+def _read_prediction(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SpeculantError(f"cannot read prediction file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpeculantError(f"prediction file {path} is not UTF-8 text") from None
 
 
 def cmd_generate(args) -> int:
@@ -137,6 +159,7 @@ def cmd_generate(args) -> int:
     from .verify import SamplingParams
 
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, args.seed)
+    prediction = _read_prediction(args.prediction)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise SpeculantError("the prompt is empty")
@@ -146,7 +169,7 @@ def cmd_generate(args) -> int:
         result = Result("", [], SpecStats())
         printed = 0
         for event in engine.stream(text, max_tokens=args.n_predict, params=params, stop=args.stop,
-                                   is_chat=args.chat, result=result):
+                                   is_chat=args.chat, result=result, prediction=prediction):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -160,8 +183,9 @@ def cmd_generate(args) -> int:
         sys.stdout.write(result.text[printed:] + "\n")
         s = result.stats
         print(f"[{s.generated_tokens} tokens, {s.tokens_per_s:.2f} tokens/s, acceptance "
-              f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f}, {s.target_calls} target calls]",
-              file=sys.stderr)
+              f"{s.acceptance_rate:.1%}, τ {s.mean_accepted_length:.2f}, {s.target_calls} target calls"
+              + (f", accepted by source {dict(s.accepted_by_source)}" if len(s.accepted_by_source) > 1 or prediction
+                 else "") + "]", file=sys.stderr)
     if result.message:
         print(f"speculant: {result.message}", file=sys.stderr)
     return 0
