@@ -216,6 +216,7 @@ class AdaptivePolicy:
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
+    prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -247,8 +248,13 @@ class AdaptivePolicy:
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
-        """T(n): measured where possible, else linear through the measured points (prior: 0.5 T(1) per token)."""
-        measured = {m: e.value for m, e in self.target_cost.items() if e.weight > 0}
+        """T(n): measured where possible, else linear through the measured points (prior: 0.5 T(1) per token).
+        A size timed slower than the prior (T(1) (1 + 0.5 (n - 1))) only once or twice leans on the prior: on a
+        loaded machine one slow pass would otherwise price every draft of that size out, and a size that is
+        never verified is never timed again (a free drafter has no probes)."""
+        one = self.target_cost.get(1)
+        t1 = one.value if one is not None and one.weight > 0 else None
+        measured = {m: self._shrunk(m, e, t1) for m, e in self.target_cost.items() if e.weight > 0}
         if n in measured:
             return measured[n]
         if not measured:
@@ -264,6 +270,14 @@ class AdaptivePolicy:
             lo, hi = pts[-2], pts[-1]
         slope = max((hi[1] - lo[1]) / (hi[0] - lo[0]), 0.0)
         return max(lo[1] + slope * (n - lo[0]), 1e-6)
+
+    def _shrunk(self, n: int, e: _Ema, t1: Optional[float]) -> float:
+        if n == 1 or t1 is None:
+            return e.value
+        prior = t1 * (1.0 + 0.5 * (n - 1))
+        if e.value <= prior:
+            return e.value
+        return (e.weight * e.value + self.prior_cost_weight * prior) / (e.weight + self.prior_cost_weight)
 
     def verify_price(self, i: int) -> float:
         """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1)."""

@@ -327,3 +327,18 @@ def test_the_distribution_test_fails_a_wrong_verifier_of_predictions(monkeypatch
     params = SamplingParams(1.0, seed=70_000)
     counts, _ = sampled_with_prediction(params, 20_000, _plain(3))
     assert pvalue(counts, exact_joint_from(PROMPT, params)) < 1e-6
+
+
+def test_one_slow_timing_does_not_price_long_drafts_out_for_good():
+    """On a loaded machine one verify pass can take twice its usual time; a free drafter has no probes, so if
+    that one timing stood, no draft of that size would be verified (and re-timed) again."""
+    from speculant.policy import _Ema
+
+    policy = AdaptivePolicy()
+    policy.target_cost[1] = _Ema(1.0, weight=20)
+    policy.target_cost[2] = _Ema(2.2, weight=1)  # one pass over 2 tokens, slowed by another process
+    assert policy.verify_price(1) < 0.7
+    policy.key_alpha[("prediction", "p8")] = _Ema(0.9, weight=50)
+    assert policy.budget(10, long_max=16).take("prediction", "p8")
+    policy.target_cost[2] = _Ema(2.2, weight=50)  # measured slow again and again: it is slow
+    assert policy.verify_price(1) > 1.1
