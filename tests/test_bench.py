@@ -575,8 +575,8 @@ def test_suite_prediction_fields(tmp_path):
 
 
 def test_runner_gives_the_prediction_only_to_prediction_methods(monkeypatch):
-    """Synthetic models, step interleave: the prediction methods get the prompt's prediction (and copy most
-    of the output from it), the others do not; greedy output is plain's everywhere; the summary says which
+    """Synthetic models, step interleave: the prediction methods get the prompt's prediction (and copy from
+    it), the others do not; greedy output is plain's everywhere; the summary says which
     source supplied the accepted tokens."""
     from synthetic import TableBackend
 
@@ -602,6 +602,6 @@ def test_runner_gives_the_prediction_only_to_prediction_methods(monkeypatch):
     assert all(r["greedy_equal"] for r in rows if r["variant"] != "plain")
     for r in rows:
         if r["variant"] in ("prediction", "prediction+history"):
-            assert r["accepted_by_source"].get("prediction", 0) >= 20
+            assert r["accepted_by_source"].get("prediction", 0) > 0  # how many: timings decide (no wall time here)
         else:
             assert "prediction" not in r["accepted_by_source"]
