@@ -215,6 +215,20 @@ def test_history_rematches_past_its_depth():
 PROMPT = [1, 2, 3]
 
 
+def _priced(policy):
+    """Fix the policy's pass costs (a verified token adds 0.3 of a step, as on this CPU), so that its choices
+    depend on acceptance only, never on how long the synthetic passes happened to take."""
+    from speculant.policy import _Ema
+
+    class Fixed(_Ema):
+        def update(self, x, rate):
+            pass
+
+    for n in range(1, 70):
+        policy.target_cost[n] = Fixed(1.0 + 0.3 * (n - 1), weight=100)
+    return policy
+
+
 def _plain(n=60, prompt=PROMPT):
     return Engine(TableBackend(V, seed=0)).generate(prompt, max_tokens=n).tokens
 
@@ -226,6 +240,7 @@ def test_greedy_identity_with_a_prediction(kind):
                   "deletion": plain[:20] + plain[26:], "wrong-start": [(t + 1) % V for t in plain[:4]] + plain[4:],
                   "unrelated": [int(x) for x in np.random.default_rng(3).integers(0, V, 60)]}[kind]
     eng = Engine(TableBackend(V, seed=0))
+    eng.prediction_policy = _priced(AdaptivePolicy())
     for _ in range(3):  # the policy learns across requests
         r = eng.generate(PROMPT, max_tokens=60, prediction=prediction)
         assert r.tokens == plain
@@ -240,6 +255,7 @@ def test_prediction_composes_with_history_lookup_and_a_draft_model():
     plain = _plain()
     drafter = CompositeDrafter(HistoryDrafter(), LookupDrafter(), ModelDrafter(TableBackend(V, seed=1), V))
     eng = Engine(TableBackend(V, seed=0), drafter, draft_max=4, adaptive=True)
+    _priced(eng.policy)
     sources = set()
     for prediction in (None, plain[:30] + [0, 0] + plain[40:], plain, None):
         r = eng.generate(PROMPT, max_tokens=60, prediction=prediction)
@@ -253,6 +269,7 @@ def test_prediction_composes_with_history_lookup_and_a_draft_model():
 def test_history_learns_across_requests_in_the_engine():
     plain = _plain(40)
     eng = Engine(TableBackend(V, seed=0), HistoryDrafter(), draft_max=4, adaptive=True)
+    _priced(eng.policy)
     calls = [eng.generate(PROMPT, max_tokens=40).stats for _ in range(4)]
     assert all(s.generated_tokens == 40 for s in calls)
     assert calls[-1].accepted_by_source["history"] > 20 and calls[-1].target_calls < calls[0].target_calls
