@@ -9,7 +9,7 @@ from typing import Optional, Sequence
 
 from . import models
 from .backends.base import Backend
-from .drafters import CompositeDrafter, Drafter, LookupDrafter, ModelDrafter
+from .drafters import CompositeDrafter, Drafter, HistoryDrafter, LookupDrafter, ModelDrafter
 from .engine import Engine, Result
 from .errors import SettingsError
 from .verify import SamplingParams
@@ -64,26 +64,41 @@ def _warn_if_inexact() -> None:
 
 
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
+HISTORY = "history"  # -md history: the suffix structure over the prompt and earlier outputs, no draft model
+FREE_DRAFTERS = (LOOKUP, HISTORY)
 DRAFT_VOCAB = 0  # default --draft-vocab: 0 keeps the full vocabulary (a cut did not pay for the Qwen pair)
 
 
+def _chain(*drafters: Optional[Drafter]) -> Optional[Drafter]:
+    """The present drafters in order (cheapest first); one alone is itself."""
+    present = [d for d in drafters if d is not None]
+    if len(present) > 1:
+        return CompositeDrafter(*present)
+    return present[0] if present else None
+
+
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
-                 ngram_max: int = 4, ngram_min: int = 1, threads: Optional[int] = None,
+                 ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  self_spec: bool = False, self_spec_exit: Optional[int] = None,
-                 draft_vocab: int = DRAFT_VOCAB) -> Optional[Drafter]:
-    """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), or both (`lookup=True`
-    with a model: lookup first, the model when lookup finds nothing), or the target's own first layers
-    (`self_spec`, torch targets). The draft's vocabulary is checked against the target's. draft_vocab: a
-    llama.cpp draft with more token ids than this runs from a copy whose output layer keeps only the first
-    draft_vocab ids (speculant/vocabcut.py: a cheaper draft step, still lossless); 0 keeps them all."""
+                 draft_vocab: int = DRAFT_VOCAB, history: bool = False,
+                 history_tokens: int = 16384) -> Optional[Drafter]:
+    """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), history drafting
+    (`draft_model="history"`: a suffix trie over the prompt and this process's earlier outputs), or a chain
+    (`lookup=True` / `history=True` with a model: history, then lookup, then the model when neither has
+    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). The draft's
+    vocabulary is checked against the target's. draft_vocab: a llama.cpp draft with more token ids than this
+    runs from a copy whose output layer keeps only the first draft_vocab ids (speculant/vocabcut.py: a
+    cheaper draft step, still lossless); 0 keeps them all. A request's prediction (Engine.stream) goes
+    before all of them."""
     if not (0.0 <= draft_p_min < 1.0):
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
+    history_drafter = HistoryDrafter(max_tokens=history_tokens) if history or draft_model == HISTORY else None
     if self_spec or self_spec_exit is not None:
-        if draft_model and draft_model != LOOKUP:
+        if draft_model and draft_model not in FREE_DRAFTERS:
             raise SettingsError("--self-spec drafts with the target's own layers: do not also pass a draft model")
         from .backends.torch import TorchBackend
         from .drafters.selfspec import SelfSpecDrafter
@@ -92,9 +107,9 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
             raise SettingsError("--self-spec needs the torch backend for the target (--backend torch)")
         own = (SelfSpecDrafter(target, exit_layer=self_spec_exit, p_min=draft_p_min) if self_spec_exit is not None
                else SelfSpecDrafter.from_config(target, p_min=draft_p_min))
-        return CompositeDrafter(lookup_drafter, own) if lookup_drafter else own
-    if not draft_model or draft_model == LOOKUP:
-        return lookup_drafter
+        return _chain(history_drafter, lookup_drafter, own)
+    if not draft_model or draft_model in FREE_DRAFTERS:
+        return _chain(history_drafter, lookup_drafter)
     models.check_draft(draft_model, target.name, target.n_vocab)  # before a registered draft is pulled
     draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
                          dtype=dtype if draft_backend == "torch" else None,
@@ -114,20 +129,22 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         draft.close()
         raise
     model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep, map_inputs=False)
-    return CompositeDrafter(lookup_drafter, model_drafter) if lookup_drafter else model_drafter
+    return _chain(history_drafter, lookup_drafter, model_drafter)
 
 
 def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
                 draft_max: int = 4, draft_min: int = 1, draft_p_min: float = 0.0, adaptive: bool = True,
-                lookup: bool = False, ngram_max: int = 4, ngram_min: int = 1, n_ctx: int = 4096,
+                lookup: bool = False, ngram_max: int = 4, ngram_min: int = 2, n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
-                draft_threads: Optional[int] = None) -> Engine:
+                draft_threads: Optional[int] = None, history: bool = False, history_tokens: int = 16384,
+                long_max: int = 16) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
     and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
+    long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive.
     draft_threads: CPU threads of the draft model (default: threads). Names, paths and a registered draft's
     tokenizer are checked before anything is loaded or downloaded."""
     if not isinstance(draft_max, int) or draft_max < 0:
@@ -146,11 +163,13 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,
                                draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
-                               self_spec_exit=self_spec_exit, draft_vocab=draft_vocab)
+                               self_spec_exit=self_spec_exit, draft_vocab=draft_vocab, history=history,
+                               history_tokens=history_tokens)
     except BaseException:
         target.close()
         raise
-    return Engine(target, drafter, draft_max=draft_max if drafter else 0, adaptive=adaptive, draft_min=draft_min)
+    return Engine(target, drafter, draft_max=draft_max if drafter else 0, adaptive=adaptive, draft_min=draft_min,
+                  long_max=long_max)
 
 
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
@@ -158,13 +177,17 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              draft_p_min: float = 0.0, adaptive: bool = True, lookup: bool = False,
              max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
-             n_ctx: int = 4096, threads: Optional[int] = None) -> Result:
-    """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`."""
+             n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
+             history: bool = False) -> Result:
+    """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`.
+    prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
+    result.stats.accepted_by_source["prediction"] counts the tokens it supplied."""
     params = SamplingParams(temperature, top_k, top_p, min_p, seed)
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
-                         adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads)
+                         adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history)
     try:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
-        return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat)
+        return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat,
+                               prediction=prediction)
     finally:
         engine.close()

@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 # flags that only act with a drafter: None means "not given" (warned about when they would do nothing)
 DRAFT_DEFAULTS = {"draft_max": 4, "draft_min": 1, "draft_p_min": 0.0, "adapt": True, "draft_vocab": 0,
-                  "lookup_ngram_max": 4, "lookup_ngram_min": 1, "threads_draft": None, "ctx_size_draft": None}
+                  "lookup_ngram_max": 4, "lookup_ngram_min": 2, "threads_draft": None, "ctx_size_draft": None}
 NO_GPU_OFFLOAD = ("no GPU offload in the llama.cpp backend: speculant builds it for the CPU, where batched "
                   "and one-token logits are bit-identical; pass -ngl 0 or leave it out (a GPU: --backend torch "
                   "--device cuda)")
@@ -38,10 +38,13 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET if default_target else None,
                    help="target model: registered name or GGUF path (default %(default)s)")
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
-                   help="draft model of the same family (name or GGUF path), or 'lookup' for prompt lookup; "
-                        "omit for plain decoding")
+                   help="draft model of the same family (name or GGUF path), 'lookup' for prompt lookup, or "
+                        "'history' for history drafting; omit for plain decoding")
     p.add_argument("--lookup", action="store_true",
                    help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
+    p.add_argument("--history", action="store_true",
+                   help="draft from a suffix trie over the prompt and this process's earlier outputs (before "
+                        "lookup and the draft model); lossless, proposals only")
     p.add_argument("--draft-max", "--draft", type=int, default=None,
                    help="tokens drafted per step; an upper bound when adapting (default 4)")
     p.add_argument("--draft-min", type=int, default=None,
@@ -59,7 +62,7 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("--lookup-ngram-max", type=int, default=None,
                    help="prompt lookup: longest n-gram matched (default 4)")
     p.add_argument("--lookup-ngram-min", type=int, default=None,
-                   help="prompt lookup: shortest n-gram matched (default 1)")
+                   help="prompt lookup: shortest n-gram matched (default 2: single-token matches rarely pay)")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
                    help="runtime of the target (auto: torch for a transformers directory, else llama.cpp)")
     p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default="auto",
@@ -164,6 +167,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, finish_reason, message, seed, stats}")
+    g.add_argument("--prediction", metavar="FILE", default=None,
+                   help="predicted output (e.g. the file being edited): drafted first wherever the output follows "
+                        "it; lossless ('-' for stdin)")
 
     pl = sub.add_parser("pull", help="download registered models into $SPECULANT_HOME")
     pl.add_argument("names", nargs="*", help="model names (default: the default target and draft)")
@@ -228,7 +234,8 @@ def engine_from_args(args):
                        threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
                        self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
-                       draft_threads=args.threads_draft)
+                       draft_threads=args.threads_draft,
+                       history=getattr(args, "history", False))
 
 
 def sampling_seed(seed: int) -> int:
@@ -238,6 +245,20 @@ def sampling_seed(seed: int) -> int:
     if seed < 0:
         raise SettingsError(f"--seed must be >= 0, or -1 for a random one, got {seed}")
     return seed
+
+
+def _read_prediction(path: Optional[str]) -> Optional[str]:
+    if path is None:
+        return None
+    if path == "-":
+        return sys.stdin.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise SpeculantError(f"cannot read prediction file {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SpeculantError(f"prediction file {path} is not UTF-8 text") from None
 
 
 def cmd_generate(args) -> int:
@@ -252,6 +273,7 @@ def cmd_generate(args) -> int:
         raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
     seed = sampling_seed(args.seed)
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)
+    prediction = _read_prediction(args.prediction)
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise SettingsError("the prompt is empty")
@@ -262,7 +284,7 @@ def cmd_generate(args) -> int:
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
         for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
-                                   result=result):
+                                   result=result, prediction=prediction):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()
@@ -276,7 +298,9 @@ def cmd_generate(args) -> int:
     else:
         sys.stdout.write(result.text[printed:] + "\n")
         sampled = f", seed {seed}" if not params.greedy else ""
-        print(f"[{result.stats.summary(speculative)}{sampled}]", file=sys.stderr)
+        sources = (f", accepted by source {dict(result.stats.accepted_by_source)}"
+                   if len(result.stats.accepted_by_source) > 1 or prediction else "")
+        print(f"[{result.stats.summary(speculative)}{sampled}{sources}]", file=sys.stderr)
     if result.message:
         print(f"speculant: {result.message}", file=sys.stderr)
     return 0

@@ -17,12 +17,15 @@ import numpy as np
 from . import chat
 from .backends.base import Backend
 from .drafters.base import EMPTY, Drafter
+from .drafters.composite import CompositeDrafter
+from .drafters.prediction import PredictionDrafter
 from .errors import ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import SamplingParams, probs_from_logits, verify_greedy, verify_sampled
 
 MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
+LONG_MAX = 16  # default bound of long free drafts (a tracking prediction, a history match): the policy picks k
 
 
 @dataclass
@@ -33,6 +36,7 @@ class TokenEvent:
     token: int
     text: str
     from_draft: bool
+    source: str = ""  # the drafter that proposed it ("prediction", "history", "lookup", "draft"), "" if the target's
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Result:
     finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (token limit or context full)
     message: str = ""  # a note for the user, e.g. that the context window filled up (finish_reason "length")
     from_draft: list[bool] = field(default_factory=list)
+    sources: list[str] = field(default_factory=list)  # [i] the drafter that proposed token i, "" for the target's
 
     def to_dict(self) -> dict:
         return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
@@ -53,14 +58,19 @@ class Engine:
     """A target model, optionally with a drafter, and the speculative decode loop."""
 
     def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: int = 4,
-                 adaptive: bool = False, draft_min: int = 1):
+                 adaptive: bool = False, draft_min: int = 1, long_max: int = LONG_MAX):
         """draft_max: tokens drafted per step (the upper bound when adaptive); adaptive: choose k per step
-        from measured costs and acceptance, and fall back to plain decoding when speculation does not pay."""
+        from measured costs and acceptance, and fall back to plain decoding when speculation does not pay;
+        long_max: the bound for free drafters that may go long (prediction, history) when adaptive."""
         if not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT):
             raise SettingsError(f"--draft-max must be an integer in [0, {MAX_DRAFT}], got {draft_max!r}")
+        if not isinstance(long_max, int) or not (1 <= long_max <= MAX_DRAFT):
+            raise SettingsError(f"long_max must be an integer in [1, {MAX_DRAFT}], got {long_max!r}")
         self.target = target
         self.drafter = drafter
         self.draft_max = draft_max
+        self.long_max = long_max
+        self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
         elif adaptive:
@@ -94,28 +104,56 @@ class Engine:
             )
         return tokens
 
+    def prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
+        """A predicted output (text, or token ids) -> token ids (no BOS: it is a piece of the output)."""
+        if isinstance(prediction, str):
+            return self.target.tokenize(prediction, add_special=False) if prediction else []
+        tokens = [int(t) for t in prediction]
+        bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
+        if bad:
+            raise SettingsError(f"prediction token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        return tokens
+
+    def _with_prediction(self, prediction, start: int):
+        """The drafter and policy of a request: with a prediction, the prediction drafter goes first."""
+        drafter, policy = (self.drafter if self.draft_max > 0 else None), self.policy
+        tokens = self.prediction_tokens(prediction) if prediction is not None else []
+        if not tokens:
+            return drafter, policy
+        pred = PredictionDrafter(tokens, start)
+        if drafter is None:  # no drafter of its own: the prediction still gets an adaptive policy
+            if self.prediction_policy is None:
+                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1)
+            return pred, self.prediction_policy
+        return CompositeDrafter(pred, drafter), policy
+
     # -- generation ---------------------------------------------------------------------------------------
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
-               is_chat: bool = False, result: Optional[Result] = None) -> Iterator[TokenEvent]:
-        """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes."""
+               is_chat: bool = False, result: Optional[Result] = None,
+               prediction: Optional[str | Sequence[int]] = None) -> Iterator[TokenEvent]:
+        """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes.
+        prediction: text (or token ids) the output is expected to mostly repeat ("Predicted Outputs"): it is
+        drafted first, from wherever the output is aligned with it (drafters/prediction.py); lossless."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
         stop = [s for s in stop if s]
         context = self.tokenize_prompt(prompt, is_chat=is_chat)
+        drafter, policy = self._with_prediction(prediction, len(context))
         result = result if result is not None else Result("", [], SpecStats())
         stats = result.stats
         stats.prompt_tokens = len(context)
         stats.exact_numerics = getattr(self.target, "exact_numerics", True)
         rng = np.random.default_rng(params.seed)
-        target, drafter = self.target, self.drafter if self.draft_max > 0 else None
+        target = self.target
         text = _TextTracker(target, stop)
 
         t0 = time.perf_counter()
         target.prefill(context[:-1])  # everything but the last token, which each step feeds
         if drafter:
-            self.policy.new_request(params.temperature if not params.greedy else 0.0)
-            if self.policy.wants_draft_prefill(drafter.paid):  # an adaptive policy that will not draft skips it
+            policy.new_request(params.temperature if not params.greedy else 0.0)
+            drafter.begin(context)  # e.g. history indexes the prompt
+            if policy.wants_draft_prefill(drafter.paid):  # an adaptive policy that will not draft skips it
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
@@ -129,7 +167,7 @@ class Engine:
                     return
                 # draft
                 t = time.perf_counter()
-                budget = self.policy.budget(room - 1) if drafter else None
+                budget = policy.budget(room - 1, self.long_max) if drafter else None
                 draft = drafter.propose(context, budget.k, params, rng, budget) if budget and budget.k > 0 else EMPTY
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
@@ -148,13 +186,13 @@ class Engine:
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
                 if drafter:  # a catch-up prefill is not what one more drafted token costs
-                    self.policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
-                                        verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
-                                        draft_steps=draft.steps, catchup_time=draft.catchup_time,
-                                        catchup_tokens=draft.catchup_tokens)
-                    shadow = draft.shadow
-                    if shadow and n_accepted == len(draft):  # its position was reached: was it right?
-                        self.policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
+                    policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
+                                   verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
+                                   draft_steps=draft.steps, catchup_time=draft.catchup_time,
+                                   catchup_tokens=draft.catchup_tokens)
+                    if n_accepted == len(draft):  # the position after the draft was reached: were they right?
+                        for shadow in draft.shadows:
+                            policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
                 for i, token in enumerate(new_tokens):
                     if target.is_eog(token):
                         stats.ended_by_eog = True
@@ -163,11 +201,14 @@ class Engine:
                     stats.generated_tokens += 1
                     result.tokens.append(token)
                     result.from_draft.append(i < n_accepted)
+                    source = draft.source if i < n_accepted else ""
+                    result.sources.append(source)
                     piece, stopped = text.add(token)
                     if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
-                        del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:]
+                        del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
+                            result.sources[text.n_tokens_kept:]
                     stats.decode_time = time.perf_counter() - t_decode
-                    yield TokenEvent(token, piece, i < n_accepted)
+                    yield TokenEvent(token, piece, i < n_accepted, source)
                     if stopped:
                         result.finish_reason = "stop"
                         return
@@ -176,6 +217,8 @@ class Engine:
                         return
         finally:
             stats.decode_time = time.perf_counter() - t_decode
+            if drafter:
+                drafter.end(context)  # e.g. history keeps the output for later requests
             result.text = text.finish()
             stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 

@@ -70,6 +70,28 @@ def ngram_key(n: int, first: bool) -> str:
     return f"n{n}" if first else f"n{n}+"
 
 
+def run_key(run: int) -> str:
+    """A prediction's confidence: how many tokens the output has agreed with it at the current alignment
+    (for a drafted token, counting the drafted tokens before it): 'p0', 'p1', 'p2', 'p4', 'p8', 'p16', 'p32', 'p64'."""
+    label = "p0"
+    for edge in (1, 2, 4, 8, 16, 32, 64):
+        if run >= edge:
+            label = f"p{edge}"
+    return label
+
+
+HISTORY_LENGTHS = (2, 3, 4, 6, 8, 12, 16)
+HISTORY_COUNTS = (1, 2, 4, 8)
+
+
+def history_key(match: int, count: int) -> str:
+    """History drafting's confidence: the matched suffix's length and how often the proposed continuation
+    followed it ('h4c2': a 4..5-token match, continued this way 2..3 times)."""
+    n = max((e for e in HISTORY_LENGTHS if match >= e), default=1)
+    c = max((e for e in HISTORY_COUNTS if count >= e), default=1)
+    return f"h{n}c{c}"
+
+
 def regime_of(temperature: float) -> str:
     """'' for greedy requests, '@T<=0.5' / '@T<=1' / '@T>1' for sampled ones (a suffix of the source name)."""
     if temperature <= 0:
@@ -87,6 +109,11 @@ def prior_acceptance(key: str) -> float:
         return (lo + hi) / 2
     if key.startswith("n"):
         return 0.7 if key.endswith("+") else min(0.1 + 0.1 * int(key[1:].rstrip("+")), 0.6)
+    if key.startswith("p"):  # a prediction: the longer the output has followed it, the likelier it goes on
+        return {"p0": 0.2, "p1": 0.3, "p2": 0.4, "p4": 0.5, "p8": 0.7, "p16": 0.85, "p32": 0.9}.get(key, 0.93)
+    if key.startswith("h"):
+        n, c = (int(x) for x in key[1:].split("c"))
+        return min(0.1 + 0.05 * n + 0.05 * c, 0.8)
     return 0.5
 
 
@@ -95,8 +122,9 @@ class DraftBudget:
     `take(source, key)` for each proposed token (False: stop here, the token is not verified) and `more`
     before paying for another draft step. Without a policy it takes everything up to k (fixed-k drafting)."""
 
-    def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None):
+    def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None, k_long: Optional[int] = None):
         self.k = k  # upper bound for this step
+        self.k_long = k if k_long is None else k_long  # the bound for drafters that may go long (a prediction)
         self.policy = policy
         self.k_now = k  # the bound granted by the last start()
         self.taken = 0  # tokens accepted into the draft
@@ -104,9 +132,10 @@ class DraftBudget:
         self.explore = False  # probing: take every proposal, to measure
         self.last_key: Optional[str] = None  # confidence bucket of the last token taken
 
-    def start(self, source: str, free: bool, behind: int = 0) -> int:
-        """behind: tokens a paid drafter must process before its first guess (a catch-up prefill)."""
-        k = self.k
+    def start(self, source: str, free: bool, behind: int = 0, long: bool = False) -> int:
+        """behind: tokens a paid drafter must process before its first guess (a catch-up prefill); long: a
+        free drafter whose drafts may run to k_long (a tracking prediction: the per-token rule cuts it)."""
+        k = self.k_long if long and free else self.k
         if self.policy is not None and not free:
             k = min(self.policy.draft_length(source, behind), k)
             self.explore = self.explore or self.policy.last_was_probe
@@ -146,7 +175,7 @@ class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
-    def budget(self, room: int) -> DraftBudget:
+    def budget(self, room: int, long_max: Optional[int] = None) -> DraftBudget:
         return DraftBudget(min(self.k, room))
 
     def draft_length(self, source: str) -> int:
@@ -187,6 +216,7 @@ class AdaptivePolicy:
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
+    prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -218,8 +248,13 @@ class AdaptivePolicy:
 
     # -- estimates ---------------------------------------------------------------------------------------
     def target_time(self, n: int) -> float:
-        """T(n): measured where possible, else linear through the measured points (prior: 0.5 T(1) per token)."""
-        measured = {m: e.value for m, e in self.target_cost.items() if e.weight > 0}
+        """T(n): measured where possible, else linear through the measured points (prior: 0.5 T(1) per token).
+        A size timed slower than the prior (T(1) (1 + 0.5 (n - 1))) only once or twice leans on the prior: on a
+        loaded machine one slow pass would otherwise price every draft of that size out, and a size that is
+        never verified is never timed again (a free drafter has no probes)."""
+        one = self.target_cost.get(1)
+        t1 = one.value if one is not None and one.weight > 0 else None
+        measured = {m: self._shrunk(m, e, t1) for m, e in self.target_cost.items() if e.weight > 0}
         if n in measured:
             return measured[n]
         if not measured:
@@ -235,6 +270,14 @@ class AdaptivePolicy:
             lo, hi = pts[-2], pts[-1]
         slope = max((hi[1] - lo[1]) / (hi[0] - lo[0]), 0.0)
         return max(lo[1] + slope * (n - lo[0]), 1e-6)
+
+    def _shrunk(self, n: int, e: _Ema, t1: Optional[float]) -> float:
+        if n == 1 or t1 is None:
+            return e.value
+        prior = t1 * (1.0 + 0.5 * (n - 1))
+        if e.value <= prior:
+            return e.value
+        return (e.weight * e.value + self.prior_cost_weight * prior) / (e.weight + self.prior_cost_weight)
 
     def verify_price(self, i: int) -> float:
         """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1)."""
@@ -285,8 +328,10 @@ class AdaptivePolicy:
         return e.value if e else 0.0
 
     # -- decisions -----------------------------------------------------------------------------------------
-    def budget(self, room: int) -> DraftBudget:
-        return DraftBudget(min(self.k_max, room), self)
+    def budget(self, room: int, long_max: Optional[int] = None) -> DraftBudget:
+        """long_max: the bound for long free drafts (a prediction), max(k_max, long_max) tokens."""
+        k = min(self.k_max, room)
+        return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room))
 
     def new_request(self, temperature: float = 0.0) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit

@@ -15,6 +15,13 @@ Errors a client can cause are answered with a 4xx and an OpenAI-style body
 Sampling defaults for fields a request leaves out come from the serve flags (--temp, --top-p, -n, ...),
 so an unspecified temperature is greedy by default (OpenAI's own default is 1). Extensions accepted in
 request bodies: top_k, min_p. Every response's `usage` carries `speculative`: the request's SpecStats.
+
+Predicted outputs (OpenAI's `prediction`, on chat completions and completions): `{"type": "content", "content":
+str or [{"type": "text", "text": str}, ...]}`, drafted first wherever the output follows it (lossless: the
+answer is the one without it). `usage.completion_tokens_details` reports `accepted_prediction_tokens` (output
+tokens the prediction supplied) and `rejected_prediction_tokens` (prediction tokens the target checked and
+rejected). Like OpenAI, a request with a prediction may not ask for n > 1, logprobs, tools or functions, audio,
+non-text modalities, or presence/frequency penalties > 0 (400, param naming the field).
 """
 
 import asyncio
@@ -93,6 +100,7 @@ class Job:
     stream: bool
     include_usage: bool
     tokens: list[int] = field(default_factory=list)  # the tokenized prompt, filled before generation
+    prediction: Optional[str] = None  # the predicted output ("Predicted Outputs"), drafted first
     cut: bool = False  # generation stopped early because the server is shutting down
 
 
@@ -137,12 +145,49 @@ def _get_bool(body: dict, name: str, default: bool) -> bool:
     return v
 
 
+def _get_prediction(body: dict) -> Optional[str]:
+    """OpenAI's `prediction` ({"type": "content", "content": text or text parts}) -> its text, or None; and
+    OpenAI's refusals of what does not go with it."""
+    pred = body.get("prediction")
+    if pred is None:
+        return None
+    shape = "'prediction' must be an object {\"type\": \"content\", \"content\": string or array of text parts}"
+    if not isinstance(pred, dict) or pred.get("type") != "content" or "content" not in pred:
+        raise _bad(shape, "prediction", "invalid_type")
+    content = pred["content"]
+    if isinstance(content, list):
+        if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in content):
+            raise _bad("prediction.content: only text parts ({\"type\": \"text\", \"text\": ...}) are supported",
+                       "prediction", "invalid_type")
+        content = "".join(p["text"] for p in content)
+    if not isinstance(content, str):
+        raise _bad(shape, "prediction", "invalid_type")
+    n = body.get("n")
+    if _is_int(n) and n > 1:
+        raise _bad("n > 1 is not supported with predicted outputs ('prediction')", "n", "unsupported_parameter")
+    for name in ("logprobs", "top_logprobs", "tools", "functions", "audio"):
+        if body.get(name) not in (None, False, [], {}):
+            raise _bad(f"'{name}' is not supported with predicted outputs ('prediction')", name,
+                       "unsupported_parameter")
+    modalities = body.get("modalities")
+    if modalities not in (None, ["text"]):
+        raise _bad("only text modalities are supported with predicted outputs ('prediction')", "modalities",
+                   "unsupported_parameter")
+    for name in ("presence_penalty", "frequency_penalty"):
+        v = body.get(name)
+        if _is_num(v) and v > 0:
+            raise _bad(f"'{name}' > 0 is not supported with predicted outputs ('prediction')", name,
+                       "unsupported_parameter")
+    return content
+
+
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     """Validate a request body into a Job; raises APIError (400/404) on anything wrong."""
     from .verify import SamplingParams
 
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    prediction = _get_prediction(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
@@ -225,7 +270,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         params = SamplingParams(temperature, top_k, top_p, min_p, seed)
     except SpeculantError as e:
         raise _bad(str(e)) from None
-    return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage)
+    return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
+               prediction=prediction)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -335,7 +381,7 @@ class Worker:
                 self.metrics.cancelled.inc()
                 return
             gen = self.engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
-                                     is_chat=job.is_chat, result=result)
+                                     is_chat=job.is_chat, result=result, prediction=job.prediction)
             while True:
                 if self.closing and time.monotonic() >= self.deadline:
                     job.cut = True
@@ -390,8 +436,13 @@ def log_request(request, status: str, t0: float, stats=None, max_tokens: Optiona
 
 def _usage(result) -> dict:
     s = result.stats
+    accepted = s.accepted_by_source.get("prediction", 0)
     return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
             "total_tokens": s.prompt_tokens + s.generated_tokens,
+            "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
+                                          "accepted_prediction_tokens": accepted,
+                                          "rejected_prediction_tokens": s.drafted_by_source.get("prediction", 0)
+                                          - accepted},
             "speculative": s.to_dict()}
 
 

@@ -18,6 +18,7 @@ class SpecStats:
     drafted_by_position: list[int] = field(default_factory=list)  # [i] drafts made at draft position i
     accepted_by_position: list[int] = field(default_factory=list)  # [i] of those, accepted
     accepted_by_source: Counter = field(default_factory=Counter)  # drafter name -> accepted tokens
+    drafted_by_source: Counter = field(default_factory=Counter)  # drafter name -> tokens sent to verification
     draft_lengths: list[int] = field(default_factory=list)  # k of each step, in order
     # "source:confidence key" -> [drafted, accepted]; after a rejection later tokens count as neither
     by_confidence: dict = field(default_factory=dict)
@@ -44,6 +45,8 @@ class SpecStats:
             self.drafted_by_position[i] += 1
         for i in range(n_accepted):
             self.accepted_by_position[i] += 1
+        if n_drafted:
+            self.drafted_by_source[source] += n_drafted
         if n_accepted:
             self.accepted_by_source[source] += n_accepted
         for i, key in enumerate(keys[: n_accepted + 1]):
@@ -107,6 +110,7 @@ class SpecStats:
             "target_calls": self.target_calls,
             "plain_steps": self.plain_steps,
             "accepted_by_source": dict(self.accepted_by_source),
+            "drafted_by_source": dict(self.drafted_by_source),
             "mean_draft_length": round(sum(self.draft_lengths) / len(self.draft_lengths), 3)
             if self.draft_lengths else 0.0,
             "draft_length_histogram": {str(k): n for k, n in sorted(Counter(self.draft_lengths).items())},

@@ -543,3 +543,65 @@ def test_end_to_end_bench_with_torch_methods_and_memory(tmp_path):
     assert note.startswith("20/30 layers (early exit after 20)") and "--self-spec-exit" in note
     md = (out / "summary.md").read_text()
     assert "peak RSS MB" in md and "| plain-torch |" in md and "mixed-k3" in md
+
+
+# -- predicted outputs and history (code_edit_predicted, repeated) --------------------------------------------
+
+def test_predicted_and_repeated_suites():
+    edits = read_suite("code_edit_predicted")
+    assert len(edits) >= 20 and {p.category for p in edits} == {"code_edit_predicted"}
+    kinds = {p.id.split("-", 2)[2] for p in edits}
+    assert {"rename", "parameter", "bug", "docstrings", "translate"} <= kinds
+    files = {p.prediction for p in edits}
+    assert len(files) >= 5
+    for p in edits:  # the original file is the prediction and is quoted in the prompt
+        assert p.prediction and p.prediction in p.text and "{prediction}" not in p.text
+        assert 30 <= len(p.prediction.splitlines()) <= 80
+    repeated = read_suite("repeated")
+    assert len(repeated) >= 12 and all(p.prediction is None for p in repeated)
+    assert len({p.id.split("-", 2)[2] for p in repeated}) == 2  # two kinds of request, each asked repeatedly
+
+
+def test_suite_prediction_fields(tmp_path):
+    (tmp_path / "f.txt").write_text("a b c")
+    s = tmp_path / "s.jsonl"
+    s.write_text('{"question_id": 1, "category": "x", "turns": ["edit: {prediction}"], "prediction_file": "f.txt"}\n'
+                 '{"question_id": 2, "category": "x", "turns": ["t"], "prediction": "p q"}\n'
+                 '{"question_id": 3, "category": "x", "turns": ["t"]}\n')
+    assert [(p.text, p.prediction) for p in read_suite(s)] == [("edit: a b c", "a b c"), ("t", "p q"), ("t", None)]
+    s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], "prediction_file": "nope.txt"}\n')
+    with pytest.raises(SettingsError, match="prediction_file"):
+        read_suite(s)
+
+
+def test_runner_gives_the_prediction_only_to_prediction_methods(monkeypatch):
+    """Synthetic models, step interleave: the prediction methods get the prompt's prediction (and copy from
+    it), the others do not; greedy output is plain's everywhere; the summary says which
+    source supplied the accepted tokens."""
+    from synthetic import TableBackend
+
+    import speculant.api
+    from speculant.bench.runner import BenchConfig, run
+    from speculant.bench.suite import Prompt
+    from speculant.engine import Engine
+
+    class ContentOnly(TableBackend):
+        def chat_template(self):
+            return "{% for m in messages %}{{ m.content }}{% endfor %}"
+
+    def fake_load(name, *, n_ctx=4096, threads=None, role="target"):
+        return ContentOnly(n_vocab=12, seed=0 if role == "target" else 1, n_ctx=256)
+
+    monkeypatch.setattr(speculant.api, "load_backend", fake_load)
+    texts = ["1 2 3", "4 5 6 7"]
+    plain = [Engine(ContentOnly(n_vocab=12, seed=0)).generate(t, max_tokens=40).tokens for t in texts]
+    prompts = [Prompt(f"p{i}", "edit", t, " ".join(map(str, out))) for i, (t, out) in enumerate(zip(texts, plain))]
+    cfg = BenchConfig(model="t", draft_model=None, variants=expand(["history", "prediction", "prediction+history"], [4]),
+                      temps=[0.0], n_predict=40, cost_repeats=1, interleave="step")
+    rows = run(cfg, prompts, progress=False)["rows"]
+    assert all(r["greedy_equal"] for r in rows if r["variant"] != "plain")
+    for r in rows:
+        if r["variant"] in ("prediction", "prediction+history"):
+            assert r["accepted_by_source"].get("prediction", 0) > 0  # how many: timings decide (no wall time here)
+        else:
+            assert "prediction" not in r["accepted_by_source"]

@@ -51,7 +51,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--min-p", type=float, default=0.0, help="min-p when sampling (default 0: off)")
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling (per prompt and repeat)")
     p.add_argument("--suite", default=None,
-                   help=f"JSONL suite (Spec-Bench question.jsonl format; default: the built-in {n_builtin} prompts)")
+                   help="JSONL suite (Spec-Bench question.jsonl format) or a built-in suite's name: default, "
+                        "code_edit_predicted, repeated; a comma list runs several (default: default)")
     p.add_argument("--categories", default=None, help="comma list of categories to run (default all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
@@ -127,7 +128,8 @@ def cmd_bench(args) -> int:
 
     cfg = config_from_args(args)
     categories = parse_list(args.categories, str, "--categories") if args.categories else None
-    prompts = select(read_suite(args.suite), categories, args.limit)
+    suites = parse_list(args.suite, str, "--suite") if args.suite else [None]
+    prompts = select([p for name in suites for p in read_suite(name)], categories, args.limit)
     peers = parse_list(args.peers, str, "--peers") if args.peers else []
     if peers:
         from . import peers as peers_mod

@@ -60,6 +60,7 @@ class Method:
     help: str = ""
     backend: str = "llama.cpp"  # the target's runtime: "llama.cpp" (ctx.target) or "torch" (ctx.torch_target)
     cut: bool = False  # uses the draft model with its vocabulary cut to --draft-vocab ids
+    uses_prediction: bool = False  # gets the prompt's predicted output (suites that have one)
 
     @property
     def baseline(self) -> str:
@@ -117,6 +118,37 @@ register(Method("adaptive-cut",
 register(Method("adaptive+lookup-cut",
                 lambda ctx, k: Engine(ctx.target, _composite(ctx, cut=True), draft_max=k, adaptive=True),
                 needs_draft=True, cut=True, help="adaptive+lookup with the cut draft model"))
+
+
+# -- predicted outputs and history drafting (the code_edit_predicted and repeated suites) -------------------------
+def _history():
+    from ..drafters.history import HistoryDrafter
+
+    return HistoryDrafter()
+
+
+def _free_chain(ctx):
+    from ..drafters.composite import CompositeDrafter
+
+    return CompositeDrafter(_history(), _lookup(ctx))
+
+
+register(Method("history", lambda ctx, k: Engine(ctx.target, _history(), draft_max=4, adaptive=True), uses_k=False,
+                help="history drafting (suffix trie over the prompt and earlier outputs), adaptive"))
+register(Method("prediction", lambda ctx, k: Engine(ctx.target, adaptive=True), uses_prediction=True, uses_k=False,
+                help="the prompt's predicted output drafted (aligned, re-anchored), adaptive; plain without one"))
+register(Method("prediction+history",
+                lambda ctx, k: Engine(ctx.target, _free_chain(ctx), draft_max=4, adaptive=True),
+                uses_prediction=True, uses_k=False, help="prediction, then history, then lookup (all free), adaptive"))
+register(Method("composed", lambda ctx, k: Engine(ctx.target, _composed(ctx), draft_max=k, adaptive=True),
+                uses_prediction=True, needs_draft=True,
+                help="prediction, then history, then lookup, then the draft model, adaptive"))
+
+
+def _composed(ctx):
+    from ..drafters.composite import CompositeDrafter
+
+    return CompositeDrafter(_history(), _lookup(ctx), ctx.model_drafter())
 
 
 def _self_spec(ctx):

@@ -45,6 +45,8 @@ def markdown(result: dict) -> str:
     lines += [f"- {name}: {note}" for name, note in result.get("notes", {}).items()]
     own = any(r.get("baseline", BASELINE) != BASELINE for r in s)
     mem = result.get("memory")
+    sources = any(len(r.get("accepted_by_source") or {}) > 1 or set(r.get("accepted_by_source") or {}) - {"draft", "lookup"}
+                  for r in s)
     lines += [
         "",
         "Speedup = mean tokens/s of the method / mean tokens/s of plain over the same prompts (Spec-Bench); "
@@ -61,9 +63,10 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "| T | method | category | prompts | tok/s | speedup |" + (" baseline | vs baseline |" if own else "")
-        + " ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |" + (" peak RSS MB |" if mem else ""),
+        + " ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |" + (" peak RSS MB |" if mem else "")
+        + (" accepted by source |" if sources else ""),
         "|---|---|---|---:|---:|---:|" + ("---|---:|" if own else "") + "---|---:|---:|---:|---|"
-        + ("---:|" if mem else ""),
+        + ("---:|" if mem else "") + ("---|" if sources else ""),
     ]
     for r in s:
         eq = f"{r['greedy_equal']}/{r['greedy_checked']}" if r.get("greedy_checked") else "–"
@@ -78,7 +81,8 @@ def markdown(result: dict) -> str:
             + (f"{base} | {_f(vs_base, '{:.2f}x')} | " if own else "")
             + f"{spread} | {_f(r['acceptance'], '{:.1%}')} | {_f(r['tau'])} | "
             f"{_f(r['predicted_speedup'], '{:.2f}x')} | {eq} |"
-            + (f" {_f(r.get('peak_rss_mb'), '{:.0f}')} |" if mem else ""))
+            + (f" {_f(r.get('peak_rss_mb'), '{:.0f}')} |" if mem else "")
+            + (f" {_sources(r)} |" if sources else ""))
     if mem:
         lines += ["", "Memory per method (its models alone in a child process, a few tokens generated): peak RSS = "
                   "the child's high-water RSS (VmHWM), loading included; RSS after (anon / file-backed) = VmRSS "
@@ -115,6 +119,12 @@ def markdown(result: dict) -> str:
         for note in peers.get("skipped", []):
             lines.append(f"\n- skipped: {note}")
     return "\n".join(lines) + "\n"
+
+
+def _sources(r: dict) -> str:
+    """'prediction 812, history 40': accepted tokens by the drafter that proposed them."""
+    by = r.get("accepted_by_source") or {}
+    return ", ".join(f"{k} {v}" for k, v in sorted(by.items(), key=lambda kv: -kv[1])) or "–"
 
 
 def _jsonable(x):

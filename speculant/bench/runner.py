@@ -229,7 +229,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         seed = cfg.seed + 1000 * pi + rep
                         base_params = params_by_temp[temp]
                         params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
-                        runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave)
+                        runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
+                                             p.prediction)
                         for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
@@ -284,18 +285,23 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
 
 
 def _generate_all(engines: dict, order: list[Variant], prompt: str, n_predict: int, params: SamplingParams,
-                  interleave: str) -> list:
+                  interleave: str, prediction: Optional[str] = None) -> list:
     """One prompt under every variant in `order`; returns their Results in that order. "prompt": one
     generation after another. "step": round robin, one decoding step of each in turn; a variant's decode
-    time is then the time spent inside its own steps (its stream's own clock would also count the others')."""
+    time is then the time spent inside its own steps (its stream's own clock would also count the others').
+    prediction: the prompt's predicted output, given to the methods that use one."""
     from ..engine import Result
     from ..stats import SpecStats
 
+    def pred(v: Variant) -> dict:
+        return {"prediction": prediction} if prediction is not None and v.method.uses_prediction else {}
+
     if interleave == "prompt":
-        return [engines[v.label].generate(prompt, max_tokens=n_predict, params=params, is_chat=True)
+        return [engines[v.label].generate(prompt, max_tokens=n_predict, params=params, is_chat=True, **pred(v))
                 for v in order]
     results = [Result("", [], SpecStats()) for _ in order]
-    streams = [engines[v.label].stream(prompt, max_tokens=n_predict, params=params, is_chat=True, result=res)
+    streams = [engines[v.label].stream(prompt, max_tokens=n_predict, params=params, is_chat=True, result=res,
+                                       **pred(v))
                for v, res in zip(order, results)]
     inside = [0.0] * len(order)  # seconds spent inside each stream: prefill + its steps
     live = list(range(len(order)))

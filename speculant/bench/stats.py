@@ -97,6 +97,11 @@ def aggregate(rows: list[dict], base_rows: list[dict], *, k: int, costs: Optiona
     calls = sum(r["target_calls"] for r in rows)
     out["drafted"], out["accepted"] = drafted, accepted
     out["acceptance"] = accepted / drafted if drafted else None
+    by_source: dict = defaultdict(int)  # which drafter supplied the accepted tokens
+    for r in rows:
+        for src, n in (r.get("accepted_by_source") or {}).items():
+            by_source[src] += n
+    out["accepted_by_source"] = dict(by_source)
     out["tau"] = generated / calls if calls else None  # counts the target's own token, as Spec-Bench does
     d_pos = _sum_lists(r["drafted_by_position"] for r in rows)
     a_pos = _sum_lists(r["accepted_by_position"] for r in rows)

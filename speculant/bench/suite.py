@@ -1,7 +1,13 @@
-"""Benchmark prompts: the built-in suite and Spec-Bench's `question.jsonl` format.
+"""Benchmark prompts: the built-in suites and Spec-Bench's `question.jsonl` format.
 
-Both are JSON Lines, one prompt a line: {"question_id", "category", "turns": [first turn, ...]}. Only the
-first turn is used (single-turn generation, as Spec-Bench's speed protocol does)."""
+All are JSON Lines, one prompt a line: {"question_id", "category", "turns": [first turn, ...]}. Only the
+first turn is used (single-turn generation, as Spec-Bench's speed protocol does). A prompt may carry a
+predicted output for the methods that use one: "prediction" (the text) or "prediction_file" (a path relative
+to the suite file); "{prediction}" in the turn is replaced by it (an edit task quotes the file it edits).
+
+Built-in suites, by name (`--suite NAME`): default (9 task types), code_edit_predicted (24 edits of
+original code files under data/code/, each file its own prediction), repeated (the same two kinds of
+request, JSON extraction and tool-call formatting, asked 8 times each: history drafting learns them)."""
 
 from __future__ import annotations
 
@@ -12,7 +18,10 @@ from typing import Optional, Sequence
 
 from ..errors import SettingsError
 
-BUILTIN_SUITE = Path(__file__).resolve().parent.parent / "data" / "suite.jsonl"
+DATA = Path(__file__).resolve().parent.parent / "data"
+BUILTIN_SUITE = DATA / "suite.jsonl"
+BUILTIN_SUITES = {"default": BUILTIN_SUITE, "code_edit_predicted": DATA / "code_edit_predicted.jsonl",
+                  "repeated": DATA / "repeated.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -20,11 +29,14 @@ class Prompt:
     id: str
     category: str
     text: str
+    prediction: Optional[str] = None  # the predicted output, for methods that use one
 
 
 def read_suite(path: str | Path | None = None) -> list[Prompt]:
-    """Read a suite file (default: the built-in suite). Accepts Spec-Bench's question.jsonl."""
-    path = Path(path) if path else BUILTIN_SUITE
+    """Read a suite file or a built-in suite's name (default: the built-in default suite). Accepts Spec-Bench's
+    question.jsonl."""
+    path = BUILTIN_SUITES.get(str(path), path) if path else BUILTIN_SUITE
+    path = Path(path)
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
@@ -49,7 +61,17 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
         if pid in seen:
             raise SettingsError(f"{path}:{no}: duplicate question_id {pid}")
         seen.add(pid)
-        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), turns[0]))
+        prediction = obj.get("prediction")
+        if obj.get("prediction_file"):
+            pfile = path.parent / str(obj["prediction_file"])
+            try:
+                prediction = pfile.read_text(encoding="utf-8")
+            except OSError as e:
+                raise SettingsError(f"{path}:{no}: cannot read prediction_file {pfile}: {e.strerror}") from None
+        if prediction is not None and not isinstance(prediction, str):
+            raise SettingsError(f"{path}:{no}: 'prediction' must be a string")
+        text = turns[0].replace("{prediction}", prediction) if prediction is not None else turns[0]
+        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction))
     if not prompts:
         raise SettingsError(f"suite {path} holds no prompts")
     return prompts

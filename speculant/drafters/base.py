@@ -34,7 +34,7 @@ class Draft:
     keys: list[str] = field(default_factory=list)  # [k] the draft's confidence bucket for each token
     steps: int = 0  # paid draft steps (forward passes of a draft model) this proposal took
     paid: Optional[str] = None  # the paid drafter that ran, even if it proposed nothing
-    shadow: Optional[Shadow] = None
+    shadows: list[Shadow] = field(default_factory=list)  # free proposals for the position after the draft
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -63,6 +63,12 @@ class Drafter(ABC):
 
     def prepare(self, context: Sequence[int]) -> None:
         """Process the prompt before decoding starts (a draft model's prefill); optional."""
+
+    def begin(self, context: Sequence[int]) -> None:
+        """A request starts with this prompt (always called, unlike prepare); optional."""
+
+    def end(self, context: Sequence[int]) -> None:
+        """The request ended with this context (prompt + output, however it ended); optional."""
 
     def close(self) -> None:
         """Release resources (optional)."""

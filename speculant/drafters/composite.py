@@ -1,4 +1,11 @@
-"""Composite drafting: prompt lookup first (free), the draft model when lookup has nothing worth verifying."""
+"""Composite drafting: drafters in order of cost, the first one with something worth verifying wins.
+
+The usual chain is prediction (the request's predicted output) -> history (suffix structure over the prompt
+and earlier outputs) or prompt lookup -> the draft model. Every drafter's tokens pass the same per-token
+budget (policy.DraftBudget), each under its own source and confidence key, so the adaptive policy scores each
+proposal by what that source and bucket have measured; a free drafter whose first token is not worth
+verifying leaves the budget untouched for the next one. The winning draft's source is what the stats credit
+(accepted_by_source)."""
 
 from __future__ import annotations
 
@@ -14,29 +21,51 @@ from .base import Draft, Drafter
 class CompositeDrafter(Drafter):
     name = "draft+lookup"
 
-    def __init__(self, first: Drafter, fallback: Drafter):
-        self.first = first
-        self.fallback = fallback
+    def __init__(self, first: Drafter, *rest: Drafter):
+        self.drafters = [first, *rest]
+        self.name = "+".join(d.name for d in self.drafters)
+
+    @property
+    def first(self) -> Drafter:
+        return self.drafters[0]
+
+    @property
+    def fallback(self) -> Drafter:
+        return self.drafters[-1]
+
+    @property
+    def free(self) -> bool:
+        return all(d.free for d in self.drafters)
 
     def propose(self, context: Sequence[int], k: int, params: SamplingParams, rng: np.random.Generator,
                 budget: Optional[DraftBudget] = None) -> Draft:
         budget = budget or DraftBudget(k)
-        draft = self.first.propose(context, k, params, rng, budget)
-        if len(draft):
-            return draft
-        other = self.fallback.propose(context, k, params, rng, budget)
-        if not len(other):
-            other.shadow = other.shadow or draft.shadow  # still the proposal for the next position
-        return other
+        shadows = []  # proposals for the first position that were not verified: still scored
+        draft = None
+        for d in self.drafters:
+            draft = d.propose(context, k, params, rng, budget)
+            if len(draft):
+                return draft
+            shadows += draft.shadows
+        draft.shadows = shadows
+        return draft
 
     @property
     def paid(self) -> Optional[str]:
-        return self.fallback.paid or self.first.paid
+        return next((d.paid for d in reversed(self.drafters) if d.paid), None)
 
     def prepare(self, context: Sequence[int]) -> None:
-        self.first.prepare(context)
-        self.fallback.prepare(context)
+        for d in self.drafters:
+            d.prepare(context)
+
+    def begin(self, context: Sequence[int]) -> None:
+        for d in self.drafters:
+            d.begin(context)
+
+    def end(self, context: Sequence[int]) -> None:
+        for d in self.drafters:
+            d.end(context)
 
     def close(self) -> None:
-        self.first.close()
-        self.fallback.close()
+        for d in self.drafters:
+            d.close()
