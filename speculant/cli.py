@@ -15,10 +15,9 @@ from .api import LOOKUP
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
-DEMO_PROMPT = (
-    "Write a Python function `merge_intervals(intervals)` that merges overlapping intervals and returns "
-    "them sorted. Include a docstring and a short example."
-)
+DEMO_FILE = "data/code/inventory.py"  # the demo's task: a code edit, with the file as the predicted output
+DEMO_PROMPT = ("Rename the class `Inventory` to `StockBook` everywhere in this file. Reply with the complete "
+               "updated file in one code block and nothing else.\n\n```python\n{file}```")
 
 
 class _Parser(argparse.ArgumentParser):
@@ -177,13 +176,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     sub.add_parser("models", help="list registered models")
 
-    d = sub.add_parser("demo", help="plain vs speculative on a built-in coding prompt")
+    d = sub.add_parser("demo", help="plain vs speculative on a built-in code edit (the file as predicted output, "
+                                    "then the draft model)")
     _add_model_args(d)
     d.set_defaults(model_draft=models.DEFAULT_DRAFT)
     d.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     d.add_argument("--temp", type=float, default=0.0,
                    help="temperature (default 0: greedy, so both outputs must be identical)")
-    d.add_argument("-p", "--prompt", default=DEMO_PROMPT, help="the prompt (default: a merge_intervals task)")
+    d.add_argument("-p", "--prompt", default=None,
+                   help="your own prompt instead (then no prediction: the draft model alone)")
     for module in _PLUGINS:  # subcommands that live in their own modules: add_cli(sub) registers them
         try:
             mod = __import__(f"speculant.{module}", fromlist=["add_cli"])
@@ -335,12 +336,21 @@ def cmd_demo(args) -> int:
     plain = Engine(target)
     spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)
+    prediction = None
+    if args.prompt is None:  # the built-in code edit: free drafts from the file, where speculation pays most
+        from importlib.resources import files
+
+        prediction = files("speculant").joinpath(DEMO_FILE).read_text(encoding="utf-8")
+        args.prompt = DEMO_PROMPT.format(file=prediction)
     prompt = plain.chat_prompt([{"role": "user", "content": args.prompt}])
     print(f"prompt: {args.prompt}\n")
     runs = {}
     for label, engine in (("plain", plain), ("speculative", spec)):
-        print(f"--- {label} ({target.name}{' + ' + args.model_draft if engine.drafter else ''}) ---")
-        runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True)
+        drafters = ([f"the file as predicted output ({DEMO_FILE.split('/')[-1]})"] if prediction else []) + \
+                   ([args.model_draft] if engine.drafter else [])
+        print(f"--- {label} ({target.name}{' + ' + ', then '.join(drafters) if label == 'speculative' else ''}) ---")
+        runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True,
+                                          prediction=prediction if label == "speculative" else None)
         print(r.text)
         print(f"[{label}: {r.stats.generated_tokens} tokens at {r.stats.tokens_per_s:.2f} tokens/s]\n")
     p, s = runs["plain"].stats, runs["speculative"].stats
