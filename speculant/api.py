@@ -154,7 +154,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     if draft_threads is not None and draft_threads < 1:
         raise SettingsError(f"--threads-draft must be >= 1, got {draft_threads}")
     for name in (model, draft_model):
-        if name and name != LOOKUP and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
+        if name and name not in FREE_DRAFTERS and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
     if draft_model:
         models.check_draft(draft_model, model)

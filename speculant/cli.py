@@ -11,7 +11,7 @@ import sys
 from typing import Optional
 
 from . import models
-from .api import LOOKUP
+from .api import FREE_DRAFTERS, LOOKUP
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
@@ -122,12 +122,12 @@ def check_model_flags(args) -> None:
                             "lookup alone pass -md lookup")
     given = {name for name in DRAFT_DEFAULTS if getattr(args, name) is not None}
     idle: dict[str, str] = {}  # flag -> why it does nothing here
-    if not draft and not self_spec:
+    if not draft and not self_spec and not getattr(args, "prediction", None) and not getattr(args, "history", False):
         idle.update((n, "without a drafter (-md MODEL, -md lookup or --self-spec): this run decodes plainly")
                     for n in given)
     else:
-        if draft == LOOKUP:
-            idle.update((n, "with prompt lookup alone (-md lookup): it applies to a draft model")
+        if draft in FREE_DRAFTERS or not draft:
+            idle.update((n, f"with {'-md ' + draft if draft else 'a prediction alone'}: it applies to a draft model")
                         for n in given & {"draft_p_min", "draft_vocab", "threads_draft"})
         elif not args.lookup:
             idle.update((n, "without --lookup (prompt lookup)") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
