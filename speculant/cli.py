@@ -127,7 +127,9 @@ def check_model_flags(args) -> None:
                     for n in given)
     else:
         if draft in FREE_DRAFTERS or not draft:
-            idle.update((n, f"with {'-md ' + draft if draft else 'a prediction alone'}: it applies to a draft model")
+            alone = {LOOKUP: "prompt lookup alone (-md lookup)", None: "a prediction alone"}.get(
+                draft, "history drafting alone (-md history)")
+            idle.update((n, f"with {alone}: it applies to a draft model")
                         for n in given & {"draft_p_min", "draft_vocab", "threads_draft"})
         elif not args.lookup:
             idle.update((n, "without --lookup (prompt lookup)") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
