@@ -20,11 +20,14 @@ BACKENDS = ("auto", "llama.cpp", "torch")
 
 
 def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",
-                 backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None) -> Backend:
+                 backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
+                 rpc: Sequence[str] = (), tensor_split: Optional[str] = None) -> Backend:
     """A registered model name, a GGUF path or a transformers directory -> a loaded backend.
 
     backend: "llama.cpp" (GGUF), "torch" (transformers; GGUFs are converted once), or "auto": torch for a
-    directory, llama.cpp otherwise."""
+    directory, llama.cpp otherwise. rpc: llama.cpp RPC workers ("HOST:PORT") that hold part of the target's
+    layers (in the proportions of tensor_split, see rpc.parse_tensor_split); the target then runs in a
+    supervised child process (backends/supervised.py)."""
     if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
     if threads is not None and threads < 1:
@@ -47,6 +50,12 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
 
     if role == "target":
         _warn_if_inexact()
+    if rpc:
+        from .backends.supervised import SupervisedBackend
+        from .rpc import parse_tensor_split
+
+        return SupervisedBackend(path, rpc, parse_tensor_split(tensor_split, len(rpc)), n_ctx=n_ctx,
+                                 n_threads=threads)
     # a draft may use the faster repacked weights: its numerics need not match anything (see llamacpp.py)
     return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=(role == "draft"))
 
@@ -139,13 +148,14 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
                 draft_threads: Optional[int] = None, history: bool = False, history_tokens: int = 16384,
-                long_max: int = 16) -> Engine:
+                long_max: int = 16, rpc: Sequence[str] = (), tensor_split: Optional[str] = None) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
     and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
     long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive.
-    draft_threads: CPU threads of the draft model (default: threads). Names, paths and a registered draft's
+    draft_threads: CPU threads of the draft model (default: threads). rpc, tensor_split: the target's
+    layers spread over RPC workers (see load_backend); the draft stays local. Names, paths and a registered draft's
     tokenizer are checked before anything is loaded or downloaded."""
     if not isinstance(draft_max, int) or draft_max < 0:
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
@@ -158,7 +168,10 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
     if draft_model:
         models.check_draft(draft_model, model)
-    target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device)
+    if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
+        raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
+    target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device,
+                          rpc=rpc, tensor_split=tensor_split)
     try:
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,

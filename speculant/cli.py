@@ -79,6 +79,12 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-td", "--threads-draft", type=int, default=None,
                    help="CPU threads of the draft model (default: --threads)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="put part of the target's layers on these `speculant worker`s (llama.cpp RPC); the draft "
+                        "stays on this machine")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="W1[,W2...]",
+                   help="with --rpc: share of the target's layers per worker, in --rpc order, and optionally a "
+                        "last one for this machine (default: equal shares for every worker and this machine)")
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=0,
                    help="accepted for llama.cpp compatibility: only 0 (no GPU offload in the llama.cpp backend; "
                         "a GPU is --backend torch --device cuda)")
@@ -208,7 +214,7 @@ def _version() -> str:
     return f"speculant {__version__} (llama-cpp-python {llama})"
 
 
-_PLUGINS = ("server", "bench", "calibrate", "doctor")
+_PLUGINS = ("server", "bench", "calibrate", "doctor", "rpc")
 
 
 def _read_prompt(args) -> str:
@@ -238,7 +244,20 @@ def engine_from_args(args):
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
                        self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
                        draft_threads=args.threads_draft,
-                       history=getattr(args, "history", False))
+                       history=getattr(args, "history", False), **rpc_kwargs(args))
+
+
+def rpc_kwargs(args) -> dict:
+    """--rpc / --tensor-split -> load_engine's rpc and tensor_split (checked before anything loads)."""
+    from .rpc import parse_endpoints, parse_tensor_split
+
+    if not getattr(args, "rpc", None):
+        if getattr(args, "tensor_split", None):
+            raise SettingsError("--tensor-split splits the target over --rpc workers: pass --rpc too")
+        return {}
+    endpoints = parse_endpoints(args.rpc)
+    parse_tensor_split(args.tensor_split, len(endpoints))
+    return {"rpc": endpoints, "tensor_split": args.tensor_split}
 
 
 def sampling_seed(seed: int) -> int:

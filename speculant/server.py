@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from .errors import ContextOverflowError, SpeculantError
+from .rpc import WorkerError
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -326,6 +327,11 @@ class Metrics:
 # the engine worker
 
 
+def worker_down(e: Exception) -> APIError:
+    """An RPC worker of the target is down: 503 (the target restarts by itself once it is back)."""
+    return APIError(503, str(e), type="server_error", code="worker_down")
+
+
 def _step(gen):
     try:
         return next(gen)
@@ -388,7 +394,10 @@ class Worker:
                     break
                 if is_disconnected is not None and await is_disconnected():
                     break
-                event = await self.call(_step, gen)
+                try:
+                    event = await self.call(_step, gen)
+                except WorkerError as e:
+                    raise worker_down(e) from None
                 if event is _DONE:
                     finished = True
                     break
@@ -528,9 +537,19 @@ def create_app(engine, cfg: ServerConfig):
 
     @app.get("/health")
     async def health():
-        return {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
+        body = {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
                 "draft_model": cfg.draft_id, "queue_depth": worker.waiting,
                 "in_progress": int(worker.lock.locked())}
+        workers = getattr(engine.target, "health", None)  # RPC workers of a split target
+        if workers is None:
+            return body
+        body["workers"] = await asyncio.to_thread(workers)
+        down = [ep for ep, state in body["workers"].items() if state != "up"]
+        if down and not worker.closing:
+            body["status"] = "worker_down"
+            body["message"] = f"RPC worker {', '.join(down)} is down; requests get 503 until it is back"
+            return JSONResponse(body, status_code=503)
+        return body
 
     @app.get("/metrics")
     async def prometheus():
@@ -556,6 +575,8 @@ def create_app(engine, cfg: ServerConfig):
         except ContextOverflowError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt",
                            code="context_length_exceeded") from None
+        except WorkerError as e:
+            raise worker_down(e) from None
         except SpeculantError as e:
             raise _bad(str(e)) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]

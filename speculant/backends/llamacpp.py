@@ -66,17 +66,25 @@ class LlamaCppBackend(Backend):
     """One GGUF model and one llama.cpp context (sequence 0)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
-                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0, embed=None):
+                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0, embed=None,
+                 devices: Sequence[int] = (), n_device_layers: int = 0, device_split: Sequence[float] = ()):
         """embed: token ids -> input embeddings [n, n_embd] float32. When given, every pass feeds embeddings
         instead of ids (a draft whose vocabulary was cut still reads every token of the context exactly:
-        speculant/vocabcut.py), and ids are not limited to this model's vocabulary."""
+        speculant/vocabcut.py), and ids are not limited to this model's vocabulary.
+        devices: ggml devices (RPC workers: speculant/rpc.py) that hold the last n_device_layers repeating
+        layers, split among them in the proportions device_split; the rest stays on this CPU."""
         super().__init__()
         self.path = Path(path)
         self.embed = embed
         self.name = self.path.name
         mparams = ll.llama_model_default_params()
         mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
-        mparams.n_gpu_layers = 0
+        mparams.n_gpu_layers = n_device_layers if devices else 0
+        if devices:  # NULL-terminated; llama.cpp copies both arrays during the load
+            device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
+            split = (ctypes.c_float * ll.llama_max_devices())(*device_split)
+            mparams.devices = ctypes.cast(device_list, ctypes.c_void_p)
+            mparams.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
         _LOG.clear()
         # Ctrl-C inside llama.cpp's callbacks would be lost: it is recorded, the progress callback aborts the
         # load, and KeyboardInterrupt is raised when the C call has returned

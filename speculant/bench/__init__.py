@@ -59,6 +59,10 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt x method (default 1)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="put part of the llama.cpp target's layers on these `speculant worker`s (the draft stays here)")
+    p.add_argument("-ts", "--tensor-split", default=None, metavar="W1[,W2...]",
+                   help="with --rpc: layer share per worker, and optionally one for this machine (default: equal)")
     p.add_argument("--out", default="bench-out", help="output directory (default %(default)s)")
     p.add_argument("--peers", default=None,
                    help="also run peers on the same GGUF files: comma list of llama.cpp, hf (see speculant.bench.peers)")
@@ -113,8 +117,15 @@ def config_from_args(args):
                        extra={**({"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {}),
                               **({"draft_vocab": args.draft_vocab} if any(v.method.cut for v in variants) else {})},
                        memory=bool(torch_names) if args.memory is None else args.memory,
+                       target_rpc=_rpc_kwargs(args),
                        interleave=(("prompt" if torch_names else "step") if args.interleave == "auto"
                                    else args.interleave))
+
+
+def _rpc_kwargs(args) -> dict:
+    from ..cli import rpc_kwargs
+
+    return rpc_kwargs(args)
 
 
 def cmd_bench(args) -> int:

@@ -56,6 +56,7 @@ class BenchConfig:
     device: Optional[str] = None
     memory: bool = False  # measure each method's peak RSS in a child process
     interleave: str = "prompt"  # "prompt" | "step" (see the module docstring)
+    target_rpc: dict = field(default_factory=dict)  # llama.cpp target on RPC workers: {rpc, tensor_split}
 
     def settings(self) -> dict:
         d = asdict(self)
@@ -341,7 +342,7 @@ def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
     ctx = MethodContext(None, None, draft_p_min=cfg.draft_p_min, options=dict(cfg.extra))
     try:
         if any(m.backend == "llama.cpp" for m in methods):
-            ctx.target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads)
+            ctx.target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads, **cfg.target_rpc)
         if any(m.backend == "torch" for m in methods):
             ctx.torch_target = load_backend(cfg.model, n_ctx=cfg.n_ctx, threads=cfg.threads, backend="torch",
                                             dtype=cfg.dtype, device=cfg.device)

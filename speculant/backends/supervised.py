@@ -1,0 +1,271 @@
+"""A llama.cpp target whose layers are partly on RPC workers, run in a supervised child process.
+
+ggml's RPC client aborts its whole process (GGML_ABORT) when a worker dies mid-call; that cannot be caught
+in-process. So the model lives in a child process, and this backend (in the parent) forwards the decode
+calls to it over a pipe and watches it: when the child dies or a worker stops accepting connections, the
+child is killed and the call raises a one-line WorkerError naming the worker, within about a second. The
+next call starts a new child once every worker answers again (serving resumes by itself).
+
+The parent keeps what text handling needs (vocabulary, token pieces, chat template), sent once by the
+child, so only tokenize and the passes cross the pipe. Numerics: the worker runs the same CPU backend
+variant with our invariant kernels on its layers, so the logits are those of the model run locally
+(tests/test_rpc.py checks greedy output token for token).
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import signal
+import tempfile
+import time
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from ..errors import ModelError, SpeculantError
+from ..rpc import WorkerError, connections, probe, reachable
+from .base import Backend, VocabInfo
+
+WATCH_S = 0.2  # how often a waiting call checks the child process
+REACH_S = 1.0  # how often it checks that the workers still accept connections
+
+
+def _n_layer(path: str) -> int:
+    """The repeating layers of a GGUF (its <arch>.block_count), read from the header only."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
+    return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
+
+
+def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str) -> None:
+    """The child: load the target with its layers on the workers, then answer the parent's calls."""
+    import resource
+
+    os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort must end the child at once, not attach a debugger
+    resource.setrlimit(resource.RLIMIT_CORE, (0, 0))
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the parent decides when this process ends
+    log = os.open(log_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(log, 2)  # ggml's abort message: the parent reads it, the user's terminal does not
+    os.dup2(log, 1)
+    try:
+        from .. import rpc
+        from .llamacpp import LlamaCppBackend
+
+        n_device_layers, split = rpc.layer_plan(_n_layer(path), weights)
+        backend = LlamaCppBackend(path, devices=rpc.rpc_devices(endpoints), n_device_layers=n_device_layers,
+                                  device_split=split, **kwargs)
+        eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
+        info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,
+                "n_batch": backend.n_batch, "n_threads": backend.n_threads, "n_ctx_train": backend.n_ctx_train,
+                "invariant_rows": backend.invariant_rows, "exact_numerics": backend.exact_numerics,
+                "n_device_layers": n_device_layers, "chat_template": backend.chat_template(),
+                "bos_token": backend.bos_token, "eos_token": backend.eos_token, "add_bos": backend.add_bos(),
+                "eog": eog, "vocab_info": backend.vocab_info(),
+                "pieces": [backend.token_bytes(t) for t in range(backend.n_vocab)]}
+    except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
+        conn.send(("error", e if isinstance(e, SpeculantError) else ModelError(f"{type(e).__name__}: {e}")))
+        return
+    conn.send(("ok", info))
+    while True:
+        try:
+            op, *args = conn.recv()
+        except EOFError:
+            break
+        try:
+            if op == "decode":
+                tokens, start, n_logits = args
+                backend.rewind(start)
+                value = backend.eval(tokens, n_logits)
+            elif op == "prefill":
+                backend.prefill(args[0])
+                value = None
+            elif op == "tokenize":
+                value = backend.tokenize(*args)
+            elif op == "metadata":
+                value = backend.metadata(*args)
+            elif op == "close":
+                break
+            else:
+                raise ValueError(f"unknown call {op!r}")
+            conn.send(("ok", value))
+        except Exception as e:  # noqa: BLE001
+            conn.send(("error", e if isinstance(e, SpeculantError) else RuntimeError(str(e))))
+    backend.close()
+
+
+class SupervisedBackend(Backend):
+    """A llama.cpp target split over this CPU and RPC workers, in a watched child process."""
+
+    def __init__(self, path: str | Path, endpoints: Sequence[str], weights: Sequence[float], *,
+                 n_ctx: int = 4096, n_threads: Optional[int] = None, load_timeout: float = 600.0):
+        super().__init__()
+        self.path = Path(path)
+        self.endpoints = list(endpoints)
+        self._weights = list(weights)
+        self._kwargs = {"n_ctx": n_ctx, "n_threads": n_threads}
+        self._load_timeout = load_timeout
+        self._proc: Optional[mp.Process] = None
+        self._conn = None
+        fd, self._log_path = tempfile.mkstemp(prefix="speculant-target-", suffix=".log")
+        os.close(fd)
+        self.down: dict[str, str] = {}  # endpoint -> why, for the workers found down by the last failure
+        self._start()
+
+    # -- the child ------------------------------------------------------------------------------------------
+    def _start(self) -> None:
+        """Check every worker answers, then start a child and wait until its model is loaded."""
+        for endpoint in self.endpoints:
+            try:
+                probe(endpoint)
+            except WorkerError as e:
+                self.down = {endpoint: str(e)}
+                raise
+        self.down = {}
+        ctx = mp.get_context("spawn")
+        parent, child = ctx.Pipe()
+        self._proc = ctx.Process(target=_child_main, name="speculant-target", daemon=True,
+                                 args=(child, str(self.path), self.endpoints, self._weights, self._kwargs,
+                                       self._log_path))
+        self._proc.start()
+        child.close()
+        self._conn = parent
+        info = self._wait(timeout=self._load_timeout, what="loading the target")
+        for key in ("name", "n_ctx", "n_vocab", "n_batch", "n_threads", "n_ctx_train", "invariant_rows",
+                    "exact_numerics", "n_device_layers"):
+            setattr(self, key, info[key])
+        self._info = info
+        self._eog = frozenset(info["eog"])
+        self.tokens = []
+
+    def _stop(self) -> None:
+        if self._proc is not None:
+            if self._proc.is_alive():
+                self._proc.kill()
+            self._proc.join(5)
+            self._proc = None
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
+        self.tokens = []
+
+    def _failed(self, what: str) -> WorkerError:
+        """Kill the child and describe why it stopped: a worker that is down, else the child's last words."""
+        code = self._proc.exitcode if self._proc is not None else None
+        self._stop()
+        self.down = {ep: "not accepting connections" for ep in self.endpoints if not reachable(ep)}
+        if self.down:
+            names = ", ".join(self.down)
+            return WorkerError(f"RPC worker {names} went down while {what} (it no longer accepts connections)",
+                               next(iter(self.down)))
+        last = [line for line in Path(self._log_path).read_text(errors="replace").splitlines() if line.strip()]
+        why = last[-1].strip() if last else f"exit code {code}"
+        return WorkerError(f"the target's process ended while {what} ({why}); workers "
+                           f"{', '.join(self.endpoints)} answer: the next request retries")
+
+    def _wait(self, timeout: float = float("inf"), what: str = "decoding"):
+        """The child's answer to the call in flight, watching the child and the workers while waiting."""
+        t0 = checked = time.monotonic()
+        try:
+            while not self._conn.poll(WATCH_S):
+                now = time.monotonic()
+                if not self._proc.is_alive():
+                    raise self._failed(what)
+                if now - checked >= REACH_S and what != "loading the target":
+                    checked = now
+                    if "close_wait" in connections(self._proc.pid, self.endpoints).values():
+                        raise self._failed(what)  # a worker closed its connection: it is gone
+                if now - t0 > timeout:
+                    self._stop()
+                    raise WorkerError(f"{what} took longer than {timeout:.0f} s; stopped")
+            status, value = self._conn.recv()
+        except (EOFError, OSError):
+            raise self._failed(what) from None
+        if status == "error":
+            if what == "loading the target":
+                self._stop()
+            raise value
+        return value
+
+    def _call(self, op: str, *args, what: str = "decoding"):
+        if self._proc is None:
+            self._start()  # after a failure: the workers are checked first (WorkerError while one is down)
+        try:
+            self._conn.send((op, *args))
+        except OSError:
+            raise self._failed(what) from None
+        return self._wait(what=what)
+
+    def health(self) -> dict[str, str]:
+        """endpoint -> "up" | why it is down. While the target runs, from the state of its connections (a
+        worker serves one client, so connecting to it would wait); after a failure, by connecting."""
+        proc = self._proc
+        if proc is not None and proc.is_alive():
+            states = connections(proc.pid, self.endpoints)
+            return {ep: "down: it closed the connection" if states[ep] == "close_wait" else "up"
+                    for ep in self.endpoints}
+        return {ep: "up" if reachable(ep) else "down: not accepting connections" for ep in self.endpoints}
+
+    # -- Backend ------------------------------------------------------------------------------------------
+    def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
+        # after a failure self.tokens is empty, so `start` is 0 and the new child's empty cache agrees
+        return self._call("decode", list(map(int, tokens)), start, n_logits)
+
+    def _truncate(self, n_kept: int) -> None:
+        pass  # the child cuts its cache to `start` at each decode, and prefill keeps what it can
+
+    def prefill(self, context: Sequence[int]) -> None:
+        self._call("prefill", list(map(int, context)), what="processing the prompt")
+        self.tokens = list(map(int, context))
+
+    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+        return self._call("tokenize", text, add_special, what="tokenizing")
+
+    def token_bytes(self, token: int) -> bytes:
+        pieces = self._info["pieces"]
+        return pieces[token] if 0 <= token < len(pieces) else b""
+
+    def is_eog(self, token: int) -> bool:
+        return token in self._eog
+
+    def chat_template(self) -> Optional[str]:
+        return self._info["chat_template"]
+
+    def vocab_info(self) -> VocabInfo:
+        return self._info["vocab_info"]
+
+    @property
+    def bos_token(self) -> str:
+        return self._info["bos_token"]
+
+    @property
+    def eos_token(self) -> str:
+        return self._info["eos_token"]
+
+    def add_bos(self) -> bool:
+        return self._info["add_bos"]
+
+    def metadata(self, key: str) -> Optional[str]:
+        return self._call("metadata", key, what="reading metadata")
+
+    def close(self) -> None:
+        if self._conn is not None and self._proc is not None and self._proc.is_alive():
+            try:
+                self._conn.send(("close",))
+                self._proc.join(5)
+            except OSError:
+                pass
+        self._stop()
+        try:
+            os.unlink(self._log_path)
+        except OSError:
+            pass
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass

@@ -1,0 +1,285 @@
+"""llama.cpp RPC: `speculant worker` (ggml's rpc-server, in-process) and what a client needs to use workers.
+
+A worker serves its CPU backend over ggml's RPC protocol (libggml-rpc from our pinned llama.cpp, the very
+library libllama loaded: see native.py); a client adds each worker as a device and llama.cpp places some of
+the target's layers there. The protocol has no authentication and a worker runs whatever graph it is sent,
+so workers listen on loopback unless told otherwise. A worker serves one client at a time.
+
+The client side aborts its process (GGML_ABORT) when a worker goes away mid-call, so the target runs in a
+supervised child process (backends/supervised.py); this module only speaks to workers from the parent
+through plain sockets (`probe`, `reachable`).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import socket
+import struct
+import sys
+import threading
+from typing import Optional, Sequence
+
+from .errors import SettingsError, SpeculantError
+
+RPC_PROTO_MAJOR = 7  # ggml-rpc.h of the pinned llama.cpp (RPC_PROTO_MAJOR_VERSION)
+_CMD_HELLO = 14  # rpc_cmd RPC_CMD_HELLO ("must be always 14")
+_CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE (transport.h)
+LOOPBACK = ("127.0.0.1", "localhost", "::1")
+INSECURE = ("the RPC protocol has no authentication or encryption: anyone who can reach this port can run "
+            "code on this machine's memory and read the model; bind it only on a private network you trust, "
+            "or keep the default 127.0.0.1 and reach it through an SSH tunnel (ssh -L PORT:127.0.0.1:PORT host)")
+
+
+class WorkerError(SpeculantError):
+    """An RPC worker is down, unreachable, or not a worker."""
+
+    def __init__(self, message: str, endpoint: Optional[str] = None):
+        super().__init__(message)
+        self.endpoint = endpoint
+
+
+def parse_endpoints(text: str) -> list[str]:
+    """'HOST:PORT[,HOST:PORT...]' -> ['HOST:PORT', ...] (SettingsError for anything else)."""
+    endpoints = []
+    for part in (p.strip() for p in text.split(",")):
+        host, sep, port = part.rpartition(":")
+        if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+            raise SettingsError(f"--rpc: {part!r} is not HOST:PORT (e.g. 127.0.0.1:50052)")
+        if part in endpoints:
+            raise SettingsError(f"--rpc: {part} is listed twice")
+        endpoints.append(part)
+    if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
+        raise SettingsError(f"--rpc: at most 16 workers, got {len(endpoints)}")
+    return endpoints
+
+
+def parse_tensor_split(text: Optional[str], n_workers: int) -> list[float]:
+    """--tensor-split: one weight per worker (in --rpc order) and optionally a last one for this machine
+    -> [w_worker_1, ..., w_worker_n, w_local]; default equal shares for all of them."""
+    if not text:
+        return [1.0] * (n_workers + 1)
+    try:
+        weights = [float(w) for w in text.replace("/", ",").split(",")]
+    except ValueError:
+        raise SettingsError(f"--tensor-split must be comma-separated numbers, got {text!r}") from None
+    if len(weights) == n_workers:
+        weights.append(0.0)
+    if len(weights) != n_workers + 1:
+        raise SettingsError(f"--tensor-split takes one weight per --rpc worker ({n_workers}) and optionally one "
+                            f"more for this machine, got {len(weights)}")
+    if any(not (w >= 0) for w in weights) or sum(weights) <= 0:
+        raise SettingsError(f"--tensor-split weights must be >= 0 and not all 0, got {text!r}")
+    return weights
+
+
+def layer_plan(n_layer: int, weights: Sequence[float]) -> tuple[int, list[float]]:
+    """Repeating layers for the workers (llama.cpp's n_gpu_layers: the last ones) and their split among the
+    workers; this machine keeps the first layers, the embeddings and the output layer."""
+    share = sum(weights[:-1]) / sum(weights)
+    on_workers = min(n_layer, round(n_layer * share))
+    return on_workers, list(weights[:-1])
+
+
+def _split(endpoint: str) -> tuple[str, int]:
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def reachable(endpoint: str, timeout: float = 1.0) -> bool:
+    """False when the endpoint refuses connections (or cannot be reached); a busy worker counts as reachable
+    (it serves one client at a time with a listen backlog of 1, so a connect may wait: a timeout is busy)."""
+    try:
+        with socket.create_connection(_split(endpoint), timeout=timeout):
+            return True
+    except (socket.timeout, TimeoutError):
+        return True
+    except OSError:
+        return False
+
+
+_TCP_STATES = {"01": "established", "08": "close_wait"}  # /proc/net/tcp st column
+
+
+def connections(pid: int, endpoints: Sequence[str]) -> dict[str, str]:
+    """endpoint -> the state of process pid's TCP connection to it: "established", "close_wait" (the worker
+    closed it: it is gone), "other" or "none". Read from /proc, so it never disturbs a busy worker."""
+    wanted = {}
+    for endpoint in endpoints:
+        host, port = _split(endpoint)
+        try:
+            ip = socket.gethostbyname(host)
+        except OSError:
+            continue
+        wanted[f"{socket.htonl(int.from_bytes(socket.inet_aton(ip), 'big')):08X}:{port:04X}"] = endpoint
+    states = {ep: "none" for ep in endpoints}
+    try:
+        inodes = set()
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                link = os.readlink(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if link.startswith("socket:["):
+                inodes.add(link[8:-1])
+        with open(f"/proc/{pid}/net/tcp") as f:
+            next(f)
+            for line in f:
+                cols = line.split()
+                endpoint = wanted.get(cols[2])
+                if endpoint and cols[9] in inodes and states[endpoint] != "established":
+                    states[endpoint] = _TCP_STATES.get(cols[3], "other")
+    except OSError:
+        pass
+    return states
+
+
+def probe(endpoint: str, timeout: float = 3.0) -> None:
+    """Check that a ggml RPC worker of our protocol answers at endpoint (its HELLO handshake), or raise a
+    one-line WorkerError saying what is there instead. Only while no client holds the worker: it serves one
+    connection at a time."""
+    try:
+        sock = socket.create_connection(_split(endpoint), timeout=timeout)
+    except ConnectionRefusedError:
+        raise WorkerError(f"no RPC worker at {endpoint}: connection refused (start one there with "
+                          f"`speculant worker --port {_split(endpoint)[1]}`)", endpoint) from None
+    except OSError as e:
+        raise WorkerError(f"cannot reach the RPC worker at {endpoint}: {e.strerror or e}", endpoint) from None
+    with sock:
+        try:
+            sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CAPS_SIZE) + bytes(_CAPS_SIZE))
+            reply = b""
+            while len(reply) < 8 + 4:
+                chunk = sock.recv(8 + 4 + _CAPS_SIZE - len(reply))
+                if not chunk:
+                    break
+                reply += chunk
+        except socket.timeout:
+            raise WorkerError(f"{endpoint} accepted a connection but did not answer the RPC handshake within "
+                              f"{timeout:g} s: not a speculant worker (ggml rpc-server), or one busy serving "
+                              f"another client", endpoint) from None
+        except OSError as e:
+            raise WorkerError(f"{endpoint} closed the RPC handshake ({e.strerror or e}): not a speculant worker",
+                              endpoint) from None
+    if len(reply) < 12 or struct.unpack("<Q", reply[:8])[0] != 4 + _CAPS_SIZE:
+        raise WorkerError(f"{endpoint} is not a speculant worker (ggml rpc-server): it answered "
+                          f"{reply[:16]!r} to the RPC handshake", endpoint)
+    major, minor = reply[8], reply[9]
+    if major != RPC_PROTO_MAJOR:
+        raise WorkerError(f"the worker at {endpoint} speaks RPC protocol {major}.{minor}, this client "
+                          f"{RPC_PROTO_MAJOR}.x: run the same speculant (llama.cpp) version on both", endpoint)
+
+
+# -- the ggml side (worker process and the supervised target's child process) -----------------------------
+
+def _rpc_fn(name: str, restype, argtypes) -> ctypes._CFuncPtr:
+    """A function of the RPC backend that ggml registered (native.load_backends), by address: the same
+    library instance as the one llama.cpp uses."""
+    from .native import _ggml, load_backends
+
+    load_backends()
+    g = _ggml()
+    g.ggml_backend_reg_by_name.restype = ctypes.c_void_p
+    g.ggml_backend_reg_by_name.argtypes = [ctypes.c_char_p]
+    g.ggml_backend_reg_get_proc_address.restype = ctypes.c_void_p
+    g.ggml_backend_reg_get_proc_address.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    reg = g.ggml_backend_reg_by_name(b"RPC")
+    addr = g.ggml_backend_reg_get_proc_address(reg, name.encode()) if reg else None
+    if not addr:
+        raise SpeculantError("this llama.cpp build has no RPC backend (GGML_RPC=ON): rebuild with `make setup`")
+    return ctypes.CFUNCTYPE(restype, *argtypes)(addr)
+
+
+def rpc_devices(endpoints: Sequence[str]) -> list[int]:
+    """ggml devices (pointers) for the workers, in order: what llama_model_params.devices lists."""
+    from .native import _ggml
+
+    add_server = _rpc_fn("ggml_backend_rpc_add_server", ctypes.c_void_p, [ctypes.c_char_p])
+    g = _ggml()
+    g.ggml_backend_reg_dev_count.restype = ctypes.c_size_t
+    g.ggml_backend_reg_dev_count.argtypes = [ctypes.c_void_p]
+    g.ggml_backend_reg_dev_get.restype = ctypes.c_void_p
+    g.ggml_backend_reg_dev_get.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    devices = []
+    for endpoint in endpoints:
+        reg = add_server(endpoint.encode())
+        if not reg:
+            raise WorkerError(f"the RPC worker at {endpoint} has no devices", endpoint)
+        devices += [g.ggml_backend_reg_dev_get(reg, i) for i in range(g.ggml_backend_reg_dev_count(reg))]
+    return devices
+
+
+def cpu_device() -> int:
+    from .native import _ggml, load_backends
+
+    load_backends()
+    g = _ggml()
+    g.ggml_backend_dev_by_type.restype = ctypes.c_void_p
+    g.ggml_backend_dev_by_type.argtypes = [ctypes.c_int]
+    dev = g.ggml_backend_dev_by_type(0)  # GGML_BACKEND_DEVICE_TYPE_CPU
+    if not dev:
+        raise SpeculantError("no llama.cpp CPU device to serve")
+    return dev
+
+
+def serve_worker(host: str, port: int, threads: int) -> None:
+    """Run ggml's RPC server on host:port with this machine's CPU backend until the process ends."""
+    import llama_cpp as ll
+
+    from .backends import llamacpp  # noqa: F401  (llama.cpp's log callback, backend init, the CPU variant)
+    from .native import loaded_variant
+
+    start = _rpc_fn("ggml_backend_rpc_start_server", None,
+                    [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
+                     ctypes.POINTER(ctypes.c_void_p)])
+    try:  # ggml's server binds IPv4 addresses only (inet_addr)
+        address = socket.gethostbyname(host)
+    except OSError:
+        raise SettingsError(f"--host {host}: not an IPv4 address or a name that resolves to one (the llama.cpp "
+                            f"RPC server listens on IPv4 only)") from None
+    listen_check(address, port)
+    devices = (ctypes.c_void_p * 1)(cpu_device())
+    endpoint = f"{address}:{port}"
+    print(f"speculant: worker on {endpoint}: llama.cpp CPU backend {loaded_variant() or ''}, {threads} "
+          f"thread{'s' if threads != 1 else ''} (llama.cpp {ll.__version__})", file=sys.stderr, flush=True)
+    # the C call never returns; in a thread, Ctrl-C / SIGTERM still reach Python in the main thread
+    thread = threading.Thread(target=start, args=(endpoint.encode(), None, threads, 1, devices), daemon=True)
+    thread.start()
+    thread.join()
+    raise SpeculantError(f"the RPC server on {endpoint} stopped (see the messages above)")
+
+
+def listen_check(host: str, port: int) -> None:
+    """Fail with one line before ggml does (it prints and returns) when host:port cannot be bound."""
+    try:
+        with socket.socket(socket.AF_INET) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((host, port))
+    except OSError as e:
+        raise SpeculantError(f"cannot listen on {host}:{port}: {e.strerror or e}") from None
+
+
+# -- CLI --------------------------------------------------------------------------------------------------
+
+def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    p = sub.add_parser("worker", help="serve this machine's CPU to a remote target over llama.cpp RPC "
+                                      "(unauthenticated: loopback by default)")
+    p.add_argument("--host", "-H", default="127.0.0.1",
+                   help="address to bind (default %(default)s: this machine only; anything else is reachable "
+                        "without authentication)")
+    p.add_argument("--port", "-p", type=int, default=50052, help="port (default %(default)s, as rpc-server)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.set_defaults(handler=cmd_worker)
+
+
+def cmd_worker(args) -> int:
+    import os
+
+    if not (0 < args.port < 65536):
+        raise SettingsError(f"--port must be in 1..65535, got {args.port}")
+    if args.threads is not None and args.threads < 1:
+        raise SettingsError(f"--threads must be >= 1, got {args.threads}")
+    if args.host not in LOOPBACK:
+        print(f"speculant: warning: binding the worker to {args.host}: {INSECURE}", file=sys.stderr, flush=True)
+    serve_worker(args.host, args.port, args.threads or os.cpu_count() or 1)
+    return 0

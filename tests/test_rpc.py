@@ -1,0 +1,263 @@
+"""A target split over llama.cpp RPC workers: real `speculant worker` processes on loopback, a real server.
+
+Identity with local decoding, a worker killed with SIGKILL mid-request (error within 5 s, the server stays up
+and serves again once the worker is back), a worker never started, a port that is not a worker, and the
+binding warning."""
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import pytest
+
+from speculant import models
+from speculant.errors import SettingsError
+from speculant.rpc import WorkerError, layer_plan, parse_endpoints, parse_tensor_split, probe
+from speculant.server import spawn_local
+
+pytestmark = pytest.mark.models
+
+MODEL = "smollm2-135m-instruct"
+CLI = [sys.executable, "-m", "speculant"]
+ENV = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
+REPEATING = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - b\n\ndef mul(a, b):\n"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _start_worker(port: int, host: str = "127.0.0.1") -> subprocess.Popen:
+    proc = subprocess.Popen([*CLI, "worker", "--host", host, "--port", str(port), "-t", "1"], env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"worker exited: {proc.stdout.read()}")
+        try:
+            probe(f"127.0.0.1:{port}", timeout=2)
+            return proc
+        except WorkerError:
+            time.sleep(0.3)
+    proc.kill()
+    raise RuntimeError("worker did not start")
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+
+
+@pytest.fixture(scope="module")
+def workers():
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    ports = [_free_port(), _free_port()]
+    procs = {port: _start_worker(port) for port in ports}
+    yield procs
+    for proc in procs.values():
+        _stop(proc)
+
+
+def _endpoints(workers) -> list[str]:
+    return [f"127.0.0.1:{port}" for port in workers]
+
+
+# -- flags ----------------------------------------------------------------------------------------------------
+
+def test_endpoint_and_split_parsing():
+    assert parse_endpoints("127.0.0.1:50052, 10.0.0.2:50053") == ["127.0.0.1:50052", "10.0.0.2:50053"]
+    for bad in ("127.0.0.1", "host:port", ":50052", "a:70000", "a:1,a:1"):
+        with pytest.raises(SettingsError):
+            parse_endpoints(bad)
+    assert parse_tensor_split(None, 2) == [1.0, 1.0, 1.0]  # two workers and this machine, equal shares
+    assert parse_tensor_split("3,1", 2) == [3.0, 1.0, 0.0]  # no share given for this machine: none
+    for bad in ("1", "1,2,3,4", "a,b", "0,0", "-1,2"):
+        with pytest.raises(SettingsError):
+            parse_tensor_split(bad, 2)
+    assert layer_plan(30, [1.0, 1.0, 1.0]) == (20, [1.0, 1.0])  # the last 20 layers on the workers
+    assert layer_plan(30, [1.0, 0.0]) == (30, [1.0])
+    assert layer_plan(30, [0.0, 1.0]) == (0, [0.0])
+
+
+# -- exactness ------------------------------------------------------------------------------------------------
+
+def test_greedy_output_equals_local_decoding(workers):
+    """Plain and speculative (prompt lookup: verify passes of several tokens) decoding with the layers on two
+    workers and this machine give the local model's tokens."""
+    from speculant.api import load_engine
+    from speculant.verify import SamplingParams
+
+    greedy = SamplingParams(0.0, 0, 1.0, 0.0, 0)
+    prompts = ["The capital of France is", REPEATING]
+    local = load_engine(MODEL, n_ctx=512, threads=1)
+    try:
+        expected = [local.generate(p, max_tokens=40, params=greedy).tokens for p in prompts]
+    finally:
+        local.close()
+    for draft in (None, "lookup"):
+        split = load_engine(MODEL, draft, n_ctx=512, threads=1, rpc=_endpoints(workers), adaptive=False)
+        try:
+            assert split.target.n_device_layers == 20  # 30 layers: a third here, a third per worker
+            results = [split.generate(p, max_tokens=40, params=greedy) for p in prompts]
+        finally:
+            split.close()
+        assert [r.tokens for r in results] == expected
+        if draft:
+            assert results[1].stats.accepted > 0  # verify passes over several tokens ran on the workers
+
+
+# -- faults ---------------------------------------------------------------------------------------------------
+
+def test_worker_killed_mid_request_server_answers_503_and_recovers(workers):
+    port = list(workers)[1]
+    endpoint = f"127.0.0.1:{port}"
+    proc, url = spawn_local(["-m", MODEL, "-c", "4096", "-t", "1", "--rpc", ",".join(_endpoints(workers))],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        assert httpx.get(url + "/health").json()["workers"] == {ep: "up" for ep in _endpoints(workers)}
+        body = {"prompt": "Count from 1 to 1000: 1, 2, 3,", "max_tokens": 3000, "stream": True, "temperature": 0}
+        events, killed_at = [], None
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            for line in r.iter_lines():
+                if not line.startswith("data: "):
+                    continue
+                events.append(line[6:])
+                if len(events) == 5:  # generating: kill the second worker
+                    workers[port].send_signal(signal.SIGKILL)
+                    killed_at = time.monotonic()
+        failed_after = time.monotonic() - killed_at
+        error = json.loads(events[-1])["error"]
+        assert error["code"] == "worker_down" and endpoint in error["message"], error
+        assert failed_after <= 5.0, failed_after
+        assert proc.poll() is None  # the server is still up
+
+        r = httpx.post(url + "/v1/completions", json={"prompt": "Hi", "max_tokens": 4}, timeout=30)
+        assert r.status_code == 503
+        assert r.json()["error"]["code"] == "worker_down" and endpoint in r.json()["error"]["message"]
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503
+        assert health.json()["workers"][endpoint].startswith("down")
+        assert endpoint in health.json()["message"]
+
+        workers[port].wait()
+        workers[port] = _start_worker(port)  # back on the same port: serving resumes by itself
+        assert httpx.get(url + "/health").status_code == 200
+        r = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                      "temperature": 0}, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 8
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    out = proc.stdout.read()
+    assert "Traceback" not in out, out
+
+
+def test_cli_exits_with_one_line_naming_the_killed_worker(workers):
+    port = list(workers)[0]
+    endpoint = f"127.0.0.1:{port}"
+    gen = subprocess.Popen([*CLI, "generate", "-m", MODEL, "-t", "1", "-n", "3000", "-p", "Count from 1 to 1000: 1, 2, 3,",
+                            "--rpc", ",".join(_endpoints(workers))],
+                           env=ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert gen.stdout.read(20)  # it is generating
+        workers[port].send_signal(signal.SIGKILL)
+        killed_at = time.monotonic()
+        _, err = gen.communicate(timeout=30)
+        failed_after = time.monotonic() - killed_at
+    finally:
+        _stop(gen)
+        workers[port].wait()
+        workers[port] = _start_worker(port)
+    assert gen.returncode == 1
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert lines[-1].startswith(f"speculant: error: RPC worker {endpoint} went down"), err
+    assert "Traceback" not in err and "ggml" not in err, err
+    assert failed_after <= 5.0, failed_after
+
+
+def _cli(*args, timeout=60) -> subprocess.CompletedProcess:
+    return subprocess.run([*CLI, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_worker_never_started(command):
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    port = _free_port()
+    args = ["-p", "Hi"] if command == "generate" else ["--port", str(_free_port())]
+    r = _cli(command, "-m", MODEL, "--rpc", f"127.0.0.1:{port}", *args)
+    assert r.returncode == 1
+    assert r.stderr.strip().splitlines()[-1] == (f"speculant: error: no RPC worker at 127.0.0.1:{port}: connection "
+                                                 f"refused (start one there with `speculant worker --port {port}`)")
+    assert "Traceback" not in r.stderr
+
+
+def _listener(reply: bytes):
+    """A TCP server on loopback that answers every connection with `reply` (b"": says nothing) and keeps it."""
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def serve():
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if reply:
+                conn.sendall(reply)
+                conn.close()
+
+    threading.Thread(target=serve, daemon=True).start()
+    return server, f"127.0.0.1:{server.getsockname()[1]}"
+
+
+def test_a_port_that_is_not_a_worker():
+    silent, silent_ep = _listener(b"")
+    http, http_ep = _listener(b"HTTP/1.1 400 Bad Request\r\nContent-Length: 0\r\n\r\n")
+    try:
+        with pytest.raises(WorkerError, match="did not answer the RPC handshake within 1 s: not a speculant worker"):
+            probe(silent_ep, timeout=1)
+        with pytest.raises(WorkerError, match=f"{http_ep} is not a speculant worker"):
+            probe(http_ep)
+        if models.cached_path(MODEL).exists():  # the CLI says so in one line
+            r = _cli("generate", "-m", MODEL, "-p", "Hi", "--rpc", http_ep)
+            assert r.returncode == 1 and "Traceback" not in r.stderr
+            assert r.stderr.strip().splitlines()[-1].startswith(f"speculant: error: {http_ep} is not a speculant worker")
+    finally:
+        silent.close()
+        http.close()
+
+
+def test_binding_beyond_loopback_warns():
+    def first_lines(host):
+        port = _free_port()
+        proc = subprocess.Popen([*CLI, "worker", "--host", host, "--port", str(port), "-t", "1"], env=ENV,
+                                stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        try:
+            return [proc.stderr.readline() for _ in range(1 if host == "127.0.0.1" else 2)]
+        finally:
+            _stop(proc)
+
+    warned = first_lines("0.0.0.0")
+    assert warned[0].startswith("speculant: warning: binding the worker to 0.0.0.0")
+    assert "no authentication" in warned[0] and "SSH tunnel" in warned[0] and "private network" in warned[0]
+    assert warned[1].startswith("speculant: worker on 0.0.0.0:")
+    assert first_lines("127.0.0.1")[0].startswith("speculant: worker on 127.0.0.1:")  # no warning on loopback
+    r = _cli("worker", "--host", "::1", "--port", "1")
+    assert r.returncode == 1 and r.stderr.startswith("speculant: error: --host ::1: not an IPv4 address")
