@@ -227,7 +227,7 @@ def serve_worker(host: str, port: int, threads: int) -> None:
     import llama_cpp as ll
 
     from .backends import llamacpp  # noqa: F401  (llama.cpp's log callback, backend init, the CPU variant)
-    from .native import loaded_variant
+    from .native import exactness_problems, loaded_variant
 
     start = _rpc_fn("ggml_backend_rpc_start_server", None,
                     [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
@@ -242,10 +242,15 @@ def serve_worker(host: str, port: int, threads: int) -> None:
     endpoint = f"{address}:{port}"
     print(f"speculant: worker on {endpoint}: llama.cpp CPU backend {loaded_variant() or ''}, {threads} "
           f"thread{'s' if threads != 1 else ''} (llama.cpp {ll.__version__})", file=sys.stderr, flush=True)
+    problems = exactness_problems()
+    if problems:  # the layers computed here would not give a local run's bits
+        print(f"speculant: warning: this worker's llama.cpp cannot promise exact greedy output: "
+              f"{'; '.join(problems)}", file=sys.stderr, flush=True)
     # the C call never returns; in a thread, Ctrl-C / SIGTERM still reach Python in the main thread
     thread = threading.Thread(target=start, args=(endpoint.encode(), None, threads, 1, devices), daemon=True)
     thread.start()
-    thread.join()
+    while thread.is_alive():  # timed waits: a signal delivered to ggml's thread still gets handled here
+        thread.join(0.5)
     raise SpeculantError(f"the RPC server on {endpoint} stopped (see the messages above)")
 
 
