@@ -157,6 +157,15 @@ def test_worker_killed_mid_request_server_answers_503_and_recovers(workers):
                                                       "temperature": 0}, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 8
+
+        first = list(workers)[0]  # a worker restarted between two requests: the next one just works
+        workers[first].send_signal(signal.SIGKILL)
+        workers[first].wait()
+        workers[first] = _start_worker(first)
+        r2 = httpx.post(url + "/v1/completions", json={"prompt": "The capital of France is", "max_tokens": 8,
+                                                       "temperature": 0}, timeout=120)
+        assert r2.status_code == 200, r2.text
+        assert r2.json()["choices"][0]["text"] == r.json()["choices"][0]["text"]
     finally:
         proc.send_signal(signal.SIGTERM)
         try:

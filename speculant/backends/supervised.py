@@ -203,11 +203,9 @@ class SupervisedBackend(Backend):
         """endpoint -> "up" | why it is down. While the target runs, from the state of its connections (a
         worker serves one client, so connecting to it would wait); after a failure, by connecting."""
         proc = self._proc
-        if proc is not None and proc.is_alive():
-            states = connections(proc.pid, self.endpoints)
-            return {ep: "down: it closed the connection" if states[ep] == "close_wait" else "up"
-                    for ep in self.endpoints}
-        return {ep: "up" if reachable(ep) else "down: not accepting connections" for ep in self.endpoints}
+        states = connections(proc.pid, self.endpoints) if proc is not None and proc.is_alive() else {}
+        return {ep: "up" if states.get(ep) not in (None, "close_wait") or reachable(ep)
+                else "down: not accepting connections" for ep in self.endpoints}
 
     # -- Backend ------------------------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
@@ -218,6 +216,9 @@ class SupervisedBackend(Backend):
         pass  # the child cuts its cache to `start` at each decode, and prefill keeps what it can
 
     def prefill(self, context: Sequence[int]) -> None:
+        proc = self._proc
+        if proc is not None and "close_wait" in connections(proc.pid, self.endpoints).values():
+            self._stop()  # a worker went away since the last request (and may be back): start afresh
         self._call("prefill", list(map(int, context)), what="processing the prompt")
         self.tokens = list(map(int, context))
 
