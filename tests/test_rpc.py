@@ -270,3 +270,34 @@ def test_binding_beyond_loopback_warns():
     assert first_lines("127.0.0.1")[0].startswith("speculant: worker on 127.0.0.1:")  # no warning on loopback
     r = _cli("worker", "--host", "::1", "--port", "1")
     assert r.returncode == 1 and r.stderr.startswith("speculant: error: --host ::1: not an IPv4 address")
+
+
+def test_delay_proxy_forwards_both_directions_in_order():
+    """The benchmark's latency proxy (speculant.bench.netdelay) passes every byte through, in order."""
+    echo = socket.create_server(("127.0.0.1", 0))
+
+    def serve():
+        conn, _ = echo.accept()
+        with conn:
+            while data := conn.recv(65536):
+                conn.sendall(data)
+
+    threading.Thread(target=serve, daemon=True).start()
+    listen = _free_port()
+    proxy = subprocess.Popen([sys.executable, "-m", "speculant.bench.netdelay", "--delay-ms", "1",
+                              f"{listen}:127.0.0.1:{echo.getsockname()[1]}"], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proxy.stdout.readline().strip() == "ready"
+        payload = os.urandom(1 << 20)
+        with socket.create_connection(("127.0.0.1", listen)) as c:
+            received = bytearray()
+            for i in range(0, len(payload), 1 << 16):
+                c.sendall(payload[i:i + (1 << 16)])
+            c.shutdown(socket.SHUT_WR)
+            while data := c.recv(1 << 20):
+                received += data
+        assert bytes(received) == payload
+    finally:
+        proxy.kill()
+        proxy.wait()
+        echo.close()

@@ -38,9 +38,10 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     queue.put_nowait((0.0, None))
     try:
         await sender
+        if writer.can_write_eof():
+            writer.write_eof()  # half-close: the other direction may still carry data
     except (ConnectionError, OSError):
         pass
-    writer.close()
 
 
 async def _serve(listen_port: int, host: str, port: int, delay: float) -> asyncio.AbstractServer:
@@ -51,6 +52,8 @@ async def _serve(listen_port: int, host: str, port: int, delay: float) -> asynci
             c_writer.close()
             return
         await asyncio.gather(_pump(c_reader, u_writer, delay), _pump(u_reader, c_writer, delay))
+        c_writer.close()
+        u_writer.close()
 
     return await asyncio.start_server(handle, "127.0.0.1", listen_port)
 
