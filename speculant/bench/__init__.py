@@ -109,6 +109,9 @@ def config_from_args(args):
         raise SettingsError("--dtype and --device apply to the torch-target methods (plain-torch, self-spec, mixed)")
     if args.self_spec_exit is not None and "self-spec" not in torch_names:
         raise SettingsError("--self-spec-exit applies to the self-spec method: add it to --methods")
+    if args.rpc and args.interleave == "step":
+        raise SettingsError("--interleave step loads the target once per method, and an RPC worker serves one "
+                            "client at a time: use --interleave prompt with --rpc")
     return BenchConfig(model=args.model, draft_model=draft_model, variants=variants, temps=temps,
                        n_predict=args.n_predict, repeats=args.repeats, top_k=args.top_k, top_p=args.top_p,
                        min_p=args.min_p, seed=args.seed, draft_p_min=args.draft_p_min, n_ctx=args.ctx_size,
@@ -118,7 +121,7 @@ def config_from_args(args):
                               **({"draft_vocab": args.draft_vocab} if any(v.method.cut for v in variants) else {})},
                        memory=bool(torch_names) if args.memory is None else args.memory,
                        target_rpc=_rpc_kwargs(args),
-                       interleave=(("prompt" if torch_names else "step") if args.interleave == "auto"
+                       interleave=(("prompt" if torch_names or args.rpc else "step") if args.interleave == "auto"
                                    else args.interleave))
 
 
