@@ -348,7 +348,7 @@ def cmd_demo(args) -> int:
     from .verify import SamplingParams
 
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
-                          dtype=args.dtype, device=args.device)
+                          dtype=args.dtype, device=args.device, **rpc_kwargs(args))
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,
                            threads=args.threads_draft or args.threads, draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
