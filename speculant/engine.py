@@ -74,7 +74,8 @@ class Engine:
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
         elif adaptive:
-            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max))
+            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max),
+                                         cost_prior=target.cost_profile())
         else:
             self.policy = FixedPolicy(draft_max)
 
@@ -123,7 +124,8 @@ class Engine:
         pred = PredictionDrafter(tokens, start)
         if drafter is None:  # no drafter of its own: the prediction still gets an adaptive policy
             if self.prediction_policy is None:
-                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1)
+                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1,
+                                                         cost_prior=self.target.cost_profile())
             return pred, self.prediction_policy
         return CompositeDrafter(pred, drafter), policy
 
