@@ -71,6 +71,7 @@ class Engine:
         self.draft_max = draft_max
         self.long_max = long_max
         self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
+        self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
         elif adaptive:
@@ -174,6 +175,7 @@ class Engine:
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
+                n_pass = target.behind(context + draft.tokens) if self.trace is not None else 0
                 logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
                 if params.greedy:
                     n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
@@ -187,6 +189,9 @@ class Engine:
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
+                if self.trace is not None:  # what `speculant replay` re-runs (speculant/replay.py)
+                    self.trace.append([draft.source, len(draft), n_accepted, max(n_pass, len(draft) + 1),
+                                       draft.steps, draft.catchup_tokens])
                 if drafter:  # a catch-up prefill is not what one more drafted token costs
                     policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
                                    verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
