@@ -176,10 +176,14 @@ class Engine:
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
                 n_pass = target.behind(context + draft.tokens) if self.trace is not None else 0
-                logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
-                if params.greedy:
+                verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
+                if verify_step is not None:
+                    n_accepted, next_token = verify_step(context + draft.tokens, len(draft), draft.probs, params, rng)
+                elif params.greedy:
+                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
                     n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
                 else:
+                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
                     n_accepted, next_token = verify_sampled(
                         np.asarray(draft.tokens, dtype=np.int64), draft.probs,
                         probs_from_logits(logits, params), rng)

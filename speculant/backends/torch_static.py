@@ -31,7 +31,10 @@ from typing import Optional, Sequence
 import numpy as np
 import torch
 
+from .. import verify_torch
 from ..errors import ModelError, SettingsError
+from ..verify import SamplingParams
+from .base import common_prefix
 from .torch import KV_BLOCK, TorchBackend
 
 SHAPE_CLASSES = (1, 2, 4, 8, 16, 32, 64)
@@ -108,6 +111,7 @@ class StaticTorchBackend(TorchBackend):
         self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
         self._graphs: dict = {}  # (rows, n_blocks) -> (graph, ids, pos, logits)
         self._pool = None
+        self._gen: Optional[torch.Generator] = None  # device random draws for sampled verification
 
     # -- one fixed-shape pass -----------------------------------------------------------------------------
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -183,6 +187,30 @@ class StaticTorchBackend(TorchBackend):
         if not out:
             return torch.empty(0, self.n_vocab, device=self.device)
         return torch.cat(out)
+
+    def sync_device(self, context: Sequence[int], n_logits: int) -> torch.Tensor:
+        """Backend.sync, with the logits left on the device [n_logits, V]."""
+        if len(context) > self.n_ctx:
+            raise RuntimeError(f"{self.name}: {len(context)} tokens exceed n_ctx={self.n_ctx}")
+        common = common_prefix(self.tokens[:min(len(self.tokens), len(context) - n_logits)], context)
+        self.rewind(common)
+        logits = self.decode_device(context[common:], common, n_logits)
+        self.tokens.extend(int(t) for t in context[common:])
+        return logits
+
+    def verify_step(self, context: Sequence[int], k: int, draft_probs: Optional[np.ndarray],
+                    params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+        """One target pass over the last k+1 tokens of context (the last token and k drafts) and their
+        verification on the device (verify_torch); returns (n_accepted, next token), the only host transfer."""
+        logits = self.sync_device(context, k + 1)  # [k+1, V] on the device
+        drafts = torch.tensor(list(context[len(context) - k:]), dtype=torch.long).to(self.device)  # [k]
+        if params.greedy:
+            return verify_torch.verify_greedy(drafts, logits)
+        if self._gen is None:
+            self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
+        q = None if draft_probs is None else torch.from_numpy(np.asarray(draft_probs)).to(self.device)
+        return verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
 
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
         return self.decode_device(tokens, start, n_logits).cpu().numpy()
