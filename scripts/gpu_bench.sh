@@ -22,6 +22,7 @@ if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # cuBLAS: the same bits on every stream
 timeout --signal=INT --kill-after=10 "${BENCH_TIMEOUT:-470}" "$PY" -m speculant.gpubench "$@"
 rc=$?
 [ $rc -eq 124 ] && echo "gpu_bench: stopped after ${BENCH_TIMEOUT:-470} s (BENCH_TIMEOUT)" >&2

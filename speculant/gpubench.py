@@ -157,7 +157,10 @@ def _hf_pass_ms(model, n: int, repeats: int, device) -> float:
     model.config._attn_implementation = "sdpa"
     try:
         with torch.no_grad():
-            cache = DynamicCache(config=model.config)
+            try:
+                cache = DynamicCache(config=model.config)
+            except TypeError:  # older transformers
+                cache = DynamicCache()
             model(input_ids=ctx, use_cache=True, **{kw: cache})
 
             def run():

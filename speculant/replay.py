@@ -258,8 +258,10 @@ def build_pair(shape: str, draft_shape: Optional[str], device: str, dtype=None, 
             raise SettingsError(f"{shape} + {draft_shape} need {need / 2**30:.0f} GiB of weights; {device} has "
                                 f"{free / 2**30:.0f} GiB free")
     target = random_backend(shape, rows=rows, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx, seed=0)
-    draft = random_backend(draft_shape, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx,
-                           seed=1) if draft_shape else None
+    vocab = SHAPES[shape][5]  # the draft's output layer padded to the target's vocabulary (Qwen2.5 0.5B/1.5B
+    # have 151936 rows, 7B+ 152064): transformers' assisted generation needs equal sizes; the cost is ~0.1%
+    draft = random_backend(draft_shape, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx, seed=1,
+                           vocab=vocab) if draft_shape else None
     return target, draft
 
 

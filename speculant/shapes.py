@@ -49,18 +49,21 @@ def n_params(shape: str) -> int:
 
 
 def random_model(shape: str, *, dtype=None, device: str = "cpu", seed: int = 0, std: float = 0.02,
-                 max_positions: int = 32768):
+                 max_positions: int = 32768, vocab: Optional[int] = None):
     """A Qwen2ForCausalLM of the named shape with random weights (normal(0, std), norms 1), built on the device
-    directly (a 32B model never passes through host memory)."""
+    directly (a 32B model never passes through host memory). vocab: another vocabulary size (a draft padded
+    to its target's, as transformers' assisted generation wants)."""
     import torch
     from transformers import Qwen2ForCausalLM
 
     dtype = dtype or (torch.bfloat16 if str(device).startswith("cuda") else torch.float32)
     cfg = qwen2_config(shape, max_positions)
     cfg.initializer_range = std
+    if vocab:
+        cfg.vocab_size = vocab
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg)
-    model = model.to_empty(device=device).to(dtype)
+        model = Qwen2ForCausalLM(cfg).to(dtype)  # in the final dtype before any memory exists (32B: 65 GB in bf16)
+    model = model.to_empty(device=device)
     gen = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
