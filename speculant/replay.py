@@ -72,7 +72,7 @@ def draft_passes(steps: list, i: int) -> list[int]:
     fully accepted draft and 1 otherwise: the draft's cache lacks its own last token and the target's), then
     one token per further draft step."""
     source, k, accepted, _, n_steps, catchup = steps[i]
-    if n_steps <= 0 or source != "draft":
+    if n_steps <= 0:  # steps count paid draft-model passes, whichever drafter's proposal was verified
         return []
     prev = steps[i - 1] if i > 0 else None
     first = catchup or (2 if prev and prev[1] > 0 and prev[2] == prev[1] else 1)
