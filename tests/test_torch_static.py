@@ -119,3 +119,28 @@ def test_sampled_generation_verifies_on_the_device():
     runs = [engine.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=s)) for s in (1, 1, 2)]
     assert runs[0].tokens == runs[1].tokens != runs[2].tokens
     assert runs[0].stats.accepted >= 0.9 * runs[0].stats.drafted > 0
+
+
+def test_real_weights_same_greedy_as_torch_backend():
+    """SmolLM2 (Llama architecture, real weights and tokenizer): the static backend's greedy output is the
+    existing backend's, and a speculative run with a llama.cpp draft is token for token the same."""
+    from speculant import models
+    from speculant.api import load_backend
+    from speculant.backends.torch import load_torch_backend
+    from speculant.backends.torch_static import load_static_backend
+    from speculant.drafters.model import ModelDrafter
+
+    name = "smollm2-135m-instruct"
+    if not models.cached_path(name).exists():
+        pytest.skip(f"{name} is not pulled")
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    plain = Engine(load_torch_backend(name, n_ctx=512)).generate(prompt, max_tokens=12)
+    static = load_static_backend(name, n_ctx=512, rows=16)
+    assert Engine(static).generate(prompt, max_tokens=12).tokens == plain.tokens
+    draft = load_backend(name, n_ctx=512, threads=1, role="draft")
+    try:
+        r = Engine(static, ModelDrafter(draft, static.n_vocab), draft_max=3).generate(prompt, max_tokens=12)
+    finally:
+        draft.close()
+    assert r.tokens == plain.tokens and r.stats.drafted > 0
+

@@ -221,3 +221,15 @@ class StaticTorchBackend(TorchBackend):
     def close(self) -> None:
         self._graphs.clear()
         super().close()
+
+
+def load_static_backend(model_name_or_path, dtype=None, device: Optional[str] = None, *, rows: Optional[int] = 16,
+                        graphs: Optional[bool] = None, n_ctx: int = 4096,
+                        threads: Optional[int] = None) -> StaticTorchBackend:
+    """load_torch_backend's model and tokenizer (registered name, GGUF or transformers directory) behind the
+    static backend. rows: the fixed pass width (None: shape classes, for a draft)."""
+    from .torch import load_torch_backend
+
+    tb = load_torch_backend(model_name_or_path, dtype, device, n_ctx=n_ctx, threads=threads)
+    return StaticTorchBackend(tb.model, tb.tokenizer, name=tb.name, n_ctx=tb.n_ctx, specials=tb.specials,
+                              source=tb.source, rows=rows, graphs=graphs)
