@@ -32,6 +32,14 @@ CONTEXT = 256  # context tokens before a timed pass (the issue's table)
 PASS_SIZES = (1, 5, 8, 16)
 
 
+class StepFailed(Exception):
+    """A step that ran to the end with a failing check: its numbers are still results."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
 def _say(msg: str) -> None:
     print(msg, flush=True)
 
@@ -138,7 +146,7 @@ def step_identity(opts) -> dict:
     ok = all(v == 0.0 for k, v in out.items() if k.endswith("max_diff")) and out["greedy_identity"]
     out["ok"] = ok
     if not ok:
-        raise AssertionError(f"identity check failed: {out}")
+        raise StepFailed(f"identity check failed: {out}", out)
     return out
 
 
@@ -310,6 +318,8 @@ def main(argv=None) -> int:
             results[name] = STEPS[name](opts)
             status[name] = f"ok ({time.perf_counter() - t:.1f} s)"
         except Exception as e:  # report and go on: one broken step must not cost the others
+            if isinstance(e, StepFailed):
+                results[name] = e.result
             traceback.print_exc(file=sys.stderr)
             status[name] = f"FAILED ({time.perf_counter() - t:.1f} s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             _free()
