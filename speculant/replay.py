@@ -3,7 +3,9 @@
 `speculant bench --trace FILE` writes every decoding step of every run; `speculant replay FILE --shape
 qwen2.5-32b --draft-shape qwen2.5-0.5b --device cuda` re-runs exactly those passes (same pass sizes, same
 positions, same number of draft steps) with random weights of the named architectures, so a machine without
-our model weights (a rented GPU) can measure what speculation would gain there.
+our model weights (a rented GPU) can measure what speculation would gain there. What is replayed is the
+recorded pair's acceptance (which drafts were accepted), so a replay on other shapes predicts the speed of
+those shapes at that acceptance, not the acceptance a bigger target would have.
 """
 
 from __future__ import annotations
