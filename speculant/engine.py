@@ -71,10 +71,12 @@ class Engine:
         self.draft_max = draft_max
         self.long_max = long_max
         self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
+        self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
         elif adaptive:
-            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max))
+            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max),
+                                         cost_prior=target.cost_profile())
         else:
             self.policy = FixedPolicy(draft_max)
 
@@ -123,7 +125,8 @@ class Engine:
         pred = PredictionDrafter(tokens, start)
         if drafter is None:  # no drafter of its own: the prediction still gets an adaptive policy
             if self.prediction_policy is None:
-                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1)
+                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1,
+                                                         cost_prior=self.target.cost_profile())
             return pred, self.prediction_policy
         return CompositeDrafter(pred, drafter), policy
 
@@ -172,10 +175,15 @@ class Engine:
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
-                logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
-                if params.greedy:
+                n_pass = target.behind(context + draft.tokens) if self.trace is not None else 0
+                verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
+                if verify_step is not None:
+                    n_accepted, next_token = verify_step(context + draft.tokens, len(draft), draft.probs, params, rng)
+                elif params.greedy:
+                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
                     n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
                 else:
+                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
                     n_accepted, next_token = verify_sampled(
                         np.asarray(draft.tokens, dtype=np.int64), draft.probs,
                         probs_from_logits(logits, params), rng)
@@ -185,6 +193,9 @@ class Engine:
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
+                if self.trace is not None:  # what `speculant replay` re-runs (speculant/replay.py)
+                    self.trace.append([draft.source, len(draft), n_accepted, max(n_pass, len(draft) + 1),
+                                       draft.steps, draft.catchup_tokens])
                 if drafter:  # a catch-up prefill is not what one more drafted token costs
                     policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
                                    verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,

@@ -9,7 +9,8 @@ FixedPolicy drafts k every step. AdaptivePolicy measures online what matters and
        time(k)       = k * c + T(k + 1)                 c: one draft step; T(n): one target pass over n tokens
 
    T(n) is measured per n (nearly flat on a GPU, growing with n with llama.cpp on a CPU); k = 0 is plain
-   decoding. As a guard against a wrong model it compares the realized seconds per token of speculative and
+   decoding. Before a size is timed, T(n) = T(1) r(n) with r from the machine's measured cost profile
+   (costprofile.py; without one, r(n) = 1 + 0.5 (n - 1)). As a guard against a wrong model it compares the realized seconds per token of speculative and
    plain steps; when speculation loses it decodes plainly for a while and probes again later (backing off
    exponentially while it keeps losing).
 2. While drafting (per token): acceptance is measured by the draft's confidence (a bucket of the draft
@@ -217,6 +218,7 @@ class AdaptivePolicy:
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
     prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
+    cost_prior: Optional[dict] = None  # n -> T(n) / T(1) measured on this machine (costprofile.py), or None
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -247,23 +249,50 @@ class AdaptivePolicy:
         self.req_first: dict = {}  # this request: source or (source, key) -> was its first outcome an accept
 
     # -- estimates ---------------------------------------------------------------------------------------
+    def prior_ratio(self, n: int) -> float:
+        """r(n) = T(n) / T(1) before pass size n is timed: the measured profile (interpolated, and extended
+        past its largest size by its last step), else 1 + 0.5 (n - 1)."""
+        prof = self.cost_prior
+        if not prof:
+            return 1.0 + 0.5 * (n - 1)
+        if n in prof:
+            return prof[n]
+        sizes = sorted(prof)
+        lo = max([m for m in sizes if m < n], default=sizes[0])
+        hi = min([m for m in sizes if m > n], default=None)
+        if hi is None:  # beyond the profile: its last per-token step
+            prev = sizes[-2] if len(sizes) > 1 else None
+            step = (prof[lo] - prof[prev]) / (lo - prev) if prev is not None else 0.5
+            return prof[lo] + max(step, 0.0) * (n - lo)
+        return prof[lo] + (prof[hi] - prof[lo]) * (n - lo) / (hi - lo)
+
     def target_time(self, n: int) -> float:
-        """T(n): measured where possible, else linear through the measured points (prior: 0.5 T(1) per token).
-        A size timed slower than the prior (T(1) (1 + 0.5 (n - 1))) only once or twice leans on the prior: on a
-        loaded machine one slow pass would otherwise price every draft of that size out, and a size that is
-        never verified is never timed again (a free drafter has no probes)."""
+        """T(n): measured where possible, else linear through the measured points, or T(1) r(n) from the
+        prior profile (prior_ratio) while fewer than two sizes are timed.
+        A size timed slower than the prior (T(1) r(n)) only once or twice leans on the prior: on a loaded
+        machine one slow pass would otherwise price every draft of that size out, and a size that is never
+        verified is never timed again (a free drafter has no probes)."""
         one = self.target_cost.get(1)
         t1 = one.value if one is not None and one.weight > 0 else None
         measured = {m: self._shrunk(m, e, t1) for m, e in self.target_cost.items() if e.weight > 0}
         if n in measured:
             return measured[n]
         if not measured:
-            return 1.0 + 0.5 * (n - 1)  # unit-free prior, only relative costs matter before any measurement
+            return self.prior_ratio(n)  # unit-free, only relative costs matter before any measurement
+        if t1 is not None and self.cost_prior:
+            # the profile's shape, times how far the timed sizes around n sit from it now
+            factor = {m: t / (t1 * self.prior_ratio(m)) for m, t in measured.items()}
+            lo = max([m for m in factor if m < n], default=None)
+            hi = min([m for m in factor if m > n], default=None)
+            if lo is None or hi is None:
+                f = factor[lo if hi is None else hi]
+            else:
+                f = factor[lo] + (factor[hi] - factor[lo]) * (n - lo) / (hi - lo)
+            return t1 * self.prior_ratio(n) * f
         pts = sorted(measured.items())
         if len(pts) == 1:
             (m, t), = pts
-            per_token = t / (1.0 + 0.5 * (m - 1))
-            return per_token * (1.0 + 0.5 * (n - 1))
+            return t / self.prior_ratio(m) * self.prior_ratio(n)
         lo = max([p for p in pts if p[0] < n], default=pts[0], key=lambda p: p[0])
         hi = min([p for p in pts if p[0] > n], default=pts[-1], key=lambda p: p[0])
         if lo[0] == hi[0]:
@@ -274,7 +303,7 @@ class AdaptivePolicy:
     def _shrunk(self, n: int, e: _Ema, t1: Optional[float]) -> float:
         if n == 1 or t1 is None:
             return e.value
-        prior = t1 * (1.0 + 0.5 * (n - 1))
+        prior = t1 * self.prior_ratio(n)
         if e.value <= prior:
             return e.value
         return (e.weight * e.value + self.prior_cost_weight * prior) / (e.weight + self.prior_cost_weight)

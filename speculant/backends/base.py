@@ -120,5 +120,9 @@ class Backend(ABC):
     @abstractmethod
     def eos_token(self) -> str: ...
 
+    def cost_profile(self) -> Optional[dict[int, float]]:
+        """T(n) / T(1) measured on this machine (costprofile.py), the adaptive policy's prior; None: unknown."""
+        return None
+
     def close(self) -> None:
         """Release the model (optional)."""

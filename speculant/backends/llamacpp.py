@@ -198,6 +198,11 @@ class LlamaCppBackend(Backend):
                 self.eval(context[max(a, kept):b], n_logits=0)
 
     # -- text ---------------------------------------------------------------------------------------------
+    def cost_profile(self) -> Optional[dict[int, float]]:
+        from .. import costprofile
+
+        return costprofile.get(self)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 16

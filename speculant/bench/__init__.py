@@ -86,6 +86,9 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                         "against llama.cpp's default build (llama-bench), side by side with the ratio")
     p.add_argument("--costs-depth", type=int, default=100, help="--costs: context tokens before the pass (default 100)")
     p.add_argument("--costs-rounds", type=int, default=5, help="--costs: alternating rounds, median (default 5)")
+    p.add_argument("--trace", metavar="FILE", default=None,
+                   help="also write every decoding step (drafter, k, accepted, pass sizes, draft steps) to FILE, "
+                        "for `speculant replay`")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed warm-up generation per method")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -122,7 +125,8 @@ def config_from_args(args):
                        memory=bool(torch_names) if args.memory is None else args.memory,
                        target_rpc=_rpc_kwargs(args),
                        interleave=(("prompt" if torch_names or args.rpc else "step") if args.interleave == "auto"
-                                   else args.interleave))
+                                   else args.interleave),
+                       trace=bool(args.trace))
 
 
 def _rpc_kwargs(args) -> dict:
@@ -159,6 +163,10 @@ def cmd_bench(args) -> int:
 
         result["peers"] = peers_mod.run_peers(peers, cfg, prompts, result, tools_dir=args.llama_tools,
                                               progress=not args.no_progress)
+    if args.trace:
+        from ..replay import write_trace
+
+        print(f"wrote trace {write_trace(result, args.trace)}", file=sys.stderr)
     files = report.write_all(result, out, make_plots=not args.no_plots)
     sys.stdout.write(report.markdown(result))
     print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)

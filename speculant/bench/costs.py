@@ -13,33 +13,24 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Optional
 
+from .. import costprofile
 from ..errors import SettingsError
-
-TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n    for lo, hi in intervals:\n"
-        "        if out and lo <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], hi)\n        else:\n"
-        "            out.append([lo, hi])\n    return out\n") * 64
 
 
 def ours_ms(backend, ns: list[int], depth: int, prefill: int) -> dict:
     """One round: ms per pass over n tokens after `depth` tokens, and prompt processing of `prefill` tokens."""
-    toks = backend.tokenize(TEXT)
-    assert len(toks) >= max(depth + max(ns), prefill), "cost text too short"
-    backend.rewind(0)
-    backend.eval(toks[:depth], n_logits=0)
-    out = {}
-    for n in ns:
-        backend.rewind(depth)
-        t = time.perf_counter()
-        backend.eval(toks[depth:depth + n], n_logits=n)
-        out[n] = (time.perf_counter() - t) * 1e3
-    backend.rewind(0)
+    out: dict = dict(costprofile.pass_times_ms(backend, ns, depth))
+    toks = backend.tokenize(costprofile.TEXT)
+    assert len(toks) >= prefill, "cost text too short"
     t = time.perf_counter()
     backend.prefill(toks[:prefill])
     out["prefill_tps"] = prefill / (time.perf_counter() - t)
+    backend.rewind(0)
     return out
 
 
@@ -73,10 +64,14 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
             ours_rounds.append(ours_ms(backend, ns, depth, prefill))
             if have_peer:
                 peer_rounds.append(llama_bench_ms(bindir, model_path, ns, depth, prefill, threads))
+        med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
+        keys = ns + ["prefill_tps"]
+        if 1 in ns:  # the adaptive policy's starting point on this machine (costprofile.py)
+            profile = costprofile.save(backend, {n: med(ours_rounds, n) for n in ns},
+                                       source=f"speculant bench --costs: median of {rounds} rounds")
+            print(f"cost profile for the adaptive policy: {profile}", file=sys.stderr)
     finally:
         backend.close()
-    med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
-    keys = ns + ["prefill_tps"]
     return {"model": model_path, "depth": depth, "prefill": prefill, "rounds": rounds, "threads": threads,
             "ours": {k: med(ours_rounds, k) for k in keys},
             "llama.cpp": {k: med(peer_rounds, k) for k in keys} if have_peer else None,

@@ -57,6 +57,7 @@ class BenchConfig:
     memory: bool = False  # measure each method's peak RSS in a child process
     interleave: str = "prompt"  # "prompt" | "step" (see the module docstring)
     target_rpc: dict = field(default_factory=dict)  # llama.cpp target on RPC workers: {rpc, tensor_split}
+    trace: bool = False  # record every decoding step (speculant/replay.py reads it back)
 
     def settings(self) -> dict:
         d = asdict(self)
@@ -219,6 +220,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
 
         rows: list[dict] = []
         tokens: dict = {}
+        traces: list[dict] = []
         total = len(prompts) * cfg.repeats * len(cfg.temps) * len(cfg.variants)
         bar = _progress(total, progress)
         try:
@@ -230,6 +232,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         seed = cfg.seed + 1000 * pi + rep
                         base_params = params_by_temp[temp]
                         params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
+                        for v in order:
+                            engines[v.label].trace = [] if cfg.trace else None
                         runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
                                              p.prediction)
                         for v, res in zip(order, runs):
@@ -247,6 +251,12 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                             row["text"] = res.text
                             rows.append(row)
                             tokens[(p.id, temp, rep, v.label)] = res.tokens
+                            if cfg.trace:
+                                traces.append({"category": p.category, "prompt_id": p.id, "variant": v.label,
+                                               "method": v.method.name, "k": v.k, "temp": temp,
+                                               "prompt_tokens": s.prompt_tokens,
+                                               "generated_tokens": s.generated_tokens,
+                                               "steps": engines[v.label].trace})
                             bar.update(1)
                         bar.set_postfix_str(f"{p.category}/{p.id} T={temp:g}", refresh=False)
         finally:
@@ -272,6 +282,8 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             result["costs_torch"] = costs_torch
         if ctx.notes:
             result["notes"] = dict(ctx.notes)
+        if cfg.trace:
+            result["trace"] = traces
     finally:
         for c in contexts:
             close_context(c)

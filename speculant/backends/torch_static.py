@@ -1,0 +1,235 @@
+"""A torch backend for GPUs: static KV buffers, fixed-shape passes, and one CUDA graph per pass shape.
+
+A decode step on a GPU is launch-bound: a 1.5B model's eager pass issues ~400 small kernels (issue 15
+measured 38 ms eager vs 4.4 ms as one captured CUDA graph on an H200). A graph replays a fixed sequence of
+kernels on fixed buffers, so everything a pass touches is allocated once and every pass has a fixed shape:
+  * KV: one preallocated buffer [layers, 2, kv_heads, capacity, head_dim]; a pass writes its rows at their
+    absolute positions (index_copy_ from a position tensor, so the same graph serves every position).
+  * rows: a pass over n tokens is padded to a shape class (1, 2, 4, ... 64 rows, longer passes in chunks of
+    64). Padding rows get the positions after the real ones; what they write there is stale and masked, and
+    a later pass overwrites it (capacity keeps room past n_ctx for them and for graph warm-up).
+  * attention: over fixed KV blocks at absolute offsets (KV_BLOCK positions each) with an online softmax and
+    a position mask, as in torch.py. Blocks past a row's position contribute exactly 0, so a row's result
+    does not depend on how many blocks a pass visits; a graph is captured per (rows, blocks).
+
+Exactness: a matmul's rounding depends on its row count M (measured on this CPU, fp32: up to 2.3e-5 between
+M = 1 and M = 16 for one row), so passes of different shape classes are NOT bit-identical. A target that
+needs batched == one-at-a-time logits (greedy identity) sets `rows`: every pass then runs exactly that many
+rows (longer ones in chunks), one shape for everything, and a token's logits are bit-identical however the
+passes are cut. A draft model needs no invariance and uses the shape classes. On a GPU a 16-row pass of a
+launch- or memory-bound model costs about what a 1-row pass does, which is what makes the fixed width cheap.
+
+The forward pass is written here (embedding, RMSNorm, attention, MLP, LM head of the Llama/Qwen2 family) over
+the weights of a transformers model, so nothing in it depends on transformers' cache API; the text side
+(tokenizer, specials) is TorchBackend's.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import numpy as np
+import torch
+
+from .. import verify_torch
+from ..errors import ModelError, SettingsError
+from ..verify import SamplingParams
+from .base import common_prefix
+from .torch import KV_BLOCK, TorchBackend
+
+SHAPE_CLASSES = (1, 2, 4, 8, 16, 32, 64)
+MAX_ROWS = SHAPE_CLASSES[-1]
+
+
+def shape_class(n: int) -> int:
+    """The smallest shape class holding n rows (n <= MAX_ROWS)."""
+    return next(c for c in SHAPE_CLASSES if c >= n)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def block_attention(q, keys, values, q_pos, offsets, n_blocks: int, scaling: float) -> torch.Tensor:
+    """q [heads, rows, d] at positions q_pos [rows] against keys/values [kv_heads, capacity, d], over the first
+    n_blocks KV blocks with an online softmax in float32. Returns [rows, heads * d]."""
+    n_heads, n_rows, d = q.shape
+    n_kv = keys.shape[0]
+    group = n_heads // n_kv
+    qg = q.reshape(n_kv, group * n_rows, d)  # head h uses kv head h // group
+    qp = q_pos.repeat(group)  # [group*rows]
+    run_max = torch.full((n_kv, group * n_rows), -float("inf"), device=q.device)
+    run_sum = torch.zeros(n_kv, group * n_rows, device=q.device)
+    acc = torch.zeros(n_kv, group * n_rows, d, device=q.device)
+    for b in range(n_blocks):
+        b0 = b * KV_BLOCK
+        k_blk, v_blk = keys[:, b0:b0 + KV_BLOCK], values[:, b0:b0 + KV_BLOCK]  # [kv_heads, KV_BLOCK, d]
+        scores = torch.matmul(qg, k_blk.transpose(1, 2)).float() * scaling  # [kv_heads, group*rows, KV_BLOCK]
+        scores = scores.masked_fill((offsets + b0)[None, None, :] > qp[None, :, None], -float("inf"))
+        new_max = torch.maximum(run_max, scores.amax(-1))
+        rescale = torch.exp(run_max - new_max)
+        p = torch.exp(scores - new_max[..., None])
+        run_sum = run_sum * rescale + p.sum(-1)
+        acc = acc * rescale[..., None] + torch.matmul(p.to(values.dtype), v_blk).float()
+        run_max = new_max
+    out = (acc / run_sum[..., None]).to(q.dtype)  # [kv_heads, group*rows, d]
+    return out.reshape(n_heads, n_rows, d).transpose(0, 1).reshape(n_rows, n_heads * d)
+
+
+class StaticTorchBackend(TorchBackend):
+    """TorchBackend with a static KV buffer and fixed-shape passes, captured as CUDA graphs on CUDA.
+
+    rows: None = shape classes (a draft model); an int = every pass has exactly that many rows (a target
+    whose batched logits must equal one-at-a-time logits). graphs: capture CUDA graphs (default: on CUDA)."""
+
+    def __init__(self, model, tokenizer=None, *, rows: Optional[int] = None, graphs: Optional[bool] = None,
+                 **kwargs):
+        super().__init__(model, tokenizer, **kwargs)
+        if rows is not None and not (isinstance(rows, int) and 1 <= rows <= MAX_ROWS):
+            raise SettingsError(f"rows must be an integer in [1, {MAX_ROWS}] or None, got {rows!r}")
+        on_cuda = self.device.type == "cuda"
+        if graphs and not on_cuda:
+            raise SettingsError(f"CUDA graphs need a CUDA device; this model is on {self.device}")
+        self.rows = rows
+        self.graphs = on_cuda if graphs is None else bool(graphs)
+        cfg = model.config
+        base = model.model
+        if not all(hasattr(layer, a) for layer in base.layers
+                   for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+            raise ModelError(f"{self.name}: the static backend supports Llama/Qwen2-style decoder layers only")
+        self.n_heads = int(cfg.num_attention_heads)
+        self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
+        # past n_ctx: room for padding rows (< MAX_ROWS) and a scratch stretch for graph warm-up (MAX_ROWS)
+        self.capacity = -(-(self.n_ctx + 2 * MAX_ROWS) // KV_BLOCK) * KV_BLOCK
+        self.kv = torch.zeros(len(base.layers), 2, self.n_kv, self.capacity, self.head_dim, dtype=self.dtype,
+                              device=self.device)  # [layers, 2 (k, v), kv_heads, capacity, head_dim]
+        self._offsets = torch.arange(KV_BLOCK, device=self.device)  # [KV_BLOCK]
+        rot = base.rotary_emb
+        self._inv_freq = rot.inv_freq.to(device=self.device, dtype=torch.float32)  # [head_dim / 2]
+        self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
+        self._graphs: dict = {}  # (rows, n_blocks) -> (graph, ids, pos, logits)
+        self._pool = None
+        self._gen: Optional[torch.Generator] = None  # device random draws for sampled verification
+
+    # -- one fixed-shape pass -----------------------------------------------------------------------------
+    def _run(self, ids: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
+        """ids, pos [rows] -> float32 logits [rows, V]; writes every row's K/V at its position."""
+        base = self.model.model
+        n = ids.shape[0]
+        h = base.embed_tokens(ids)  # [rows, hidden]
+        freqs = pos[:, None].float() * self._inv_freq[None, :]  # [rows, head_dim/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        cos = (emb.cos() * self._rope_scale).to(h.dtype)[None]  # [1, rows, head_dim]
+        sin = (emb.sin() * self._rope_scale).to(h.dtype)[None]
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            x = layer.input_layernorm(h)
+            q = attn.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)  # [heads, rows, d]
+            k = attn.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)  # [kv_heads, rows, d]
+            v = attn.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            self.kv[i, 0].index_copy_(1, pos, k)
+            self.kv[i, 1].index_copy_(1, pos, v)
+            o = block_attention(q, self.kv[i, 0], self.kv[i, 1], pos, self._offsets, n_blocks, attn.scaling)
+            h = h + attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+        return self.model.get_output_embeddings()(base.norm(h)).float()  # [rows, V]
+
+    def _graph(self, rows: int, n_blocks: int):
+        """The captured graph for this shape (captured on first use; warm-up writes only scratch slots)."""
+        key = (rows, n_blocks)
+        if key not in self._graphs:
+            ids = torch.zeros(rows, dtype=torch.long, device=self.device)
+            pos = torch.arange(self.capacity - rows, self.capacity, device=self.device)  # scratch, never read
+            stream = torch.cuda.Stream(self.device)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._run(ids, pos, n_blocks)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool):
+                logits = self._run(ids, pos, n_blocks)
+            self._graphs[key] = (graph, ids, pos, logits)
+        return self._graphs[key]
+
+    def _pass(self, chunk: Sequence[int], start: int) -> torch.Tensor:
+        """One fixed-shape pass over up to MAX_ROWS tokens at positions start.. -> logits [len(chunk), V]."""
+        n_real = len(chunk)
+        rows = self.rows or shape_class(n_real)
+        ids = torch.tensor(list(chunk) + [chunk[-1]] * (rows - n_real), dtype=torch.long)  # padding rows
+        n_blocks = (start + rows - 1) // KV_BLOCK + 1
+        if self.graphs:
+            graph, g_ids, g_pos, g_logits = self._graph(rows, n_blocks)
+            g_ids.copy_(ids, non_blocking=True)
+            g_pos.copy_(torch.arange(start, start + rows), non_blocking=True)
+            graph.replay()
+            return g_logits[:n_real].clone()  # the graph's output buffer is overwritten by the next replay
+        pos = torch.arange(start, start + rows, device=self.device)
+        return self._run(ids.to(self.device), pos, n_blocks)[:n_real]
+
+    @torch.no_grad()
+    def decode_device(self, tokens: Sequence[int], start: int, n_logits: int) -> torch.Tensor:
+        """Evaluate tokens at positions start..; float32 logits of the last n_logits on the device [n_logits, V]."""
+        width = self.rows or MAX_ROWS
+        first_logit = len(tokens) - max(n_logits, 0)
+        out = []
+        for c in range(0, len(tokens), width):
+            chunk = tokens[c:c + width]
+            logits = self._pass(chunk, start + c)
+            if c + len(chunk) > first_logit:
+                out.append(logits[max(first_logit - c, 0):])
+        if not out:
+            return torch.empty(0, self.n_vocab, device=self.device)
+        return torch.cat(out)
+
+    def sync_device(self, context: Sequence[int], n_logits: int) -> torch.Tensor:
+        """Backend.sync, with the logits left on the device [n_logits, V]."""
+        if len(context) > self.n_ctx:
+            raise RuntimeError(f"{self.name}: {len(context)} tokens exceed n_ctx={self.n_ctx}")
+        common = common_prefix(self.tokens[:min(len(self.tokens), len(context) - n_logits)], context)
+        self.rewind(common)
+        logits = self.decode_device(context[common:], common, n_logits)
+        self.tokens.extend(int(t) for t in context[common:])
+        return logits
+
+    def verify_step(self, context: Sequence[int], k: int, draft_probs: Optional[np.ndarray],
+                    params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
+        """One target pass over the last k+1 tokens of context (the last token and k drafts) and their
+        verification on the device (verify_torch); returns (n_accepted, next token), the only host transfer."""
+        logits = self.sync_device(context, k + 1)  # [k+1, V] on the device
+        drafts = torch.tensor(list(context[len(context) - k:]), dtype=torch.long).to(self.device)  # [k]
+        if params.greedy:
+            return verify_torch.verify_greedy(drafts, logits)
+        if self._gen is None:
+            self._gen = torch.Generator(device=self.device)
+        self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
+        q = None if draft_probs is None else torch.from_numpy(np.asarray(draft_probs)).to(self.device)
+        return verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
+
+    def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
+        return self.decode_device(tokens, start, n_logits).cpu().numpy()
+
+    def forward(self, *args, **kwargs):
+        raise ModelError(f"{self.name}: the static backend runs whole models only (no layer subsets)")
+
+    def close(self) -> None:
+        self._graphs.clear()
+        super().close()
+
+
+def load_static_backend(model_name_or_path, dtype=None, device: Optional[str] = None, *, rows: Optional[int] = 16,
+                        graphs: Optional[bool] = None, n_ctx: int = 4096,
+                        threads: Optional[int] = None) -> StaticTorchBackend:
+    """load_torch_backend's model and tokenizer (registered name, GGUF or transformers directory) behind the
+    static backend. rows: the fixed pass width (None: shape classes, for a draft)."""
+    from .torch import load_torch_backend
+
+    tb = load_torch_backend(model_name_or_path, dtype, device, n_ctx=n_ctx, threads=threads)
+    return StaticTorchBackend(tb.model, tb.tokenizer, name=tb.name, n_ctx=tb.n_ctx, specials=tb.specials,
+                              source=tb.source, rows=rows, graphs=graphs)

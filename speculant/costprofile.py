@@ -1,0 +1,113 @@
+"""What a target pass over n tokens costs on this machine, relative to a one-token pass: the adaptive policy's
+starting point.
+
+A profile is r(n) = T(n) / T(1) for n = 1..16 (T(n): one pass over n new tokens with all their logits, as a
+verify pass runs). It depends on the model file, the llama.cpp build, the CPU and the thread count, and little
+else, so it is measured once per such key and cached under $SPECULANT_HOME/costs/. `speculant bench --costs`
+writes the careful one (several alternating rounds); a backend without one measures a quick one the first time
+an adaptive policy needs it (three rounds, a few seconds). The policy scales the profile by the T(1) it measures
+itself, so a busy machine shifts absolute times without skewing the shape much.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+PROFILE_SIZES = list(range(1, 17))
+QUICK_SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
+DEPTH = 100  # context before the measured passes: a typical verify pass is not at the start of the cache
+
+TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n    for lo, hi in intervals:\n"
+        "        if out and lo <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], hi)\n        else:\n"
+        "            out.append([lo, hi])\n    return out\n") * 64
+
+
+def pass_times_ms(backend, ns: list[int], depth: int = DEPTH) -> dict[int, float]:
+    """One round: ms of one pass over n new tokens after `depth` tokens, all n logits returned."""
+    toks = backend.tokenize(TEXT)
+    assert len(toks) >= depth + max(ns), "cost text too short"
+    backend.rewind(0)
+    backend.eval(toks[:depth], n_logits=0)
+    out = {}
+    for n in ns:
+        backend.rewind(depth)
+        t = time.perf_counter()
+        backend.eval(toks[depth:depth + n], n_logits=n)
+        out[n] = (time.perf_counter() - t) * 1e3
+    backend.rewind(0)
+    return out
+
+
+def profile_key(backend) -> str:
+    """Model file (name, size, mtime), build, CPU and threads: what the shape of T(n) depends on."""
+    from . import native
+    from .bench.peers import cpu_key
+
+    path = Path(backend.path)
+    st = path.stat()
+    build = (native.build_info() or {}).get("key", "stock")
+    raw = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{build}|{cpu_key()}|{backend.n_threads}"
+    return f"{path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
+
+
+def profile_path(backend) -> Path:
+    from . import models
+
+    return models.home() / "costs" / f"{profile_key(backend)}.json"
+
+
+def from_times(times_ms: dict[int, float]) -> dict[int, float]:
+    """ms per pass size -> r(n) = T(n) / T(1), made non-decreasing (a pass over more tokens never costs less
+    in the model the policy uses; a measured dip is noise or a kernel switch the policy cannot exploit)."""
+    t1 = times_ms[1]
+    out, best = {}, 1.0
+    for n in sorted(times_ms):
+        best = max(best, times_ms[n] / t1)
+        out[n] = best
+    return out
+
+
+def save(backend, times_ms: dict[int, float], source: str) -> Path:
+    """Store a profile (atomic write)."""
+    path = profile_path(backend)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    data = {"model": str(backend.path), "threads": backend.n_threads, "source": source,
+            "measured_ms": {str(n): round(v, 3) for n, v in sorted(times_ms.items())},
+            "ratio": {str(n): round(v, 4) for n, v in from_times(times_ms).items()}}
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+    return path
+
+
+def load(backend) -> Optional[dict[int, float]]:
+    """The cached r(n) for this backend's key, or None."""
+    try:
+        data = json.loads(profile_path(backend).read_text())
+        return {int(n): float(v) for n, v in data["ratio"].items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, float]]:
+    """r(n) for a llama.cpp backend: cached, else measured now (quick) and cached; None where it cannot be
+    measured (another runtime) or SPECULANT_COST_PROFILE=0. Measuring empties the backend's cache."""
+    if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0" or not hasattr(backend, "path"):
+        return None
+    cached = load(backend)
+    if cached is not None or not measure:
+        return cached
+    print(f"speculant: measuring {backend.name}'s pass costs once on this machine (cached in "
+          f"{profile_path(backend).parent})", file=sys.stderr)
+    pass_times_ms(backend, QUICK_SIZES[:2])  # warm-up
+    rounds_ms = [pass_times_ms(backend, QUICK_SIZES) for _ in range(rounds)]
+    times = {n: statistics.median(r[n] for r in rounds_ms) for n in QUICK_SIZES}
+    save(backend, times, source=f"quick: median of {rounds} rounds at load")
+    return load(backend)

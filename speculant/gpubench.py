@@ -1,0 +1,339 @@
+"""The GPU benchmark of issue 15 as one command (scripts/gpu_bench.sh runs it): random weights of real Qwen2.5
+shapes, so nothing but this repository has to reach the GPU machine.
+
+Steps, each timed and reported on its own; a failing step is reported and the next one runs:
+  env       torch / CUDA / transformers versions, the device
+  identity  bit-identity on the static backend: a token decoded alone vs in verify passes of every size,
+            graphs vs eager, and speculative greedy output == plain output
+  costs     ms per pass over n = 1, 5, 8, 16 new tokens after a 256-token context, per shape: ours with CUDA
+            graphs (fixed 16 rows, and shape classes), ours eager, the existing TorchBackend, transformers eager
+            (sdpa + DynamicCache)
+  replay    the committed traces (docs/bench/traces/) replayed on the 32B shape with the 0.5B draft, beside
+            transformers' generate and assisted generation on the same weights
+--smoke runs the same steps with tiny shapes (on CPU without a GPU) in well under a minute.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+CONTEXT = 256  # context tokens before a timed pass (the issue's table)
+PASS_SIZES = (1, 5, 8, 16)
+
+
+class StepFailed(Exception):
+    """A step that ran to the end with a failing check: its numbers are still results."""
+
+    def __init__(self, message: str, result: dict):
+        super().__init__(message)
+        self.result = result
+
+
+def _say(msg: str) -> None:
+    print(msg, flush=True)
+
+
+def _free() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn, repeats: int, device) -> float:
+    fn()  # warm-up (and graph capture)
+    _sync(device)
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t)
+    return round(1000 * statistics.median(times), 3)
+
+
+# ---------------------------------------------------------------------------------------------------------
+# steps
+
+
+def step_env(opts) -> dict:
+    import torch
+    import transformers
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda, "transformers": transformers.__version__,
+            "device": opts.device}
+    if opts.device.startswith("cuda"):
+        p = torch.cuda.get_device_properties(0)
+        info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))
+    for k, v in info.items():
+        _say(f"  {k}: {v}")
+    return info
+
+
+def step_identity(opts) -> dict:
+    """Max |diff| between one-at-a-time logits and verify-pass logits (must be 0.0), per pass size."""
+    from .drafters.model import ModelDrafter
+    from .engine import Engine
+    from .shapes import random_backend
+
+    dev, shape = opts.device, opts.identity_shape
+    on_cuda = dev.startswith("cuda")
+    out: dict = {"shape": shape}
+    modes = [("graphs", True), ("eager", False)] if on_cuda else [("eager", False)]
+    from .shapes import SHAPES
+
+    ids = [(37 * i + 11) % SHAPES[shape][5] for i in range(CONTEXT + 64)]
+    singles = {}
+    for mode, graphs in modes:
+        b = random_backend(shape, rows=16, graphs=graphs, device=dev, n_ctx=1024, seed=7)
+        base = CONTEXT - 8  # passes below end past the 256-position KV block
+        b.eval(ids[:base], n_logits=0)
+        single = np.stack([b.eval([x])[0] for x in ids[base:base + 48]])  # [48, V]
+        singles[mode] = single
+        diffs = {}
+        for n in (1, 2, 5, 8, 16, 17, 33):
+            for off in (0, 3):
+                at = base + off
+                b.rewind(at)
+                b.eval(ids[len(b.tokens):at], n_logits=0)  # a shorter earlier pass may have cut it
+                batch = b.eval(ids[at:at + n], n_logits=n)
+                d = float(np.abs(batch - single[off:off + n]).max())
+                diffs[f"n={n},off={off}"] = d
+        worst = max(diffs.values())
+        out[f"{mode}_max_diff"] = worst
+        _say(f"  {mode}: alone vs verify passes n=1..33 at offsets 0,3 (crossing a KV block): max |diff| {worst} "
+             f"{'IDENTICAL' if worst == 0.0 else 'DIFFERENT'}")
+        b.close()
+        del b
+        _free()
+    if "graphs" in singles:
+        d = float(np.abs(singles["graphs"] - singles["eager"]).max())
+        out["graphs_vs_eager_max_diff"] = d
+        _say(f"  graphs vs eager, one-token passes: max |diff| {d} {'IDENTICAL' if d == 0.0 else 'DIFFERENT'}")
+    # speculative greedy == plain, same-weights draft in shape-class mode (graphs where CUDA is)
+    target = random_backend(shape, rows=16, device=dev, n_ctx=1024, seed=7, std=0.05)
+    draft = random_backend(shape, device=dev, n_ctx=1024, seed=7, std=0.05)
+    prompt = ids[:40]
+    plain = Engine(target).generate(prompt, max_tokens=32)
+    spec = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4).generate(prompt, max_tokens=32)
+    out["greedy_identity"] = spec.tokens == plain.tokens
+    out["greedy_acceptance"] = spec.stats.acceptance_rate
+    _say(f"  speculative greedy == plain: {out['greedy_identity']} (acceptance {spec.stats.acceptance_rate}, "
+         f"{spec.stats.target_calls} vs {plain.stats.target_calls} target calls)")
+    for b in (target, draft):
+        b.close()
+    del target, draft
+    _free()
+    ok = all(v == 0.0 for k, v in out.items() if k.endswith("max_diff")) and out["greedy_identity"]
+    out["ok"] = ok
+    if not ok:
+        raise StepFailed(f"identity check failed: {out}", out)
+    return out
+
+
+def _hf_pass_ms(model, n: int, repeats: int, device) -> float:
+    """transformers eager (sdpa, DynamicCache): a pass over n new tokens after CONTEXT tokens."""
+    import torch
+    from transformers import DynamicCache
+
+    vocab = model.config.vocab_size
+    ctx = torch.tensor([[(13 * i) % vocab for i in range(CONTEXT)]], device=device)
+    new = torch.tensor([[(17 * i + 5) % vocab for i in range(n)]], device=device)
+    import inspect
+
+    kw = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"  # renamed in 5.2x
+    saved = model.config._attn_implementation
+    model.config._attn_implementation = "sdpa"
+    try:
+        with torch.no_grad():
+            try:
+                cache = DynamicCache(config=model.config)
+            except TypeError:  # older transformers
+                cache = DynamicCache()
+            model(input_ids=ctx, use_cache=True, **{kw: cache})
+
+            def run():
+                extra = cache.get_seq_length() - CONTEXT
+                if extra > 0:
+                    cache.crop(-extra)  # the number of tokens to drop, negated
+                model(input_ids=new, use_cache=True, **{kw: cache})
+            return _median_ms(run, repeats, device)
+    finally:
+        model.config._attn_implementation = saved
+
+
+def _ours_pass_ms(backend, n: int, repeats: int, device) -> float:
+    ids = [(19 * i + 3) % backend.n_vocab for i in range(CONTEXT + n)]
+    backend.rewind(0)
+    backend.eval(ids[:CONTEXT], n_logits=0)
+
+    def run():
+        backend.rewind(CONTEXT)
+        backend.sync_device(ids, n) if hasattr(backend, "sync_device") else backend.eval(ids[CONTEXT:], n_logits=n)
+    return _median_ms(run, repeats, device)
+
+
+def step_costs(opts) -> dict:
+    import torch
+
+    from .backends.torch import TorchBackend
+    from .backends.torch_static import StaticTorchBackend
+    from .shapes import random_model
+
+    dev = opts.device
+    on_cuda = dev.startswith("cuda")
+    table: dict = {}
+    for shape in opts.cost_shapes:
+        if opts.over_budget():
+            _say(f"  {shape}: skipped (time budget)")
+            continue
+        t0 = time.perf_counter()
+        model = random_model(shape, device=dev, seed=0)
+        setups = []
+        if on_cuda:
+            setups += [("ours graphs, 16 rows", dict(rows=16, graphs=True)),
+                       ("ours graphs, shape classes", dict(rows=None, graphs=True))]
+        setups += [("ours eager, 16 rows", dict(rows=16, graphs=False))]
+        rows: dict = {}
+
+        def measure(label, make):
+            try:
+                b = make()
+                rows[label] = {n: _ours_pass_ms(b, n, opts.repeats, dev) for n in PASS_SIZES}
+                b.close()
+            except Exception as e:  # one setup failing (an old transformers, memory) leaves the others' rows
+                rows[label] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+            _free()
+
+        for label, kw in setups:
+            measure(label, lambda kw=kw: StaticTorchBackend(model, name=shape, n_ctx=1024, **kw))
+        if opts.existing_backend:
+            measure("TorchBackend (existing)", lambda: TorchBackend(model, name=shape, n_ctx=1024))
+        try:
+            rows["transformers eager sdpa"] = {n: _hf_pass_ms(model, n, opts.repeats, dev) for n in PASS_SIZES}
+        except Exception as e:
+            rows["transformers eager sdpa"] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+        table[shape] = rows
+        for label, r in rows.items():
+            _say(f"  {shape:14s} {label:28s} " + "  ".join(f"n={n}: {ms:8.2f} ms" if isinstance(ms, float)
+                                                          else f"{n}: {ms}" for n, ms in r.items()))
+        _say(f"  ({shape}: {time.perf_counter() - t0:.1f} s)")
+        del model
+        _free()
+    if on_cuda:
+        _say(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    return table
+
+
+def step_replay(opts) -> dict:
+    from .replay import build_pair, format_rows, hf_generate_speed, read_trace, replay
+
+    traces = opts.traces or sorted(str(p) for p in (ROOT / "docs" / "bench" / "traces").glob("*.json"))
+    if not traces:
+        raise FileNotFoundError("no traces under docs/bench/traces/ (record one with `speculant bench --trace`)")
+    docs = [read_trace(t) for t in traces]
+    longest = max(int(r["prompt_tokens"]) + int(r["generated_tokens"]) for d in docs for r in d["runs"])
+    target, draft = build_pair(opts.replay_shape, opts.replay_draft_shape, opts.device, n_ctx=longest + 128)
+    out = {}
+    try:
+        for path, doc in zip(traces, docs):
+            if opts.over_budget():
+                _say(f"  {path}: skipped (time budget)")
+                continue
+            res = replay(doc, target, draft)
+            n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))
+            res["hf"] = hf_generate_speed(target.model, draft.model, n_prompt,
+                                          int(doc["settings"].get("n_predict") or 64), target.device)
+            out[Path(path).name] = res
+            _say(f"  trace {Path(path).name}:")
+            for line in format_rows(res["rows"], res["hf"], opts.replay_shape, opts.replay_draft_shape).splitlines():
+                _say("    " + line)
+    finally:
+        target.close(), draft.close()
+        del target, draft
+        _free()
+    return out
+
+
+STEPS = {"env": step_env, "identity": step_identity, "replay": step_replay, "costs": step_costs}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m speculant.gpubench", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, for a CPU (a test runs this)")
+    ap.add_argument("--device", default=None, help="default cuda if present, else cpu")
+    ap.add_argument("--steps", default=",".join(STEPS), help="comma list of steps (default all)")
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("BENCH_BUDGET", 420)),
+                    help="seconds after which remaining shapes/traces are skipped (default 420)")
+    ap.add_argument("--trace", action="append", default=None, help="trace file(s) to replay (default: committed)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or "bench-out/gpu", help="directory for results.json")
+    ap.add_argument("-t", "--threads", type=int, default=None, help="CPU threads")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    t_start = time.perf_counter()
+    opts = argparse.Namespace(
+        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        identity_shape="tiny" if args.smoke else "qwen2.5-1.5b",
+        cost_shapes=["tiny-draft", "tiny"] if args.smoke else ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b",
+                                                               "qwen2.5-32b"],
+        replay_shape="tiny" if args.smoke else "qwen2.5-32b",
+        replay_draft_shape="tiny-draft" if args.smoke else "qwen2.5-0.5b",
+        repeats=3 if args.smoke else 7, existing_backend=True, traces=args.trace,
+        over_budget=lambda: time.perf_counter() - t_start > args.budget)
+    _say(f"speculant GPU bench ({'smoke, tiny shapes' if args.smoke else 'Qwen2.5 shapes, random weights'}) "
+         f"on {opts.device}")
+    results, status = {}, {}
+    for name in [s for s in args.steps.split(",") if s]:
+        if name not in STEPS:
+            _say(f"[{name}] unknown step (known: {', '.join(STEPS)})")
+            status[name] = "unknown"
+            continue
+        _say(f"[{name}]")
+        t = time.perf_counter()
+        try:
+            results[name] = STEPS[name](opts)
+            status[name] = f"ok ({time.perf_counter() - t:.1f} s)"
+        except Exception as e:  # report and go on: one broken step must not cost the others
+            if isinstance(e, StepFailed):
+                results[name] = e.result
+            traceback.print_exc(file=sys.stderr)
+            status[name] = f"FAILED ({time.perf_counter() - t:.1f} s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            _free()
+        _say(f"[{name}] {status[name]}")
+    _say("\nsummary:")
+    for name, s in status.items():
+        _say(f"  {name:9s} {s}")
+    _say(f"  total {time.perf_counter() - t_start:.1f} s")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps({"status": status, "results": results}, indent=1, default=str))
+    _say(f"wrote {out / 'results.json'}")
+    return 0 if all(s.startswith("ok") for s in status.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,309 @@
+"""Step traces of real runs, and their replay on random weights of bigger architectures.
+
+`speculant bench --trace FILE` writes every decoding step of every run; `speculant replay FILE --shape
+qwen2.5-32b --draft-shape qwen2.5-0.5b --device cuda` re-runs exactly those passes (same pass sizes, same
+positions, same number of draft steps) with random weights of the named architectures, so a machine without
+our model weights (a rented GPU) can measure what speculation would gain there. What is replayed is the
+recorded pair's acceptance (which drafts were accepted), so a replay on other shapes predicts the speed of
+those shapes at that acceptance, not the acceptance a bigger target would have.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Optional
+
+from .errors import SettingsError
+
+TRACE_FORMAT = "speculant-trace/1"
+STEP_FIELDS = ["source", "k", "accepted", "target_pass", "draft_steps", "draft_catchup"]
+
+
+def write_trace(result: dict, path: str | Path) -> Path:
+    """A bench result (run with trace=True) -> a small JSON file of its runs' steps."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"format": TRACE_FORMAT, "models": result.get("models"), "machine": result.get("machine", {}).get("cpu"),
+           "settings": {k: result["settings"].get(k) for k in ("n_predict", "temps", "top_k", "top_p", "min_p",
+                                                               "seed", "suite")},
+           "step_fields": STEP_FIELDS, "runs": result.get("trace", [])}
+    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+    return path
+
+
+def read_trace(path: str | Path) -> dict:
+    """A trace file -> its dict; a clear SettingsError for anything else."""
+    path = Path(path)
+    try:
+        doc = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise SettingsError(f"trace file {path} does not exist (write one with `speculant bench --trace FILE`)") from None
+    except (OSError, ValueError) as e:
+        raise SettingsError(f"trace file {path} is not readable JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT or not isinstance(doc.get("runs"), list):
+        raise SettingsError(f"{path} is not a speculant trace (expected format {TRACE_FORMAT!r})")
+    return doc
+
+
+# ---------------------------------------------------------------------------------------------------------
+# replay
+
+
+def _sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tokens(n: int, n_vocab: int, salt: int) -> list[int]:
+    """n token ids (their values do not change a pass's cost)."""
+    return [(salt * 7919 + 104729 * i) % n_vocab for i in range(n)]
+
+
+def _pass(backend, n: int, start: int) -> int:
+    """One pass over n tokens at positions start.. and a device argmax: what a step pays for a model pass
+    (the argmax's transfer is the step's only sync, as in verify_step). Returns the last argmax."""
+    logits = backend.decode_device(_tokens(n, backend.n_vocab, start), start, n)  # [n, V]
+    return int(logits.argmax(-1)[-1].item())
+
+
+def draft_passes(steps: list, i: int) -> list[int]:
+    """The draft model's pass sizes at step i: the first pass catches up (the recorded catch-up, else 2 after a
+    fully accepted draft and 1 otherwise: the draft's cache lacks its own last token and the target's), then
+    one token per further draft step."""
+    source, k, accepted, _, n_steps, catchup = steps[i]
+    if n_steps <= 0:  # steps count paid draft-model passes, whichever drafter's proposal was verified
+        return []
+    prev = steps[i - 1] if i > 0 else None
+    first = catchup or (2 if prev and prev[1] > 0 and prev[2] == prev[1] else 1)
+    return [first] + [1] * (n_steps - 1)
+
+
+def replay_run(run: dict, target, draft) -> dict:
+    """Re-run one traced run's passes (untimed prompt prefill, then every step timed) -> counts and seconds."""
+    import time
+
+    device = target.device
+    n_prompt = int(run["prompt_tokens"])
+    steps = run["steps"]
+    for b in (target, draft) if draft is not None else (target,):
+        b.decode_device(_tokens(n_prompt - 1, b.n_vocab, 1), 0, 0)  # the prompt, but its last token
+    _sync(device)
+    pos = n_prompt - 1  # the target's cache holds the context but its last token
+    n_target = n_draft = 0
+    t0 = time.perf_counter()
+    for i, (source, k, accepted, target_pass, n_steps, catchup) in enumerate(steps):
+        passes = draft_passes(steps, i) if draft is not None else []
+        dpos = pos + 1 - passes[0] if passes else 0  # the first draft pass ends with the context's last token
+        for n in passes:
+            _pass(draft, n, dpos)
+            dpos += n
+            n_draft += 1
+        _pass(target, target_pass, pos + k + 1 - target_pass)
+        n_target += 1
+        pos += accepted + 1
+    _sync(device)
+    return {"seconds": time.perf_counter() - t0, "target_passes": n_target, "draft_passes": n_draft,
+            "tokens": int(run["generated_tokens"])}
+
+
+def replay_plain(run: dict, target) -> dict:
+    """Plain decoding of the same prompt and output length: one 1-token pass per token."""
+    return replay_run({"prompt_tokens": run["prompt_tokens"], "generated_tokens": run["generated_tokens"],
+                       "steps": [["none", 0, 0, 1, 0, 0]] * int(run["generated_tokens"])}, target, None)
+
+
+class _Rows:
+    """Run a StaticTorchBackend at another pass width for a while (plain decoding needs no invariance)."""
+
+    def __init__(self, backend, rows):
+        self.backend, self.rows = backend, rows
+
+    def __enter__(self):
+        self.saved, self.backend.rows = self.backend.rows, self.rows
+
+    def __exit__(self, *exc):
+        self.backend.rows = self.saved
+
+
+def replay(doc: dict, target, draft, *, categories=None, variants=None, warmup: bool = True, log=None) -> dict:
+    """Replay every non-plain run of a trace on (target, draft) and plain decoding of the same outputs.
+    Returns {"rows": [per variant x category], "runs": n}. Plain runs at 1 row per pass (no invariance
+    needed), the speculative target at its fixed width."""
+    runs = [r for r in doc["runs"] if r.get("method") != "plain" and r.get("steps")
+            and (not categories or r["category"] in categories) and (not variants or r["variant"] in variants)]
+    if not runs:
+        raise SettingsError("the trace has no speculative runs to replay (after --categories / --variants)")
+    if warmup:  # graph capture and allocator growth stay out of the timings
+        replay_run(runs[0], target, draft)
+        with _Rows(target, None):
+            replay_plain(runs[0], target)
+    groups: dict = {}
+    for r in runs:
+        spec = replay_run(r, target, draft)
+        with _Rows(target, None):
+            plain = replay_plain(r, target)
+        g = groups.setdefault((r["variant"], r["category"]), {"spec_s": 0.0, "plain_s": 0.0, "tokens": 0,
+                                                              "target_passes": 0, "draft_passes": 0, "runs": 0,
+                                                              "drafted": 0, "accepted": 0})
+        g["spec_s"] += spec["seconds"]
+        g["plain_s"] += plain["seconds"]
+        g["tokens"] += spec["tokens"]
+        g["target_passes"] += spec["target_passes"]
+        g["draft_passes"] += spec["draft_passes"]
+        g["drafted"] += sum(s[1] for s in r["steps"])
+        g["accepted"] += sum(s[2] for s in r["steps"])
+        g["runs"] += 1
+        if log:
+            log(f"  {r['variant']} {r['category']}/{r['prompt_id']}: {spec['tokens'] / spec['seconds']:.1f} tok/s "
+                f"vs plain {plain['tokens'] / plain['seconds']:.1f}")
+    rows = []
+    for (variant, category), g in groups.items():
+        rows.append({"variant": variant, "category": category, "runs": g["runs"], "tokens": g["tokens"],
+                     "tau": round(g["tokens"] / g["target_passes"], 3) if g["target_passes"] else None,
+                     "acceptance": round(g["accepted"] / g["drafted"], 3) if g["drafted"] else None,
+                     "tokens_per_s": round(g["tokens"] / g["spec_s"], 2),
+                     "plain_tokens_per_s": round(g["tokens"] / g["plain_s"], 2),
+                     "speedup": round(g["plain_s"] / g["spec_s"], 3)})
+    return {"rows": rows, "runs": len(runs)}
+
+
+def hf_generate_speed(target_model, draft_model, prompt_len: int, n_new: int, device, repeats: int = 1) -> dict:
+    """transformers' own generate (sdpa, DynamicCache) and assisted generation (assistant_model) on the same
+    random weights, greedy, n_new tokens forced (no EOS). Random weights make the assistant's acceptance
+    meaningless (near 0), so assisted generation shows its cost, not a speedup a real draft would give."""
+    import time
+
+    import torch
+
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()  # its deprecation chatter is not a result
+    out = {}
+    ids = torch.tensor([_tokens(prompt_len, target_model.config.vocab_size, 3)], device=device)
+    saved = {m: m.config._attn_implementation for m in (target_model, draft_model) if m is not None}
+    try:
+        for m in saved:
+            m.config._attn_implementation = "sdpa"
+        kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
+                  pad_token_id=0)
+        for name, extra in (("hf_generate", {}), ("hf_assisted", {"assistant_model": draft_model})):
+            if name == "hf_assisted" and draft_model is None:
+                continue
+            try:
+                with torch.no_grad():
+                    target_model.generate(ids, **{**kw, "max_new_tokens": 4, "min_new_tokens": 4}, **extra)
+                    _sync(device)
+                    t = time.perf_counter()
+                    for _ in range(repeats):
+                        target_model.generate(ids, **kw, **extra)
+                    _sync(device)
+                out[name] = round(n_new * repeats / (time.perf_counter() - t), 2)
+            except Exception as e:  # a peer's failure is a result to report, not a crash
+                out[name] = f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"
+    finally:
+        for m, impl in saved.items():
+            m.config._attn_implementation = impl
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------
+# CLI
+
+
+def add_cli(sub, *_ignored) -> None:
+    from .shapes import SHAPES
+
+    p = sub.add_parser("replay", help="replay a bench trace's passes on random weights of bigger models (GPU "
+                                      "what-if)",
+                       description="Re-run exactly the passes of a recorded trace (`speculant bench --trace FILE`) "
+                                   "with random weights of the named architectures, on the static-KV backend "
+                                   "(CUDA graphs on CUDA), and print per category the predicted tokens/s and "
+                                   "speedup over plain decoding of the same outputs, beside transformers' generate "
+                                   "and assisted generation on the same weights. Shapes: " + ", ".join(SHAPES))
+    p.add_argument("trace", help="trace JSON written by `speculant bench --trace FILE`")
+    p.add_argument("--shape", default="qwen2.5-32b", help="target architecture (default %(default)s)")
+    p.add_argument("--draft-shape", default="qwen2.5-0.5b", help="draft architecture (default %(default)s)")
+    p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda if present)")
+    p.add_argument("--dtype", default=None, help="bf16 | fp32 | fp16 (default bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--rows", type=int, default=16,
+                   help="the target's fixed pass width (bit-identical batched logits; default %(default)s)")
+    p.add_argument("--no-graphs", action="store_true", help="eager passes on CUDA (no CUDA graphs)")
+    p.add_argument("--categories", default=None, help="comma list of categories to replay (default all)")
+    p.add_argument("--variants", default=None, help="comma list of traced variants, e.g. draft-k4 (default all)")
+    p.add_argument("--no-hf", action="store_true", help="skip transformers' generate / assisted generation")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.set_defaults(handler=cmd_replay)
+
+
+def build_pair(shape: str, draft_shape: Optional[str], device: str, dtype=None, rows: Optional[int] = 16,
+               graphs: Optional[bool] = None, n_ctx: int = 1024):
+    """Random-weight target (fixed width `rows`) and draft (shape classes) StaticTorchBackends, with a clear
+    error when they cannot fit in the device's memory."""
+    import torch
+
+    from .backends.torch import _parse_dtype, check_device
+    from .shapes import SHAPES, n_params, random_backend
+
+    check_device(device)
+    for s in (shape, draft_shape):
+        if s is not None and s not in SHAPES:
+            raise SettingsError(f"unknown shape {s!r}; known: {', '.join(SHAPES)}")
+    dtype = _parse_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    need = sum(n_params(s) for s in (shape, draft_shape) if s) * torch.finfo(dtype).bits // 8
+    if device.startswith("cuda"):
+        free = torch.cuda.mem_get_info(torch.device(device))[0]
+        if need > 0.95 * free:
+            raise SettingsError(f"{shape} + {draft_shape} need {need / 2**30:.0f} GiB of weights; {device} has "
+                                f"{free / 2**30:.0f} GiB free")
+    target = random_backend(shape, rows=rows, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx, seed=0)
+    vocab = SHAPES[shape][5]  # the draft's output layer padded to the target's vocabulary (Qwen2.5 0.5B/1.5B
+    # have 151936 rows, 7B+ 152064): transformers' assisted generation needs equal sizes; the cost is ~0.1%
+    draft = random_backend(draft_shape, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx, seed=1,
+                           vocab=vocab) if draft_shape else None
+    return target, draft
+
+
+def format_rows(rows: list[dict], hf: dict, shape: str, draft_shape: str) -> str:
+    lines = [f"| variant | category | runs | tokens | τ | acceptance | tok/s | plain tok/s | speedup |",
+             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['variant']} | {r['category']} | {r['runs']} | {r['tokens']} | {r['tau']} | "
+                     f"{r['acceptance']} | {r['tokens_per_s']} | {r['plain_tokens_per_s']} | {r['speedup']}x |")
+    head = f"replayed on random weights: target {shape}, draft {draft_shape}"
+    tail = [f"transformers on the same weights: {k} {v}" + (" tok/s" if isinstance(v, (int, float)) else "")
+            for k, v in hf.items()]
+    return "\n".join([head] + lines + tail) + "\n"
+
+
+def cmd_replay(args) -> int:
+    import sys
+
+    import torch
+
+    doc = read_trace(args.trace)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    cats = [c for c in args.categories.split(",") if c] if args.categories else None
+    variants = [v for v in args.variants.split(",") if v] if args.variants else None
+    longest = max((int(r["prompt_tokens"]) + int(r["generated_tokens"]) for r in doc["runs"]), default=0)
+    target, draft = build_pair(args.shape, args.draft_shape, device, args.dtype, args.rows,
+                               False if args.no_graphs else None, n_ctx=longest + 128)
+    log = lambda s: print(s, file=sys.stderr)  # noqa: E731
+    result = replay(doc, target, draft, categories=cats, variants=variants, log=log)
+    hf = {}
+    if not args.no_hf:
+        n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))
+        hf = hf_generate_speed(target.model, draft.model if draft else None, n_prompt,
+                               int(doc["settings"].get("n_predict") or 64), target.device)
+    result.update({"shape": args.shape, "draft_shape": args.draft_shape, "device": str(target.device),
+                   "dtype": str(target.dtype).replace("torch.", ""), "target_rows": args.rows,
+                   "graphs": target.graphs, "hf": hf, "trace": str(args.trace)})
+    sys.stdout.write(format_rows(result["rows"], hf, args.shape, args.draft_shape))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1))
+    return 0

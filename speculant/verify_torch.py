@@ -1,0 +1,82 @@
+"""Verification on the device: speculant/verify.py's sampling transforms and verifiers over torch tensors, so
+a GPU target's logits never leave the GPU; only (n_accepted, next token) cross to the host, once per step.
+
+Same vocabulary and the same laws as verify.py (the numpy reference they are tested against): probabilities
+after temperature, top-k, top-p and min-p; greedy = the longest prefix equal to the target's argmax, then the
+target's token; sampled = modified rejection sampling with the recovered token from normalize(max(0, p - q))
+at the first rejection, or the bonus token from p_{k+1}. Probabilities are float64 as in the reference.
+The random draws come from a torch.Generator on the device, so a seed gives a different (equally exact)
+stream than the numpy path.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .verify import SamplingParams
+
+
+def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits [n, V] (any float) -> float64 probabilities [n, V], rows summing to 1 (verify.probs_from_logits)."""
+    x = logits.to(torch.float64) / params.temperature
+    x = x - x.amax(-1, keepdim=True)
+    if params.top_k and params.top_k < x.shape[-1]:
+        kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [n, 1]; ties at the cut are all kept
+        x = torch.where(x >= kth, x, torch.full_like(x, -float("inf")))
+    probs = torch.exp(x)
+    probs = probs / probs.sum(-1, keepdim=True)
+    if params.top_p < 1.0:
+        ordered = torch.sort(probs, dim=-1, descending=True, stable=True).values  # [n, V]
+        cum = torch.cumsum(ordered, dim=-1)
+        at = torch.searchsorted(cum, torch.full_like(cum[:, :1], params.top_p)).clamp_(max=x.shape[-1] - 1)
+        cut = ordered.gather(-1, at)  # [n, 1] the probability of the last token the nucleus needs
+        probs = torch.where(probs >= cut, probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    if params.min_p > 0.0:
+        probs = torch.where(probs >= params.min_p * probs.amax(-1, keepdim=True), probs, torch.zeros_like(probs))
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+    """One draw from a normalised [V] distribution (inverse CDF, as verify.sample); a 0-d long tensor."""
+    cdf = torch.cumsum(probs, dim=-1)
+    u = torch.rand((1,), generator=generator, device=probs.device, dtype=cdf.dtype) * cdf[-1]
+    return torch.searchsorted(cdf, u, right=True).clamp_(max=probs.shape[-1] - 1)[0]
+
+
+def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
+    """draft_tokens [k] long, target_logits [k+1, V] -> (n_accepted, next_token); one transfer to the host."""
+    k = draft_tokens.shape[0]
+    best = target_logits.argmax(-1)  # [k+1]
+    match = (best[:k] == draft_tokens).to(torch.long)  # [k]
+    n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=best.device)
+    n_accepted, token = torch.stack([n, best[n]]).tolist()
+    return n_accepted, token
+
+
+def verify_sampled(draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tensor], target_probs: torch.Tensor,
+                   generator: Optional[torch.Generator] = None) -> tuple[int, int]:
+    """Modified rejection sampling (verify.verify_sampled) without a host round trip until the result.
+
+    draft_tokens [k] long; draft_probs [k, V] (q) or None for a deterministic draft; target_probs [k+1, V]."""
+    k, n_vocab = draft_tokens.shape[0], target_probs.shape[-1]
+    dev = target_probs.device
+    if draft_probs is None:
+        q = torch.nn.functional.one_hot(draft_tokens, n_vocab).to(target_probs.dtype)  # [k, V]
+    else:
+        q = draft_probs.to(target_probs.dtype)
+    q = torch.cat([q, torch.zeros(1, n_vocab, dtype=q.dtype, device=dev)])  # [k+1, V]: no draft at the bonus row
+    rows = torch.arange(k, device=dev)
+    p_x, q_x = target_probs[rows, draft_tokens], q[rows, draft_tokens]  # [k] p_i(x_i), q_i(x_i)
+    u = torch.rand((k,), generator=generator, device=dev, dtype=p_x.dtype)
+    rejected = torch.cat([u * q_x >= p_x, torch.ones(1, dtype=torch.bool, device=dev)])  # [k+1]: accept iff u < p/q
+    j = rejected.to(torch.int8).argmax()  # the first rejection, k when all were accepted
+    p_j = target_probs[j]
+    r = (p_j - q[j]).clamp_(min=0.0)  # at j = k: q is 0, so r = p_{k+1} (the bonus law)
+    total = r.sum()
+    r = torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p_j)  # total 0 only when p == q
+    n_accepted, token = torch.stack([j.to(torch.long), sample(r, generator)]).tolist()
+    return n_accepted, token

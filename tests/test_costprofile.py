@@ -1,0 +1,94 @@
+"""The adaptive policy starts from the pass costs measured on this machine (costprofile.py)."""
+
+import json
+
+import pytest
+
+from speculant import costprofile, models
+from speculant.engine import Engine
+from speculant.policy import AdaptivePolicy, best_draft_length
+
+from conftest import SMALL
+
+
+def test_profile_is_relative_and_never_decreasing():
+    r = costprofile.from_times({1: 80.0, 2: 100.0, 3: 96.0, 4: 120.0})
+    assert r == {1: 1.0, 2: 1.25, 3: 1.25, 4: 1.5}
+
+
+def test_prior_ratio_interpolates_and_extends():
+    pol = AdaptivePolicy(cost_prior={1: 1.0, 2: 1.2, 4: 1.4, 8: 2.2})
+    assert pol.prior_ratio(2) == 1.2
+    assert pol.prior_ratio(3) == pytest.approx(1.3)
+    assert pol.prior_ratio(6) == pytest.approx(1.8)
+    assert pol.prior_ratio(10) == pytest.approx(2.2 + 0.2 * 2)  # the last step (0.2 per token) continued
+    assert AdaptivePolicy().prior_ratio(5) == 3.0  # no profile: 0.5 of a step per extra token
+
+
+def test_policy_prices_unmeasured_sizes_from_the_profile():
+    cheap = AdaptivePolicy(cost_prior={n: 1.0 + 0.1 * (n - 1) for n in range(1, 17)})
+    default = AdaptivePolicy()
+    for pol in (cheap, default):
+        pol.observe("draft", 0, 0, 0.0, 0.080, 1)  # one plain step timed: T(1) = 80 ms
+    assert cheap.target_time(5) == pytest.approx(0.080 * 1.4)
+    assert default.target_time(5) == pytest.approx(0.080 * 3.0)
+    assert cheap.verify_price(4) == pytest.approx(0.1)
+    # acceptance 0.7, a draft step 0.25 of a target step: drafting pays only where verifying is cheap
+    assert best_draft_length(0.7, 0.25 * 0.080, cheap.target_time, 1, 8) == 2
+    assert best_draft_length(0.7, 0.25 * 0.080, default.target_time, 1, 8) == 0
+
+
+def test_timed_sizes_scale_the_profile_near_them():
+    pol = AdaptivePolicy(cost_prior={1: 1.0, 2: 1.2, 4: 1.4, 8: 2.2})
+    pol.observe("draft", 0, 0, 0.0, 0.1, 1)  # T(1) = 0.1
+    for _ in range(10):
+        pol.observe("draft", 3, 3, 0.0, 0.1 * 1.4 * 0.8, 4)  # T(4) runs at 0.8x the profile now
+    assert pol.target_time(4) == pytest.approx(0.112)
+    assert pol.target_time(8) == pytest.approx(0.1 * 2.2 * 0.8)  # beyond: the nearest timed size's factor
+    assert pol.target_time(2) == pytest.approx(0.1 * 1.2 * (1 - 0.2 / 3))  # between 1 (factor 1) and 4 (0.8)
+
+
+@pytest.fixture
+def home(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
+    return tmp_path
+
+
+@pytest.mark.models
+def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys):
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    path = models.cached_path(SMALL)
+    if not path.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))  # a machine that has no profile yet
+    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
+    b = LlamaCppBackend(path, n_ctx=512, n_threads=1)
+    try:
+        prof = b.cost_profile()
+        assert "measuring" in capsys.readouterr().err
+        assert sorted(prof) == costprofile.QUICK_SIZES and prof[1] == 1.0
+        assert all(prof[a] <= prof[b] for a, b in zip(costprofile.QUICK_SIZES, costprofile.QUICK_SIZES[1:]))
+        stored = json.loads(costprofile.profile_path(b).read_text())
+        assert stored["threads"] == 1 and set(stored["measured_ms"]) == {str(n) for n in costprofile.QUICK_SIZES}
+        assert b.cost_profile() == prof and "measuring" not in capsys.readouterr().err  # cached now
+        assert Engine(b, _NullDrafter(), draft_max=4, adaptive=True).policy.cost_prior == prof
+        # another thread count is another profile (the shape depends on it)
+        b.n_threads = 2
+        assert costprofile.load(b) is None
+    finally:
+        b.close()
+
+
+def test_profile_can_be_switched_off(home, monkeypatch):
+    monkeypatch.setenv("SPECULANT_COST_PROFILE", "0")
+
+    class Fake:
+        path = "/nonexistent.gguf"
+
+    assert costprofile.get(Fake()) is None
+
+
+class _NullDrafter:
+    paid = True

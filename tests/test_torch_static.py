@@ -1,0 +1,146 @@
+"""StaticTorchBackend (static KV, fixed-shape passes, CUDA graphs on CUDA) on tiny random Qwen2 models.
+
+On CPU the graphs are off and the same fixed-shape code runs eagerly; the CUDA tests run only where a GPU is
+visible (scripts/gpu_bench.sh runs the same checks at real shapes)."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+torch.set_num_threads(1)
+
+from speculant.backends.torch_static import SHAPE_CLASSES, shape_class  # noqa: E402
+from speculant.engine import Engine  # noqa: E402
+from speculant.errors import SettingsError  # noqa: E402
+from speculant.shapes import random_backend  # noqa: E402
+
+IDS = [(37 * i + 11) % 500 for i in range(300)]  # 300 tokens: passes near the end cross the 256-position KV block
+PROMPT = IDS[:20]
+
+
+def one_at_a_time(backend, ids, base):
+    """Logits after each of ids[base:], decoded alone after a prefill of ids[:base]."""
+    backend.rewind(0)
+    backend.eval(ids[:base], n_logits=0)
+    return np.stack([backend.eval([x])[0] for x in ids[base:]])
+
+
+def check_invariant(backend, ids, sizes, offsets=(0, 3)):
+    base = len(ids) - max(sizes) - max(offsets)
+    single = one_at_a_time(backend, ids, base)
+    for n in sizes:
+        for off in offsets:
+            at = len(ids) - n - off
+            backend.rewind(at)
+            backend.eval(ids[len(backend.tokens):at], n_logits=0)  # a shorter earlier pass may have cut it
+            batch = backend.eval(ids[at:at + n], n_logits=n)
+            ref = single[at - base:at - base + n]
+            assert np.array_equal(batch, ref), (n, off, np.abs(batch - ref).max())
+
+
+def test_shape_classes():
+    assert [shape_class(n) for n in (1, 2, 3, 5, 9, 17, 33, 64)] == [1, 2, 4, 8, 16, 32, 64, 64]
+
+
+@pytest.mark.parametrize("rows", [8, 16])
+def test_fixed_rows_bit_identical_in_every_pass_size(rows):
+    """A token's logits are the same bits whether decoded alone or in a verify pass of any size (every shape
+    class up to 64 and past it, chunked), at offsets crossing a KV block."""
+    b = random_backend("tiny", rows=rows, seed=1)
+    check_invariant(b, IDS, sizes=sorted(set(SHAPE_CLASSES) | {3, 5, rows + 1, 2 * rows + 3}))
+
+
+def test_shape_classes_match_fixed_rows_closely():
+    """The draft's shape-class passes compute the same function (rounding aside) as fixed-width passes."""
+    fixed, classes = random_backend("tiny", rows=16, seed=2), random_backend("tiny", seed=2)
+    for n in (1, 3, 7, 20, 70):
+        fixed.rewind(0), classes.rewind(0)
+        a, b = fixed.eval(IDS[:n], n_logits=n), classes.eval(IDS[:n], n_logits=n)
+        np.testing.assert_allclose(a, b, atol=1e-4, rtol=1e-4)
+
+
+def test_logits_equal_existing_torch_backend():
+    """Same weights: the static backend's forward (own code, static KV) matches TorchBackend (transformers'
+    modules, growing cache) at 32 rows, the existing backend's pass width."""
+    static, dynamic = random_backend("tiny", rows=32, seed=3), random_backend("tiny", static=False, seed=3)
+    a, b = static.eval(IDS[:70], n_logits=70), dynamic.eval(IDS[:70], n_logits=70)
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert (a.argmax(-1) == b.argmax(-1)).all()
+
+
+@pytest.mark.parametrize("draft_shape", ["tiny", "tiny-draft"])
+def test_speculative_greedy_equals_plain(draft_shape):
+    """Static target + static draft (shape classes): the speculative output is the existing backend's plain
+    output token for token (same weights); the same-weights draft accepts, so rewinds are exercised."""
+    from speculant.drafters.model import ModelDrafter
+
+    plain = Engine(random_backend("tiny", static=False, seed=4, std=0.2)).generate(PROMPT, max_tokens=40)
+    target = random_backend("tiny", rows=16, seed=4, std=0.2)
+    draft = random_backend(draft_shape, seed=4 if draft_shape == "tiny" else 5, std=0.2)
+    r = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=5).generate(PROMPT, max_tokens=40)
+    assert r.tokens == plain.tokens
+    assert r.stats.drafted > 0
+    if draft_shape == "tiny":
+        assert r.stats.accepted > r.stats.drafted // 2
+
+
+def test_bad_settings_are_clear_errors():
+    with pytest.raises(SettingsError, match="rows"):
+        random_backend("tiny", rows=65)
+    if not torch.cuda.is_available():
+        with pytest.raises(SettingsError, match="CUDA graphs need a CUDA device"):
+            random_backend("tiny", graphs=True)
+    with pytest.raises(SettingsError, match="unknown shape"):
+        random_backend("qwen9-1t")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
+
+
+@cuda
+def test_cuda_graphs_bit_identical_to_eager_and_invariant():
+    eager = random_backend("tiny", rows=16, graphs=False, device="cuda", seed=6)
+    graphs = random_backend("tiny", rows=16, graphs=True, device="cuda", seed=6)
+    a, b = eager.eval(IDS[:100], n_logits=100), graphs.eval(IDS[:100], n_logits=100)
+    assert np.array_equal(a, b)
+    check_invariant(graphs, IDS, sizes=(1, 2, 5, 8, 16, 17, 40))
+
+
+def test_sampled_generation_verifies_on_the_device():
+    """T > 0 with a static target goes through verify_step (verify_torch); a seed reproduces the output, and a
+    same-weights draft is mostly accepted (p == q accepts always, up to rounding)."""
+    from speculant.drafters.model import ModelDrafter
+    from speculant.verify import SamplingParams
+
+    target = random_backend("tiny", rows=16, seed=4, std=0.2)
+    draft = random_backend("tiny", seed=4, std=0.2)
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4)
+    runs = [engine.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=s)) for s in (1, 1, 2)]
+    assert runs[0].tokens == runs[1].tokens != runs[2].tokens
+    assert runs[0].stats.accepted >= 0.9 * runs[0].stats.drafted > 0
+
+
+def test_real_weights_same_greedy_as_torch_backend():
+    """SmolLM2 (Llama architecture, real weights and tokenizer): the static backend's greedy output is the
+    existing backend's, and a speculative run with a llama.cpp draft is token for token the same."""
+    from speculant import models
+    from speculant.api import load_backend
+    from speculant.backends.torch import load_torch_backend
+    from speculant.backends.torch_static import load_static_backend
+    from speculant.drafters.model import ModelDrafter
+
+    name = "smollm2-135m-instruct"
+    if not models.cached_path(name).exists():
+        pytest.skip(f"{name} is not pulled")
+    prompt = "The capital of France is Paris. The capital of Germany is"
+    plain = Engine(load_torch_backend(name, n_ctx=512)).generate(prompt, max_tokens=12)
+    static = load_static_backend(name, n_ctx=512, rows=16)
+    assert Engine(static).generate(prompt, max_tokens=12).tokens == plain.tokens
+    draft = load_backend(name, n_ctx=512, threads=1, role="draft")
+    try:
+        r = Engine(static, ModelDrafter(draft, static.n_vocab), draft_max=3).generate(prompt, max_tokens=12)
+    finally:
+        draft.close()
+    assert r.tokens == plain.tokens and r.stats.drafted > 0
+
