@@ -7,7 +7,9 @@ and moved into the cache with an atomic rename, so an interrupted pull never lea
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
+import json
 import os
 import shutil
 import struct
@@ -107,7 +109,49 @@ def home() -> Path:
 
 
 def cached_path(name: str) -> Path:
+    local = local_entries().get(name) if name not in REGISTRY else None
+    if local is not None:
+        return Path(local["path"])
     return home() / "models" / REGISTRY[name].filename
+
+
+LOCAL_INDEX = "local.json"  # in home()/models: models made on this machine (`speculant quantize`), by name
+
+
+def local_entries() -> dict[str, dict]:
+    """Models made here, by name: {path, size, sha256, source, type, tokenizer, n_vocab, description}."""
+    try:
+        with open(home() / "models" / LOCAL_INDEX, encoding="utf-8") as f:
+            entries = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return entries if isinstance(entries, dict) else {}
+
+
+def register_local(name: str, entry: dict) -> None:
+    """Add or replace a local entry (an atomic rewrite of the index, under a lock against concurrent makers)."""
+    if name in REGISTRY:
+        raise ModelError(f"{name!r} is a registered model's name; choose another name")
+    folder = home() / "models"
+    folder.mkdir(parents=True, exist_ok=True)
+    with open(folder / (LOCAL_INDEX + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        entries = local_entries()
+        entries[name] = entry
+        tmp = folder / f".{LOCAL_INDEX}.{os.getpid()}"
+        tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, folder / LOCAL_INDEX)
+
+
+def spec_of(name: str) -> Optional[ModelSpec]:
+    """The registered or local (made here) model of that name; None for anything else."""
+    if name in REGISTRY:
+        return REGISTRY[name]
+    e = local_entries().get(name)
+    if e is None:
+        return None
+    return ModelSpec(name, e.get("description", ""), Path(e["path"]).name, e.get("size", 0), e.get("sha256", ""),
+                     (), e.get("tokenizer", ""), e.get("n_vocab", 0))
 
 
 def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
@@ -149,6 +193,12 @@ def resolve(model: str) -> Path:
         if not path.exists():
             pull(model)
         return path
+    local = local_entries().get(model)
+    if local is not None:
+        path = Path(local["path"])
+        if not path.exists():
+            raise ModelError(f"local model {model} ({path}) is gone; make it again with `speculant quantize`")
+        return path
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or os.sep in model or path.exists():
         if not path.exists():
@@ -157,7 +207,7 @@ def resolve(model: str) -> Path:
             raise ModelError(f"{path} is a directory; pass a .gguf file")
         check_gguf(path)
         return path
-    known = ", ".join(sorted(REGISTRY))
+    known = ", ".join(sorted(REGISTRY) + sorted(local_entries()))
     raise ModelError(f"unknown model {model!r}: not a registered name ({known}) nor a path to a .gguf file")
 
 
@@ -168,10 +218,10 @@ def check_draft(draft: str, target: str, target_n_vocab: Optional[int] = None) -
     target's vocabulary size, is given. Anything unregistered is checked after loading (vocab.py)."""
     from .vocab import MAX_PADDING_DIFFERENCE
 
-    d = REGISTRY.get(draft)
+    d = spec_of(draft)
     if d is None or not d.tokenizer:
         return
-    t = REGISTRY.get(target)
+    t = spec_of(target)
     where = f"draft {draft} cannot draft for target {target}"
     if t is not None and t.tokenizer and t.tokenizer != d.tokenizer:
         raise VocabMismatchError(f"{where}: tokenizers differ (target {t.tokenizer}, draft {d.tokenizer}; "
@@ -253,7 +303,8 @@ def _find_wheel(folder: Path, part: WheelPart) -> Path:
 
 
 def list_models() -> list[tuple[str, str, bool]]:
-    return [(n, s.description, cached_path(n).exists()) for n, s in REGISTRY.items()]
+    made = [(n, e.get("description", "made here"), Path(e["path"]).exists()) for n, e in local_entries().items()]
+    return [(n, s.description, cached_path(n).exists()) for n, s in REGISTRY.items()] + made
 
 
 STAGING_PREFIX = ".pull-"
