@@ -208,7 +208,7 @@ def _version() -> str:
     return f"speculant {__version__} (llama-cpp-python {llama})"
 
 
-_PLUGINS = ("server", "bench", "calibrate", "doctor")
+_PLUGINS = ("server", "bench", "calibrate", "doctor", "quantize", "plan")
 
 
 def _read_prompt(args) -> str:
