@@ -71,7 +71,7 @@ def engine_models(engine, draft_max: Optional[int] = None) -> dict:
         return {}
 
     out = {}
-    k = engine.draft_max if draft_max is None else draft_max
+    k = (engine.draft_max if engine.drafter is not None else 0) if draft_max is None else draft_max
     roles = [("target", engine.target)] + [("draft", b) for b in _draft_backends(engine.drafter)]
     for role, backend in roles:
         if isinstance(backend, LlamaCppBackend) and role not in out:

@@ -308,18 +308,21 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
     own = plan(target, draft, n_ctx=steps[0]).models
     t_types = [None] + [t for t in OTHER_TYPES if t != own[0].file_type]
     d_types = [None] + [t for t in OTHER_TYPES if t != own[-1].file_type] if draft else [None]
+    NO_DRAFT = "no draft"  # the target alone: plain decoding, or a free drafter (-md lookup / history)
     for tt in t_types:
-        for dt in d_types:
-            plans = [plan(target, draft, n_ctx=c, draft_max=draft_max, target_type=tt, draft_type=dt) for c in steps]
+        for dt in d_types + ([NO_DRAFT] if draft else []):
+            pair = None if dt == NO_DRAFT else draft
+            plans = [plan(target, pair, n_ctx=c, draft_max=draft_max, target_type=tt,
+                          draft_type=None if dt == NO_DRAFT else dt) for c in steps]
             ok = [p for p in plans if p.total <= mem]
             smallest = plans[0]
             row = {"target_type": smallest.models[0].file_type,
-                   "draft_type": smallest.models[1].file_type if draft else None,
+                   "draft_type": smallest.models[1].file_type if pair else (NO_DRAFT if draft else None),
                    "fits": bool(ok), "n_ctx": ok[-1].n_ctx if ok else None,
                    "total_mb": _mb(ok[-1].total if ok else smallest.total)}
             if not ok:
                 weights = sum(m.mapped + m.repacked for m in smallest.models)
-                row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights + smallest.runtime > mem
+                row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights > mem
                               else f"at n_ctx {smallest.n_ctx} it needs {_mb(smallest.total):.0f} MiB (weights "
                               f"{_mb(weights):.0f}, KV cache {_mb(sum(m.kv for m in smallest.models)):.0f}, compute "
                               f"buffers {_mb(sum(m.compute for m in smallest.models)):.0f}, runtime and vocabularies "
@@ -396,7 +399,9 @@ def cmd_plan(args) -> int:
     if mem is not None:
         print(f"\nin {mem / MiB:.0f} MiB:")
         for r in out["fits"]:
-            pair = f"target {r['target_type']}" + (f" + draft {r['draft_type']}" if r["draft_type"] else "")
+            pair = f"target {r['target_type']}" + (
+                " alone (plain decoding, -md lookup or -md history)" if r["draft_type"] == "no draft"
+                else f" + draft {r['draft_type']}" if r["draft_type"] else "")
             print(f"  {'fits' if r['fits'] else 'does not fit'}: {pair}" +
                   (f", n_ctx up to {r['n_ctx']} ({r['total_mb']:.0f} MiB)" if r["fits"] else f": {r['why']}"))
     return 0
