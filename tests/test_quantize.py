@@ -116,3 +116,22 @@ def test_output_onto_its_input_is_refused(home):
     src = str(models.cached_path(SMALL))
     assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--allow-requantize", "-o", src,
                            env={"SPECULANT_HOME": str(home)}), "is the input file")
+
+
+def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path):
+    name = "qwen2.5-coder-0.5b-instruct-q4_0"
+    spec = models.REGISTRY[name]
+    if not models.cached_path(spec.derived_from).exists():
+        pytest.skip(f"{spec.derived_from} not pulled")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / models.cached_path(spec.derived_from).name).symlink_to(models.cached_path(spec.derived_from))
+    env = {"SPECULANT_HOME": str(tmp_path)}
+    first = run("pull", name, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "preparing" in first.stderr and "never the output" in first.stderr and "warning" not in first.stderr
+    made = tmp_path / "models" / spec.filename
+    assert made.stat().st_size == spec.size and models.sha256_file(made) == spec.sha256  # deterministic here
+    assert _gguf_types(made)["blk.0.ffn_up.weight"] == "Q4_0"
+    again = run("pull", name, env=env)
+    assert again.returncode == 0 and "preparing" not in again.stderr  # made once, then cached
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".quantize-")]
