@@ -5,8 +5,10 @@ sha256), written atomically; bad input must give one clear line and leave nothin
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -135,3 +137,22 @@ def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path):
     again = run("pull", name, env=env)
     assert again.returncode == 0 and "preparing" not in again.stderr  # made once, then cached
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".quantize-")]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_quantize_leaves_nothing(home, sig, code):
+    """The quantizer runs in a child: a signal to the command stops it at once and removes the staged file."""
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "quantize", SMALL, "--type", "Q4_K_M",
+                             "--allow-requantize", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "SPECULANT_HOME": str(home)})
+    folder = home / "models"
+    deadline = time.monotonic() + 60
+    while not list(folder.glob(".quantize-*/*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        pytest.skip("quantizing finished before it could be interrupted")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in folder.iterdir()) == [models.cached_path(SMALL).name]  # nothing else
