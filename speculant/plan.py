@@ -198,6 +198,8 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
                as_type: Optional[str] = None) -> ModelMemory:
     """One model's plan. as_type: estimate the same model quantized to that type (EST_BPW) instead of the
     file as it is (what `speculant quantize` would make)."""
+    if models.spec_of(model) is not None and not models.cached_path(model).exists():
+        raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
     path = Path(model) if Path(model).is_file() else models.resolve(model)
     f = gguf_facts(path)
     n_ctx = n_ctx or f["n_ctx_train"]
