@@ -7,13 +7,16 @@ Per model (llama.cpp backend), from the GGUF header alone (tensor types and shap
   IQ4_NL matrices are also copied into an anonymous, repacked buffer (the mapped pages stay resident too).
 - KV cache: n_layer x n_ctx x (n_head_kv x (head_dim_k + head_dim_v)) x 2 bytes (f16 K and V); llama.cpp
   clears it when the context is made, so all of it is resident from the start.
-- compute buffer: llama.cpp's scheduler reserves one buffer for the worst pass (n_ubatch = 512 tokens): the
-  larger of the logits phase (n_ubatch x n_vocab floats) and the attention phase (n_ubatch x n_ctx x n_head
-  floats of scores); its pages become resident once a prompt of >= n_ubatch tokens is processed, so this is
-  the peak for long prompts (a short prompt touches less of it).
+- compute buffers: llama.cpp reserves address space for the worst pass it can imagine (all 512 logits of a
+  prompt chunk: `compute_reserved`, its "compute buffer size" log line), but pages count only once touched.
+  Our passes touch at worst: a 512-token prompt chunk's attention scores over the whole prompt (f32 scores
+  and mask, plus ggml's work buffer holding them again in f16 for the product with V), its feed-forward
+  activations, or the logits of the positions the engine asks for. The plan's default is a prompt that fills
+  the context (the worst case); --prompt-tokens plans a shorter one.
 - output buffer: logits of the positions one pass returns (n_vocab floats each; k+1 for a verify pass).
-Plus the runtime: the interpreter, numpy and llama.cpp's libraries, and the Python-side vocabulary tables
-(`RUNTIME_*`, measured on this machine's builds; `plan --measure` checks the whole plan against a fresh child).
+Plus the runtime: the interpreter, numpy and llama.cpp's libraries, and the token tables of each vocabulary
+(llama.cpp's and ours): two constants (`RUNTIME_*`) fit to measured peaks; `plan --measure` checks the
+whole plan against a fresh child process, and tests/test_plan.py against the real pair.
 """
 
 from __future__ import annotations
@@ -85,7 +88,8 @@ class Plan:
         return self.runtime + sum(m.total for m in self.models)
 
     def to_dict(self) -> dict:
-        return {"n_ctx": self.n_ctx, "prompt_tokens": self.n_prompt or self.n_ctx, "runtime_mb": _mb(self.runtime), "total_mb": _mb(self.total),
+        return {"n_ctx": self.n_ctx, "prompt_tokens": self.n_prompt or self.n_ctx, "runtime_mb": _mb(self.runtime),
+                "total_mb": _mb(self.total),
                 "models": [{**{k: v for k, v in asdict(m).items() if k != "types"},
                             **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "repacked", "kv", "compute",
                                                                          "output", "vocab_tables", "total",
@@ -147,7 +151,8 @@ def _read_facts(path: Path) -> dict:
                for t in r.tensors]
     embd = next(t for t in tensors if t[0] == "token_embd.weight")
     return {"arch": arch, "n_layer": int(_field(r, f"{arch}.block_count")), "n_embd": n_embd, "n_head": n_head,
-            "n_head_kv": n_head_kv, "n_ff": int(_field(r, f"{arch}.feed_forward_length", 4 * n_embd)), "head_k": head_k, "head_v": head_v, "n_vocab": embd[2][1],
+            "n_head_kv": n_head_kv, "n_ff": int(_field(r, f"{arch}.feed_forward_length", 4 * n_embd)),
+            "head_k": head_k, "head_v": head_v, "n_vocab": embd[2][1],
             "n_ctx_train": int(_field(r, f"{arch}.context_length", 0)), "file_type": _file_type_name(r),
             "tensors": tensors, "file_bytes": path.stat().st_size,
             "data_bytes": sum(t[3] for t in tensors)}
@@ -338,7 +343,8 @@ def table(p: Plan) -> str:
     cols = [("weights mmapped", "mapped"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
             ("output", "output"), ("vocab tables", "vocab_tables"), ("total", "total")]
     head = "| model | type | " + " | ".join(c for c, _ in cols) + " |"
-    lines = [f"memory plan at n_ctx {p.n_ctx} (MiB; resident at peak, after a prompt of {p.n_prompt or p.n_ctx} tokens)", "",
+    lines = [f"memory plan at n_ctx {p.n_ctx} (MiB; resident at peak, after a prompt of {p.n_prompt or p.n_ctx} "
+             "tokens)", "",
              head, "|" + "---|" * (len(cols) + 2)]
     for m in p.models:
         lines.append(f"| {m.role}: {m.name} | {m.file_type} | " +

@@ -94,7 +94,8 @@ def test_cli_json_and_mem():
     text = run("plan", "-md", DRAFT, "--mem", "1700M").stdout
     assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
     assert "does not fit: target Q4_K_M + draft Q8_0 (estimated): the weights alone take 1710 MiB" in text
-    assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB \(weights 1562,", text)
+    assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB "
+                     r"\(weights 1562,", text)
     assert re.search(r"fits: target Q4_K_M alone \(plain decoding.*\), n_ctx up to 4096 ", text)
 
 
