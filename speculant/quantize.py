@@ -104,7 +104,7 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
     name = name or default_name(model, type_name, output_tensor_type, token_embedding_type)
     known = models.REGISTRY.get(name)
     if known and known.derived_from == model and known.quant_type == type_name.upper() and not output \
-            and not output_tensor_type and not token_embedding_type:
+            and known.output_type == (output_tensor_type or "").upper() and not token_embedding_type:
         return name, models.pull(name, quiet=not progress)  # a registered derived model: made where pull makes it
     if name in models.REGISTRY:
         raise SettingsError(f"--name {name!r} is a registered model's name; choose another")
