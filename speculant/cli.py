@@ -214,7 +214,7 @@ def _version() -> str:
     return f"speculant {__version__} (llama-cpp-python {llama})"
 
 
-_PLUGINS = ("server", "bench", "calibrate", "doctor", "replay", "rpc")
+_PLUGINS = ("server", "bench", "calibrate", "doctor", "replay", "rpc", "quantize", "plan")
 
 
 def _read_prompt(args) -> str:

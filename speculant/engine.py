@@ -7,14 +7,13 @@ baseline and the speculative path on one code path, so greedy identity compares 
 from __future__ import annotations
 
 import codecs
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import chat
+from . import chat, memory
 from .backends.base import Backend
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
@@ -231,7 +230,8 @@ class Engine:
             if drafter:
                 drafter.end(context)  # e.g. history keeps the output for later requests
             result.text = text.finish()
-            stats.peak_rss_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+            stats.peak_rss_mb = memory.peak_rss_mb()
+            stats.model_memory_mb = memory.engine_models(self)
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         result = Result("", [], SpecStats())

@@ -306,6 +306,25 @@ class Metrics:
         self.ttft = Histogram("speculant_time_to_first_token_seconds", "time to the first generated token",
                               registry=r, buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))
         self._drafted = self._accepted = self._produced = self._calls = 0
+        self._add_memory(r)
+
+    def _add_memory(self, r) -> None:
+        """Process memory (prometheus-client's process collector, and the peak it does not give) and the
+        memory plan's estimate per model (set_models)."""
+        from prometheus_client import Gauge, ProcessCollector
+
+        from . import memory
+
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_virtual_memory_bytes, ...
+        Gauge("speculant_process_peak_rss_bytes", "peak resident set size of this process (VmHWM), model loading "
+              "included", registry=r).set_function(lambda: memory.peak_rss_mb() * 2 ** 20)
+        self.model_memory = Gauge("speculant_model_memory_planned_bytes", "the memory plan's estimate per loaded "
+                                  "model at its context size (speculant plan: weights, KV cache, compute buffers)",
+                                  ["role", "model"], registry=r)
+
+    def set_models(self, planned: dict) -> None:
+        for role, m in planned.items():
+            self.model_memory.labels(role, m["model"]).set(m["planned_mb"] * 2 ** 20)
 
     def record(self, stats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
@@ -466,6 +485,9 @@ def create_app(engine, cfg: ServerConfig):
     from .stats import SpecStats
 
     metrics = Metrics()
+    from .memory import engine_models
+
+    metrics.set_models(engine_models(engine))
     worker = Worker(engine, metrics, cfg.max_queue)
     created = int(time.time())
 

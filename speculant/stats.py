@@ -26,7 +26,8 @@ class SpecStats:
     draft_time: float = 0.0
     verify_time: float = 0.0
     decode_time: float = 0.0  # wall time from the end of prefill to the last token
-    peak_rss_mb: float = 0.0
+    peak_rss_mb: float = 0.0  # the process's peak resident set so far (VmHWM), model loading included
+    model_memory_mb: dict = field(default_factory=dict)  # role -> the memory plan's estimate for that model
     exact_numerics: bool = True  # False: the target's runtime cannot promise bit-identical batched logits
 
     def record_step(self, source: str, n_drafted: int, n_accepted: int, draft_time: float = 0.0,
@@ -122,6 +123,7 @@ class SpecStats:
             "decode_s": round(self.decode_time, 4),
             "tokens_per_s": round(self.tokens_per_s, 3),
             "peak_rss_mb": round(self.peak_rss_mb, 1),
+            "model_memory_mb": self.model_memory_mb,
             "exact_numerics": self.exact_numerics,
         }
 

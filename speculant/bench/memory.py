@@ -18,34 +18,19 @@ loads (the interpreter and speculant's imports). peak_gpu_mb: torch.cuda.max_mem
 from __future__ import annotations
 
 import json
-import resource
 import subprocess
 import sys
 from typing import Optional
+
+from ..memory import maxrss_mb, proc_status_mb
 
 PROMPT = "Write a haiku about memory."
 N_TOKENS = 8
 MARK = "SPECULANT_MEMORY "
 
 
-def _mb_status() -> dict:
-    out = {}
-    try:
-        with open("/proc/self/status", encoding="utf-8") as f:
-            for line in f:
-                key, _, val = line.partition(":")
-                name = {"VmHWM": "peak_rss_mb", "VmRSS": "rss_mb", "RssAnon": "rss_anon_mb",
-                        "RssFile": "rss_file_mb"}.get(key)
-                if name and val.strip().endswith("kB"):
-                    out[name] = round(int(val.split()[0]) / 1024, 1)
-    except OSError:
-        pass
-    return out
-
-
-def _maxrss_mb() -> float:
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
-    return round(peak / (2 ** 20 if sys.platform == "darwin" else 1024), 1)
+_mb_status = proc_status_mb  # the measurements live in speculant.memory (stats and /metrics use them)
+_maxrss_mb = maxrss_mb
 
 
 def child(spec: dict) -> dict:
@@ -66,6 +51,12 @@ def child(spec: dict) -> dict:
         status = _mb_status()
         out = {"peak_rss_mb": status.pop("peak_rss_mb", None) or _maxrss_mb(), "ru_maxrss_mb": _maxrss_mb(),
                "startup_rss_mb": startup, **status, "generated_tokens": res.stats.generated_tokens}
+        planned = res.stats.model_memory_mb  # the plan's worst case (a full context) for each llama.cpp model
+        if planned:
+            from ..plan import RUNTIME_BASE
+
+            out["planned_mb"] = round(sum(m["planned_mb"] for m in planned.values()) + RUNTIME_BASE / 2 ** 20, 1)
+            out["models"] = planned
         torch = sys.modules.get("torch")
         if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
             out["peak_gpu_mb"] = round(torch.cuda.max_memory_allocated() / 2 ** 20, 1)

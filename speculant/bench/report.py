@@ -88,14 +88,15 @@ def markdown(result: dict) -> str:
                   "the child's high-water RSS (VmHWM), loading included; RSS after (anon / file-backed) = VmRSS "
                   "(RssAnon / RssFile) after generating. GGUF weights (llama.cpp) are mmapped, file-backed and "
                   "shared with the page cache; torch weights converted to bf16/fp32 are anonymous memory. startup = "
-                  "before any model loaded.", "",
-                  "| method | peak RSS MB | RSS after MB | anon MB | file-backed MB | startup MB | note |",
-                  "|---|---:|---:|---:|---:|---:|---|"]
+                  "before any model loaded. planned = `speculant plan`'s estimate for the method's models with a full "
+                  "context (the worst case; a short prompt touches less of the compute buffers).", "",
+                  "| method | peak RSS MB | planned MB | RSS after MB | anon MB | file-backed MB | startup MB | note |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|"]
         for name, m in mem.items():
             note = (m.get("error") or (f"peak GPU {m['peak_gpu_mb']:.0f} MB" if m.get("peak_gpu_mb") else ""))
             note = note.replace("|", "/")
             lines.append(f"| {name} | " + " | ".join(_f(m.get(key), "{:.0f}") for key in (
-                "peak_rss_mb", "rss_mb", "rss_anon_mb", "rss_file_mb", "startup_rss_mb")) + f" | {note} |")
+                "peak_rss_mb", "planned_mb", "rss_mb", "rss_anon_mb", "rss_file_mb", "startup_rss_mb")) + f" | {note} |")
     pos = [r for r in s if r["category"] == OVERALL and r["variant"] != BASELINE and r["acceptance_by_position"]]
     if pos:
         width = max(len(r["acceptance_by_position"]) for r in pos)

@@ -1,0 +1,81 @@
+"""Memory of this process and of the models an engine holds: what stats, /metrics and bench tables report.
+
+Measured: the process's peak resident set (VmHWM of /proc/self/status; ru_maxrss where there is no /proc).
+Planned: `speculant plan`'s estimate for each loaded llama.cpp model at its context size (weights mmapped
+and shared, repacked copies, KV cache, compute buffers; speculant/plan.py), computed once per model file.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import sys
+from typing import Optional
+
+STATUS_KEYS = {"VmHWM": "peak_rss_mb", "VmRSS": "rss_mb", "RssAnon": "rss_anon_mb", "RssFile": "rss_file_mb"}
+
+
+def proc_status_mb() -> dict:
+    """peak_rss_mb / rss_mb / rss_anon_mb / rss_file_mb of this process from /proc/self/status ({} without /proc)."""
+    out = {}
+    try:
+        with open("/proc/self/status", encoding="utf-8") as f:
+            for line in f:
+                key, _, val = line.partition(":")
+                name = STATUS_KEYS.get(key)
+                if name and val.strip().endswith("kB"):
+                    out[name] = round(int(val.split()[0]) / 1024, 1)
+    except OSError:
+        pass
+    return out
+
+
+def maxrss_mb() -> float:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return round(peak / (2 ** 20 if sys.platform == "darwin" else 1024), 1)
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident set size in MiB, model loading included."""
+    return proc_status_mb().get("peak_rss_mb") or maxrss_mb()
+
+
+@functools.lru_cache(maxsize=64)
+def _planned(path: str, role: str, n_ctx: int, verify_positions: int) -> Optional[dict]:
+    from .plan import plan_model
+
+    try:
+        m = plan_model(path, role, n_ctx, verify_positions=verify_positions)
+    except Exception:  # a file the planner cannot read (e.g. a torch directory) is simply not planned
+        return None
+    return {"model": m.name.rsplit("/", 1)[-1], "planned_mb": round(m.total / 2 ** 20, 1),
+            "weights_mmapped_mb": round(m.mapped / 2 ** 20, 1), "repacked_mb": round(m.repacked / 2 ** 20, 1),
+            "kv_mb": round(m.kv / 2 ** 20, 1), "compute_mb": round(m.compute / 2 ** 20, 1)}
+
+
+def _draft_backends(drafter) -> list:
+    if drafter is None:
+        return []
+    inner = getattr(drafter, "drafters", None)
+    if inner:
+        return [b for d in inner for b in _draft_backends(d)]
+    backend = getattr(drafter, "backend", None)
+    return [backend] if backend is not None else []
+
+
+def engine_models(engine, draft_max: Optional[int] = None) -> dict:
+    """role -> the plan's estimate for each llama.cpp model the engine holds (worst case: a full context)."""
+    try:
+        from .backends.llamacpp import LlamaCppBackend
+    except Exception:  # no llama.cpp here (a torch-only install): nothing to plan
+        return {}
+
+    out = {}
+    k = (engine.draft_max if engine.drafter is not None else 0) if draft_max is None else draft_max
+    roles = [("target", engine.target)] + [("draft", b) for b in _draft_backends(engine.drafter)]
+    for role, backend in roles:
+        if isinstance(backend, LlamaCppBackend) and role not in out:
+            planned = _planned(str(backend.path), role, backend.n_ctx, k + 1 if role == "target" else 1)
+            if planned:
+                out[role] = planned
+    return out

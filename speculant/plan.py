@@ -1,0 +1,431 @@
+"""`speculant plan`: what a target and its draft cost in memory, before loading them.
+
+Per model (llama.cpp backend), from the GGUF header alone (tensor types and shapes, n_layer, heads, ...):
+- weights: the file's tensor data is mmapped (file-backed pages, shared through the page cache with every
+  process and every copy that maps the same file); every page is touched by the first passes, so all of it
+  counts in the process's resident set. A draft loads with repacking on (faster kernels): its Q4_0 / Q4_K /
+  IQ4_NL matrices are also copied into an anonymous, repacked buffer (the mapped pages stay resident too).
+- KV cache: n_layer x n_ctx x (n_head_kv x (head_dim_k + head_dim_v)) x 2 bytes (f16 K and V); llama.cpp
+  clears it when the context is made, so all of it is resident from the start.
+- compute buffers: llama.cpp reserves address space for the worst pass it can imagine (all 512 logits of a
+  prompt chunk: `compute_reserved`, its "compute buffer size" log line), but pages count only once touched.
+  Our passes touch at worst: a 512-token prompt chunk's attention scores over the whole prompt (f32 scores
+  and mask, plus ggml's work buffer holding them again in f16 for the product with V), its feed-forward
+  activations, or the logits of the positions the engine asks for. The plan's default is a prompt that fills
+  the context (the worst case); --prompt-tokens plans a shorter one.
+- output buffer: logits of the positions one pass returns (n_vocab floats each; k+1 for a verify pass).
+Plus the runtime: the interpreter, numpy and llama.cpp's libraries, and the token tables of each vocabulary
+(llama.cpp's and ours): two constants (`RUNTIME_*`) fit to measured peaks; `plan --measure` checks the
+whole plan against a fresh child process, and tests/test_plan.py against the real pair.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import subprocess
+import sys
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from . import models
+from .errors import ModelError, SettingsError
+
+MiB = 2 ** 20
+N_UBATCH = 512  # the backend's n_batch = n_ubatch (backends/llamacpp.py)
+REPACKED_TYPES = {"Q4_0", "Q4_K", "IQ4_NL"}  # matrices ggml's CPU backend repacks on x86 (AVX2 and up)
+KV_BYTES = 2  # f16 K and V cache
+RUNTIME_BASE = 48 * MiB  # interpreter, numpy, llama.cpp's libraries (fit to measured peaks, see below)
+# bytes per vocabulary entry of each loaded model: llama.cpp's token tables and ours (fit to measured peaks:
+# smollm2 at n_ctx 1024-8192 and the Qwen pair at 2048-4096, 2 parameters for 6 measurements)
+RUNTIME_PER_VOCAB = 366
+
+
+@dataclass
+class ModelMemory:
+    """One model's memory in bytes (resident at peak) and the facts it was computed from."""
+
+    name: str
+    role: str  # target | draft
+    path: str
+    file_type: str
+    file_bytes: int
+    mapped: int  # mmapped tensor data: file-backed, shared across processes and copies
+    repacked: int  # anonymous copies of repacked matrices (drafts only)
+    kv_per_token: int
+    kv: int
+    compute: int  # resident: what the worst pass touches (compute_resident)
+    compute_reserved: int  # address space llama.cpp reserves (its "compute buffer size" log line)
+    output: int
+    vocab_tables: int
+    n_params: int
+    n_layer: int
+    n_vocab: int
+    types: dict = field(default_factory=dict)  # tensor type -> bytes
+
+    @property
+    def total(self) -> int:
+        return self.mapped + self.repacked + self.kv + self.compute + self.output + self.vocab_tables
+
+    @property
+    def anonymous(self) -> int:
+        """What only this process holds (everything but the shared mmapped weights)."""
+        return self.total - self.mapped
+
+
+@dataclass
+class Plan:
+    n_ctx: int
+    models: list[ModelMemory]
+    runtime: int = RUNTIME_BASE
+    n_prompt: Optional[int] = None  # None: a prompt that fills the context
+
+    @property
+    def total(self) -> int:
+        return self.runtime + sum(m.total for m in self.models)
+
+    def to_dict(self) -> dict:
+        return {"n_ctx": self.n_ctx, "prompt_tokens": self.n_prompt or self.n_ctx, "runtime_mb": _mb(self.runtime),
+                "total_mb": _mb(self.total),
+                "models": [{**{k: v for k, v in asdict(m).items() if k != "types"},
+                            **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "repacked", "kv", "compute",
+                                                                         "output", "vocab_tables", "total",
+                                                                         "anonymous")},
+                            "types_mb": {k: _mb(v) for k, v in sorted(m.types.items())}} for m in self.models]}
+
+
+def _mb(n: int) -> float:
+    return round(n / MiB, 1)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    val = f.parts[f.data[0]]
+    return val.tobytes().decode() if val.dtype.kind == "u" and val.dtype.itemsize == 1 and len(val) > 1 \
+        else val.tolist()[0] if len(val) == 1 else val.tolist()
+
+
+def gguf_facts(path: Path) -> dict:
+    """Shapes and types from a GGUF header: what the plan is computed from. Reading a header with a big
+    vocabulary takes seconds, so the facts are kept in $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
+    cache = models.home() / "plan-cache" / f"{key}.json"
+    try:
+        return json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    # the gguf reader peaks at ~0.5 GB for a 150k-token vocabulary: read in a child, not in an engine's process
+    proc = subprocess.run([sys.executable, "-m", "speculant.plan", "--facts", str(path)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0 or not proc.stdout.startswith(MARK):
+        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+        raise ModelError(f"cannot read the GGUF header of {path}: {why}")
+    facts = json.loads(proc.stdout[len(MARK):])
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(facts), encoding="utf-8")
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return facts
+
+
+def _read_facts(path: Path) -> dict:
+    from gguf import GGUFReader
+
+    r = GGUFReader(path, "r")
+    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
+    n_embd = int(_field(r, f"{arch}.embedding_length"))
+    n_head = int(_field(r, f"{arch}.attention.head_count"))
+    n_head_kv = int(_field(r, f"{arch}.attention.head_count_kv", n_head))
+    head_k = int(_field(r, f"{arch}.attention.key_length", n_embd // n_head))
+    head_v = int(_field(r, f"{arch}.attention.value_length", n_embd // n_head))
+    tensors = [(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes), int(t.n_elements))
+               for t in r.tensors]
+    embd = next(t for t in tensors if t[0] == "token_embd.weight")
+    return {"arch": arch, "n_layer": int(_field(r, f"{arch}.block_count")), "n_embd": n_embd, "n_head": n_head,
+            "n_head_kv": n_head_kv, "n_ff": int(_field(r, f"{arch}.feed_forward_length", 4 * n_embd)),
+            "head_k": head_k, "head_v": head_v, "n_vocab": embd[2][1],
+            "n_ctx_train": int(_field(r, f"{arch}.context_length", 0)), "file_type": _file_type_name(r),
+            "tensors": tensors, "file_bytes": path.stat().st_size,
+            "data_bytes": sum(t[3] for t in tensors)}
+
+
+def _file_type_name(reader) -> str:
+    from gguf import LlamaFileType
+
+    ft = _field(reader, "general.file_type")
+    try:
+        return LlamaFileType(ft).name.replace("MOSTLY_", "").replace("ALL_", "") if ft is not None else "?"
+    except ValueError:
+        return str(ft)
+
+
+def compute_reserved(f: dict, n_ctx: int) -> int:
+    """The CPU compute buffer llama.cpp reserves (and logs) for n_ctx, no flash attention, n_ubatch = 512: the
+    larger of an all-outputs logits phase and the attention-scores phase of a full ubatch (within ~2% of
+    llama.cpp's report for the registered models at n_ctx 256-16384). Address space, mostly never touched."""
+    n_ub = min(N_UBATCH, n_ctx)
+    n_kv = _padded(n_ctx)
+    rows = 3 * n_ub * f["n_embd"] * 4
+    return max(n_ub * f["n_vocab"] * 4 + rows, n_ub * n_kv * f["n_head"] * 4 + n_ub * n_kv * 4 + rows)
+
+
+def compute_resident(f: dict, n_ctx: int, n_outputs: int, n_prompt: Optional[int] = None) -> int:
+    """The part of the compute buffer our passes touch at worst: a prompt chunk of n_ubatch tokens over the
+    whole prompt (attention scores and the mask, n_kv = n_prompt, at worst n_ctx), the feed-forward
+    activations of a chunk, or the logits of a pass's n_outputs positions (the engine asks for the last
+    positions only, never all of a chunk's)."""
+    n_prompt = min(n_prompt or n_ctx, n_ctx)
+    n_ub = min(N_UBATCH, n_prompt)
+    n_kv = _padded(n_prompt)
+    rows = 3 * n_ub * f["n_embd"] * 4
+    # f32 scores and mask in the compute buffer, plus ggml's CPU work buffer: an f16 copy of the attention
+    # weights for their product with the f16 V cache
+    attention = n_ub * n_kv * (f["n_head"] + 1) * 4 + n_ub * n_kv * f["n_head"] * 2 + rows
+    ffn = n_ub * (3 * f["n_ff"] + 2 * f["n_embd"]) * 4
+    logits = n_outputs * f["n_vocab"] * 4 + rows
+    return max(attention, ffn, logits)
+
+
+def _padded(n_ctx: int) -> int:
+    return -(-n_ctx // 256) * 256  # llama.cpp pads the KV cache to 256 cells
+
+
+def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
+               as_type: Optional[str] = None) -> ModelMemory:
+    """One model's plan. as_type: estimate the same model quantized to that type (EST_BPW) instead of the
+    file as it is (what `speculant quantize` would make)."""
+    if models.spec_of(model) is not None and not models.cached_path(model).exists():
+        raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
+    path = Path(model) if Path(model).is_file() else models.resolve(model)
+    f = gguf_facts(path)
+    n_ctx = n_ctx or f["n_ctx_train"]
+    if f["n_ctx_train"]:
+        n_ctx = min(n_ctx, f["n_ctx_train"])
+    as_type = None if as_type == f["file_type"] else as_type
+    types: dict[str, int] = {}
+    repacked = 0
+    for name, ttype, shape, nbytes, n_elements in f["tensors"]:
+        if as_type and len(shape) >= 2 and ttype not in ("F32", "F16", "BF16"):
+            ttype, nbytes = EST_TENSOR_TYPE[as_type], int(n_elements * EST_BPW[as_type] / 8)
+        types[ttype] = types.get(ttype, 0) + nbytes
+        # the token embeddings are read by row lookups, not matmuls: never repacked
+        if role == "draft" and ttype in REPACKED_TYPES and name != "token_embd.weight" and len(shape) >= 2 \
+                and shape[1] % 8 == 0:
+            repacked += nbytes
+    file_bytes = f["file_bytes"] - f["data_bytes"] + sum(types.values())
+    kv_per_token = f["n_layer"] * f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES
+    n_kv = _padded(n_ctx)
+    outputs = verify_positions if role == "target" else 1
+    return ModelMemory(
+        name=model, role=role, path=str(path), file_type=f"{as_type} (estimated)" if as_type else f["file_type"],
+        file_bytes=file_bytes, mapped=file_bytes, repacked=repacked, kv_per_token=kv_per_token,
+        kv=kv_per_token * n_kv, compute=compute_resident(f, n_ctx, outputs, n_prompt),
+        compute_reserved=compute_reserved(f, n_ctx), output=outputs * f["n_vocab"] * 4,
+        vocab_tables=RUNTIME_PER_VOCAB * f["n_vocab"], n_params=sum(t[4] for t in f["tensors"]),
+        n_layer=f["n_layer"], n_vocab=f["n_vocab"], types=types)
+
+
+def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,
+         n_prompt: Optional[int] = None, target_type: Optional[str] = None, draft_type: Optional[str] = None) -> Plan:
+    """The memory plan of a target (and a draft model) at a context of n_ctx tokens, at its peak: once a
+    prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed."""
+    if not isinstance(n_ctx, int) or n_ctx < 16:
+        raise SettingsError(f"--ctx-size must be an integer >= 16, got {n_ctx!r}")
+    if n_prompt is not None and not (isinstance(n_prompt, int) and 1 <= n_prompt <= n_ctx):
+        raise SettingsError(f"--prompt-tokens must be an integer in [1, --ctx-size], got {n_prompt!r}")
+    out = [plan_model(target, "target", n_ctx, verify_positions=draft_max + 1, n_prompt=n_prompt,
+                      as_type=target_type)]
+    if draft:
+        out.append(plan_model(draft, "draft", n_ctx, n_prompt=n_prompt, as_type=draft_type))
+    return Plan(n_ctx, out, n_prompt=n_prompt)
+
+
+# -- measuring (tests and `plan --measure`) ---------------------------------------------------------------
+MEASURE_TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n    for lo, hi in "
+                  "intervals:\n        if out and lo <= out[-1][1]:\n            out[-1][1] = max(out[-1][1], hi)\n"
+                  "        else:\n            out.append([lo, hi])\n    return out\n")  # about 70 tokens
+MARK = "SPECULANT_PLAN "
+
+
+def measure(target: str, draft: Optional[str], n_ctx: int, *, n_prompt: Optional[int] = None, n_tokens: int = 4,
+            timeout: float = 900) -> dict:
+    """Peak RSS (VmHWM) of a fresh child process that loads the pair the way `speculant generate` does and
+    generates n_tokens after a prompt of n_prompt tokens (default: one that fills the rest of the context, the
+    plan's worst case)."""
+    spec = json.dumps({"target": target, "draft": draft, "n_ctx": n_ctx, "n_tokens": n_tokens, "n_prompt": n_prompt})
+    proc = subprocess.run([sys.executable, "-m", "speculant.plan", spec], capture_output=True, text=True,
+                          timeout=timeout)
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(MARK):
+            return json.loads(line[len(MARK):])
+    tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
+    raise RuntimeError(f"memory measurement failed: {tail}")
+
+
+def _child(spec: dict) -> dict:
+    from .api import load_engine
+    from .bench.memory import _mb_status
+    from .verify import SamplingParams
+
+    start = _mb_status()
+    engine = load_engine(spec["target"], spec["draft"], n_ctx=spec["n_ctx"], draft_max=4, adaptive=False)
+    try:
+        n_prompt = min(spec.get("n_prompt") or engine.target.n_ctx, engine.target.n_ctx - spec["n_tokens"] - 8)
+        prompt = engine.target.tokenize(MEASURE_TEXT * (n_prompt // 50 + 1))[:n_prompt]
+        res = engine.generate(prompt, max_tokens=spec["n_tokens"], params=SamplingParams(0.0))
+    finally:
+        engine.close()
+    return {**_mb_status(), "startup_rss_mb": start.get("rss_mb"), "prompt_tokens": res.stats.prompt_tokens}
+
+
+# -- what fits in a memory budget ---------------------------------------------------------------------------
+SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+
+
+def parse_size(text: str) -> int:
+    """'8G', '7.5GiB', '900M', '123456789' -> bytes (K/M/G/T are powers of 1024, as llama.cpp prints them)."""
+    m = SIZE.match(text or "")
+    if not m:
+        raise SettingsError(f"--mem {text!r} is not a size: write e.g. 8G, 7.5GiB or 900M")
+    return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
+
+
+# bits per weight of the matrices under each quantization (what llama.cpp's ftype mixes come to on average)
+EST_BPW = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5}
+EST_TENSOR_TYPE = {"F16": "F16", "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q4_K_M": "Q4_K", "Q4_0": "Q4_0"}
+CTX_STEPS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+OTHER_TYPES = ("Q8_0", "Q4_0")  # besides each file's own type, what `plan --mem` considers
+
+
+def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = None, draft_max: int = 4) -> list[dict]:
+    """For each (target type, draft type): the largest context (of CTX_STEPS, or n_ctx when given) whose plan
+    fits in mem bytes, or why none does. Types other than the files' own are estimates (EST_BPW) of what
+    `speculant quantize` would make."""
+    steps = [n_ctx] if n_ctx else list(CTX_STEPS)
+    rows = []
+    own = plan(target, draft, n_ctx=steps[0]).models
+    t_types = [None] + [t for t in OTHER_TYPES if t != own[0].file_type]
+    d_types = [None] + [t for t in OTHER_TYPES if t != own[-1].file_type] if draft else [None]
+    NO_DRAFT = "no draft"  # the target alone: plain decoding, or a free drafter (-md lookup / history)
+    for tt in t_types:
+        for dt in d_types + ([NO_DRAFT] if draft else []):
+            pair = None if dt == NO_DRAFT else draft
+            plans = [plan(target, pair, n_ctx=c, draft_max=draft_max, target_type=tt,
+                          draft_type=None if dt == NO_DRAFT else dt) for c in steps]
+            ok = [p for p in plans if p.total <= mem]
+            smallest = plans[0]
+            row = {"target_type": smallest.models[0].file_type,
+                   "draft_type": smallest.models[1].file_type if pair else (NO_DRAFT if draft else None),
+                   "fits": bool(ok), "n_ctx": ok[-1].n_ctx if ok else None,
+                   "total_mb": _mb(ok[-1].total if ok else smallest.total)}
+            if not ok:
+                weights = sum(m.mapped + m.repacked for m in smallest.models)
+                row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights > mem
+                              else f"at n_ctx {smallest.n_ctx} it needs {_mb(smallest.total):.0f} MiB (weights "
+                              f"{_mb(weights):.0f}, KV cache {_mb(sum(m.kv for m in smallest.models)):.0f}, compute "
+                              f"buffers {_mb(sum(m.compute for m in smallest.models)):.0f}, runtime and vocabularies "
+                              f"{_mb(smallest.runtime + sum(m.vocab_tables for m in smallest.models)):.0f})")
+            rows.append(row)
+    return rows
+
+
+# -- CLI ------------------------------------------------------------------------------------------------------
+def table(p: Plan) -> str:
+    cols = [("weights mmapped", "mapped"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
+            ("output", "output"), ("vocab tables", "vocab_tables"), ("total", "total")]
+    head = "| model | type | " + " | ".join(c for c, _ in cols) + " |"
+    lines = [f"memory plan at n_ctx {p.n_ctx} (MiB; resident at peak, after a prompt of {p.n_prompt or p.n_ctx} "
+             "tokens)", "",
+             head, "|" + "---|" * (len(cols) + 2)]
+    for m in p.models:
+        lines.append(f"| {m.role}: {m.name} | {m.file_type} | " +
+                     " | ".join(f"{getattr(m, k) / MiB:.0f}" for _, k in cols) + " |")
+        lines.append(f"|  KV per token: {m.kv_per_token / 1024:.1f} KiB | | | | | | | | |")
+    lines.append(f"| runtime (interpreter, libraries) | | | | | | | | {p.runtime / MiB:.0f} |")
+    lines.append(f"| **total** | | | | | | | | **{p.total / MiB:.0f}** |")
+    shared = sum(m.mapped for m in p.models)
+    lines += ["", f"Of the total, {shared / MiB:.0f} MiB are mmapped weights: file-backed pages shared with every "
+                  "other process (and bench copy) that maps the same files; the rest is this process's own."]
+    return "\n".join(lines) + "\n"
+
+
+def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    p = sub.add_parser("plan", help="memory a target and draft need (weights, KV cache, compute), and what fits",
+                       description="Plan memory before loading: weights (mmapped and shared, or repacked), KV cache "
+                                   "per token and for the context, compute buffers, for the target and the draft. "
+                                   "With --mem: which quantization of target and draft and what context fit.")
+    p.add_argument("-m", "--model", default=models.DEFAULT_TARGET, help="target model (default %(default)s)")
+    p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
+                   help="draft model (name or GGUF path)")
+    p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=None,
+                   help="context size (default 4096; with --mem: the largest that fits)")
+    p.add_argument("--prompt-tokens", type=int, default=None,
+                   help="plan the peak after a prompt this long (default: one that fills the context)")
+    p.add_argument("--mem", default=None, help="memory budget, e.g. 4G or 1500M: what fits in it")
+    p.add_argument("--draft-max", type=int, default=4, help="tokens drafted per step (verify logits; default 4)")
+    p.add_argument("--backend", default="llama.cpp", help="backend (llama.cpp; the only one planned)")
+    p.add_argument("--measure", action="store_true",
+                   help="also load the models in a child process and report its measured peak RSS")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(handler=cmd_plan)
+
+
+def cmd_plan(args) -> int:
+    if args.backend not in ("llama.cpp", "auto"):
+        raise SettingsError(f"plan covers the llama.cpp backend (GGUF files); --backend {args.backend} is not "
+                            "planned (the torch backend holds bf16 weights: about 2 bytes per parameter)")
+    if args.draft_max < 0:
+        raise SettingsError(f"--draft-max must be >= 0, got {args.draft_max}")
+    if args.model_draft:
+        models.check_draft(args.model_draft, args.model)
+    mem = parse_size(args.mem) if args.mem is not None else None
+    p = plan(args.model, args.model_draft, n_ctx=args.ctx or 4096, draft_max=args.draft_max,
+             n_prompt=args.prompt_tokens)
+    out = p.to_dict()
+    if mem is not None:
+        out["mem_mb"] = _mb(mem)
+        out["fits"] = fits(args.model, args.model_draft, mem, n_ctx=args.ctx, draft_max=args.draft_max)
+    if args.measure:
+        out["measured"] = measure(args.model, args.model_draft, p.n_ctx, n_prompt=args.prompt_tokens)
+    if args.json:
+        print(json.dumps(out, indent=1))
+        return 0
+    print(table(p), end="")
+    if args.measure:
+        m = out["measured"]
+        print(f"\nmeasured in a fresh process: peak RSS {m['peak_rss_mb']:.0f} MiB (planned {out['total_mb']:.0f}, "
+              f"{out['total_mb'] / m['peak_rss_mb'] - 1:+.1%})")
+    if mem is not None:
+        print(f"\nin {mem / MiB:.0f} MiB:")
+        for r in out["fits"]:
+            pair = f"target {r['target_type']}" + (
+                " alone (plain decoding, -md lookup or -md history)" if r["draft_type"] == "no draft"
+                else f" + draft {r['draft_type']}" if r["draft_type"] else "")
+            print(f"  {'fits' if r['fits'] else 'does not fit'}: {pair}" +
+                  (f", n_ctx up to {r['n_ctx']} ({r['total_mb']:.0f} MiB)" if r["fits"] else f": {r['why']}"))
+    return 0
+
+
+def _facts_child(path: str) -> int:
+    try:
+        facts = _read_facts(Path(path))
+    except Exception as e:  # the reader raises many kinds of errors on a damaged file
+        print(f"{type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    print(MARK + json.dumps(facts), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--facts":
+        sys.exit(_facts_child(sys.argv[2]))
+    print(MARK + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

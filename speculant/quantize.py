@@ -1,0 +1,237 @@
+"""`speculant quantize`: llama.cpp's own quantizer (llama_model_quantize) on a registered model or a GGUF file.
+
+The quantizer runs in a child process (an abort inside llama.cpp cannot take the caller down, and Ctrl-C
+stops it cleanly); its log ("[  12/ 291] blk.0.attn_q.weight ...") drives a progress bar. The output is
+written next to its final place under a temporary name, checked, and renamed into place, so an interrupted
+run never leaves a half-written model; the result gets a local registry entry (models.local_entries) that
+every command can name, e.g. `speculant generate -md qwen2.5-coder-0.5b-instruct-q4_0`.
+
+Requantizing (quantized weights in, e.g. from the shipped Q4_K_M files) loses some quality and is refused
+unless asked for (--allow-requantize). For a draft model that is harmless to correctness: any draft is
+verified exactly by the target, so its quality only moves acceptance, never the output.
+
+    python -m speculant.quantize '{"input": ..., "output": ..., "ftype": 2, ...}'   # the child
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from pathlib import Path
+from typing import Optional
+
+from . import models
+from .errors import ModelError, SettingsError
+
+# llama_ftype values (llama.h) of the file types worth making here; the IQ1/IQ2/IQ3 types need an importance
+# matrix, which we do not compute
+FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
+              "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
+              "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+# ggml tensor types for --output-tensor-type / --token-embedding-type
+TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
+                "Q6_K", "IQ4_NL", "IQ4_XS")
+UNQUANTIZED = {"F32", "F16", "BF16"}
+STAGING_PREFIX = ".quantize-"
+_PROGRESS = re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\s*\]")
+_QUANT_SUFFIX = re.compile(r"[-._](q\d\w*|iq\d\w*|f16|bf16|f32)$", re.IGNORECASE)
+
+
+def file_type(name: str) -> int:
+    key = name.upper()
+    if key not in FILE_TYPES:
+        raise SettingsError(f"unknown quantization type {name!r}; choose one of {', '.join(FILE_TYPES)}")
+    return FILE_TYPES[key]
+
+
+def tensor_type(name: str, flag: str) -> int:
+    from gguf import GGMLQuantizationType
+
+    key = name.upper()
+    if key not in TENSOR_TYPES:
+        raise SettingsError(f"unknown tensor type {name!r} for {flag}; choose one of {', '.join(TENSOR_TYPES)}")
+    return GGMLQuantizationType[key].value
+
+
+def quantized_types(path: Path) -> dict[str, int]:
+    """Quantized weight types in a GGUF file -> how many matrices have each (empty for an F32/F16/BF16 file)."""
+    from gguf import GGUFReader
+
+    out: dict[str, int] = {}
+    for t in GGUFReader(path, "r").tensors:
+        name = t.tensor_type.name
+        if len(t.shape) >= 2 and name not in UNQUANTIZED:
+            out[name] = out.get(name, 0) + 1
+    return out
+
+
+def default_name(model: str, type_name: str, output_type: Optional[str], embd_type: Optional[str]) -> str:
+    """e.g. qwen2.5-coder-0.5b-instruct + Q4_0 (+ output Q4_0) -> qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0."""
+    base = model if model in models.REGISTRY else _QUANT_SUFFIX.sub("", Path(model).name.removesuffix(".gguf"))
+    spec = models.spec_of(model)
+    if spec is not None and model not in models.REGISTRY:  # a local model: name from its own source
+        base = models.local_entries()[model].get("source", base)
+    name = f"{base}-{type_name.lower()}"
+    if output_type:
+        name += f"-out-{output_type.lower()}"
+    if embd_type:
+        name += f"-embd-{embd_type.lower()}"
+    return name
+
+
+def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: Optional[str] = None,
+             allow_requantize: bool = False, output_tensor_type: Optional[str] = None,
+             token_embedding_type: Optional[str] = None, threads: Optional[int] = None,
+             progress: bool = True) -> tuple[str, Path]:
+    """Quantize MODEL (registered/local name or GGUF path) to type_name; returns (registry name, path)."""
+    ftype = file_type(type_name)
+    out_type = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else -1
+    embd_type = tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else -1
+    if threads is not None and threads < 1:
+        raise SettingsError(f"--threads must be >= 1, got {threads}")
+    src = models.resolve(model)  # missing or corrupt input: a clear ModelError
+    already = quantized_types(src)
+    if already and not allow_requantize:
+        kinds = ", ".join(f"{k} x{n}" for k, n in sorted(already.items()))
+        raise SettingsError(f"{model} already holds quantized weights ({kinds}); requantizing them loses some "
+                            "quality: pass --allow-requantize to do it anyway (for a draft model it only affects "
+                            "acceptance, never the output, which the target verifies exactly)")
+    name = name or default_name(model, type_name, output_tensor_type, token_embedding_type)
+    known = models.REGISTRY.get(name)
+    if known and known.derived_from == model and known.quant_type == type_name.upper() and not output \
+            and known.output_type == (output_tensor_type or "").upper() and not token_embedding_type:
+        return name, models.pull(name, quiet=not progress)  # a registered derived model: made where pull makes it
+    if name in models.REGISTRY:
+        raise SettingsError(f"--name {name!r} is a registered model's name; choose another")
+    final = Path(output).expanduser() if output else models.home() / "models" / f"{name}.gguf"
+    if final.resolve() == src.resolve():
+        raise SettingsError(f"the output {final} is the input file; choose another -o")
+    if final.is_dir():
+        raise SettingsError(f"-o {final} is a directory; pass a file name ending in .gguf")
+    make(src, final, ftype, allow_requantize=allow_requantize, output_tensor_type=out_type,
+         token_embedding_type=embd_type, threads=threads, progress=progress,
+         desc=f"quantizing {model} to {type_name.upper()}")
+    source = models.spec_of(model)
+    models.register_local(name, {
+        "path": str(final.resolve()), "size": final.stat().st_size, "sha256": models.sha256_file(final),
+        "source": model if source is not None else str(src),
+        "type": type_name.upper(), "output_tensor_type": output_tensor_type, "token_embedding_type":
+        token_embedding_type, "requantized": bool(already), "tokenizer": source.tokenizer if source else "",
+        "n_vocab": source.n_vocab if source else 0,
+        "description": f"{type_name.upper()} of {model}" + (f", output layer {output_tensor_type.upper()}"
+                                                              if output_tensor_type else "")
+                       + (" (requantized)" if already else "") + ", made by speculant quantize"})
+    return name, final
+
+
+def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, output_tensor_type: int = -1,
+         token_embedding_type: int = -1, threads: Optional[int] = None, progress: bool = True,
+         desc: str = "quantizing") -> None:
+    """Quantize src into final through a staging file beside it: final appears whole or not at all."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    spec = {"input": str(src), "ftype": ftype, "threads": threads or os.cpu_count() or 1,
+            "allow_requantize": allow_requantize, "output_tensor_type": output_tensor_type,
+            "token_embedding_type": token_embedding_type}
+    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent) as tmp:
+        staged = Path(tmp) / final.name
+        _run_child({**spec, "output": str(staged)}, desc, progress)
+        models.check_gguf(staged)
+        os.replace(staged, final)
+
+
+def _run_child(spec: dict, desc: str, progress: bool) -> None:
+    """llama_model_quantize in a child process, a progress bar from its per-tensor log lines."""
+    bar = None
+    tail: deque[str] = deque(maxlen=20)
+    proc = subprocess.Popen([sys.executable, "-m", "speculant.quantize", json.dumps(spec)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, errors="replace")
+    try:
+        for line in proc.stderr:
+            tail.append(line.rstrip())
+            m = _PROGRESS.search(line)
+            if m and progress:
+                done, total = int(m.group(1)), int(m.group(2))
+                if bar is None:
+                    from tqdm import tqdm
+
+                    bar = tqdm(total=total, desc=desc, unit="tensor", file=sys.stderr, disable=None)
+                bar.update(done - bar.n)
+        rc = proc.wait()
+    except BaseException:  # Ctrl-C, SIGTERM: stop the child; the staging directory goes with the caller's with
+        proc.kill()
+        proc.wait()
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+    if rc != 0:
+        lines = [s for s in tail if s.strip()]
+        why = next((s for s in reversed(lines) if "error" in s.lower() or "failed" in s.lower()),
+                   lines[-1] if lines else f"exit status {rc}")
+        raise ModelError(f"llama.cpp's quantizer failed: {why.strip()[-300:]}")
+
+
+def child(spec: dict) -> int:
+    """In the child: call llama_model_quantize; llama.cpp logs each tensor on stderr."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    from .native import load_backends
+
+    ll.llama_backend_init()
+    load_backends()
+    params = ll.llama_model_quantize_default_params()
+    params.ftype = spec["ftype"]
+    params.nthread = spec["threads"]
+    params.allow_requantize = spec["allow_requantize"]
+    if spec["output_tensor_type"] >= 0:
+        params.output_tensor_type = spec["output_tensor_type"]
+    if spec["token_embedding_type"] >= 0:
+        params.token_embedding_type = spec["token_embedding_type"]
+    rc = ll.llama_model_quantize(spec["input"].encode(), spec["output"].encode(), ctypes.byref(params))
+    if rc != 0:
+        print(f"error: llama_model_quantize returned {rc}", file=sys.stderr, flush=True)
+    return 0 if rc == 0 else 1
+
+
+def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    p = sub.add_parser("quantize", help="quantize a model with llama.cpp's quantizer (a local model you can name)",
+                       description="Quantize a registered model or a GGUF file with llama.cpp's own quantizer. "
+                                   "The result goes into the model cache (or -o) and gets a name that -m/-md accept. "
+                                   "The shipped models are already quantized (Q4_K_M): requantizing them needs "
+                                   "--allow-requantize and loses some quality, which for a draft model only "
+                                   "lowers acceptance; the output stays exactly the target's.")
+    p.add_argument("model", help="registered or local model name, or a GGUF file")
+    p.add_argument("--type", required=True, metavar="TYPE", help=f"file type: {', '.join(FILE_TYPES)}")
+    p.add_argument("-o", "--output", default=None, help="output GGUF (default: the cache, named after the model)")
+    p.add_argument("--name", default=None, help="name of the local registry entry (default MODEL-TYPE)")
+    p.add_argument("--allow-requantize", action="store_true",
+                   help="allow quantizing weights that are already quantized (loses some quality)")
+    p.add_argument("--output-tensor-type", default=None, metavar="TYPE",
+                   help=f"type of the output layer (output.weight): {', '.join(TENSOR_TYPES)}")
+    p.add_argument("--token-embedding-type", default=None, metavar="TYPE",
+                   help="type of the token embeddings (token_embd.weight)")
+    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.set_defaults(handler=cmd_quantize)
+
+
+def cmd_quantize(args) -> int:
+    name, path = quantize(args.model, args.type, output=args.output, name=args.name,
+                          allow_requantize=args.allow_requantize, output_tensor_type=args.output_tensor_type,
+                          token_embedding_type=args.token_embedding_type, threads=args.threads,
+                          progress=not args.quiet)
+    entry = models.local_entries()[name]
+    note = " (requantized: a draft's quality only affects acceptance, never the output)" if entry["requantized"] else ""
+    print(f"{name}: {path} ({entry['size'] / 2**20:.0f} MiB, sha256 {entry['sha256'][:16]}…){note}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(child(json.loads(sys.argv[1])))

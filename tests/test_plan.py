@@ -1,0 +1,121 @@
+"""`speculant plan` against what llama.cpp reports and what a fresh process really holds (real models)."""
+
+import json
+import re
+import subprocess
+import sys
+
+import pytest
+
+from speculant import models, plan
+
+pytestmark = pytest.mark.models
+
+TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
+
+
+def need(*names):
+    for name in names:
+        if not models.cached_path(name).exists():
+            pytest.skip(f"{name} not pulled")
+
+
+# the real pair at two context sizes, each in a fresh child process: the whole context filled at 1024, a
+# 600-token prompt at 4096 (KV cache resident in full, attention buffers for the prompt only)
+@pytest.mark.parametrize("n_ctx, n_prompt", [(1024, None), (4096, 600)])
+def test_plan_within_10_percent_of_measured_peak_rss(n_ctx, n_prompt):
+    need(TARGET, DRAFT)
+    p = plan.plan(TARGET, DRAFT, n_ctx=n_ctx, n_prompt=n_prompt)
+    measured = plan.measure(TARGET, DRAFT, n_ctx, n_prompt=n_prompt)
+    assert measured["prompt_tokens"] >= min(n_prompt or n_ctx, n_ctx - 12)
+    planned_mb = p.total / 2 ** 20
+    assert abs(planned_mb / measured["peak_rss_mb"] - 1) < 0.10, (planned_mb, measured)
+
+
+def _llama_log(path, n_ctx, repack):
+    """llama.cpp's whole log of loading path (the backend keeps only its last lines: widen it meanwhile)."""
+    import collections
+
+    from speculant.backends import llamacpp
+
+    kept, llamacpp._LOG = llamacpp._LOG, collections.deque()
+    try:
+        llamacpp.LlamaCppBackend(path, n_ctx=n_ctx, repack=repack).close()
+        return "".join(llamacpp._LOG)
+    finally:
+        llamacpp._LOG = kept
+
+
+def _mib(log, what):
+    m = re.search(rf"{what} buffer size =\s+([\d.]+) MiB", log)
+    return float(m.group(1)) if m else 0.0
+
+
+@pytest.mark.parametrize("n_ctx", [1024, 8192])
+def test_compute_buffer_model_matches_llama_cpp(n_ctx):
+    need(SMALL)
+    log = _llama_log(models.cached_path(SMALL), n_ctx, False)
+    m = plan.plan_model(SMALL, "target", n_ctx)
+    assert abs(m.compute_reserved / 2 ** 20 / _mib(log, "CPU compute") - 1) < 0.03
+
+
+def test_repacked_weights_match_llama_cpp():
+    """A draft loads with repacking: the plan's anonymous copy is llama.cpp's CPU_REPACK buffer."""
+    need(DRAFT)
+    log = _llama_log(models.cached_path(DRAFT), 512, True)
+    m = plan.plan_model(DRAFT, "draft", 512)
+    assert _mib(log, "CPU_REPACK model") > 0
+    assert abs(m.repacked / 2 ** 20 - _mib(log, "CPU_REPACK model")) < 1.0
+    assert plan.plan_model(DRAFT, "target", 512).repacked == 0  # a target never repacks (exactness)
+
+
+def test_kv_per_token_from_metadata():
+    need(TARGET, DRAFT)
+    t, d = plan.plan_model(TARGET, "target", 4096), plan.plan_model(DRAFT, "draft", 4096)
+    # Qwen2.5-1.5B: 28 layers x 2 KV heads x (128 + 128) x 2 bytes; 0.5B: 24 layers x 2 x (64 + 64) x 2
+    assert t.kv_per_token == 28 * 2 * 256 * 2 and d.kv_per_token == 24 * 2 * 128 * 2
+    assert t.kv == t.kv_per_token * 4096
+    assert t.mapped == models.cached_path(TARGET).stat().st_size
+
+
+def run(*args):
+    return subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_cli_json_and_mem():
+    need(TARGET, DRAFT)
+    out = json.loads(run("plan", "-md", DRAFT, "-c", "2048", "--mem", "2G", "--json").stdout)
+    assert out["n_ctx"] == 2048 and [m["role"] for m in out["models"]] == ["target", "draft"]
+    assert out["total_mb"] == pytest.approx(out["runtime_mb"] + sum(m["total_mb"] for m in out["models"]), abs=0.5)
+    fits = {(r["target_type"], r["draft_type"]): r for r in out["fits"]}
+    assert fits[("Q4_K_M", "Q4_K_M")]["fits"] and fits[("Q4_K_M", "Q4_K_M")]["n_ctx"] == 2048  # --ctx given
+    assert not fits[("Q8_0 (estimated)", "Q4_K_M")]["fits"]
+    assert "weights alone" in fits[("Q8_0 (estimated)", "Q4_K_M")]["why"]
+    text = run("plan", "-md", DRAFT, "--mem", "1700M").stdout
+    assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
+    assert "does not fit: target Q4_K_M + draft Q8_0 (estimated): the weights alone take 1710 MiB" in text
+    assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB "
+                     r"\(weights 1562,", text)
+    assert re.search(r"fits: target Q4_K_M alone \(plain decoding.*\), n_ctx up to 4096 ", text)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--mem", "lots"], "is not a size"),
+    (["-m", "no-such-model"], "unknown model"),
+    (["-c", "8"], "--ctx-size must be"),
+    (["--prompt-tokens", "9000", "-c", "4096"], "--prompt-tokens must be"),
+    (["--backend", "torch"], "plan covers the llama.cpp backend"),
+    (["-md", SMALL], "cannot draft for target"),
+])
+def test_cli_bad_input(args, needle):
+    proc = run("plan", *args)
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr
+    lines = [s for s in proc.stderr.splitlines() if s.strip()]
+    assert len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_parse_size():
+    assert plan.parse_size("8G") == 8 * 2 ** 30
+    assert plan.parse_size("1.5GiB") == int(1.5 * 2 ** 30)
+    assert plan.parse_size("900M") == 900 * 2 ** 20
+    assert plan.parse_size("4096") == 4096

@@ -1,0 +1,158 @@
+"""`speculant quantize`: llama.cpp's quantizer on the real SmolLM2-135M, in a scratch $SPECULANT_HOME.
+
+The result must be a GGUF of the asked type that loads and generates, named in the local registry (with its
+sha256), written atomically; bad input must give one clear line and leave nothing behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from speculant import models
+
+pytestmark = pytest.mark.models
+
+SMALL = "smollm2-135m-instruct"
+
+
+def run(*args, env):
+    return subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "OMP_WAIT_POLICY": "PASSIVE", **env})
+
+
+def assert_clean_error(proc, *needles):
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr, proc.stderr
+    lines = [s for s in proc.stderr.splitlines() if s.strip()]
+    assert len(lines) == 1 and lines[0].startswith("speculant: error: "), proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture()
+def home(tmp_path):
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / models.cached_path(SMALL).name).symlink_to(models.cached_path(SMALL))
+    return tmp_path
+
+
+def _gguf_types(path):
+    from gguf import GGUFReader
+
+    return {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}
+
+
+@pytest.mark.parametrize("qtype", ["Q8_0", "Q4_0"])
+def test_requantized_model_loads_generates_and_is_registered(home, qtype):
+    env = {"SPECULANT_HOME": str(home)}
+    proc = run("quantize", SMALL, "--type", qtype, "--allow-requantize", "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    name = f"{SMALL}-{qtype.lower()}"
+    assert proc.stdout.startswith(f"{name}: ") and "requantized" in proc.stdout
+    entry = json.loads((home / "models" / "local.json").read_text())[name]
+    path = home / "models" / f"{name}.gguf"
+    assert entry["path"] == str(path) and entry["size"] == path.stat().st_size
+    assert entry["sha256"] == models.sha256_file(path)
+    assert entry["type"] == qtype and entry["requantized"] and entry["tokenizer"] == "smollm2"
+    types = _gguf_types(path)
+    assert sum(t == qtype for t in types.values()) > 100  # the attention and FFN matrices (210 in SmolLM2)
+    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-")]  # nothing staged left
+    listed = run("models", env=env)
+    assert name in listed.stdout
+    gen = run("generate", "-m", name, "-md", name, "-p", "The capital of France is", "-n", "8", "--json",
+              "-t", "1", env=env)
+    assert gen.returncode == 0, gen.stderr
+    out = json.loads(gen.stdout)
+    assert out["stats"]["generated_tokens"] == 8 and out["text"].strip()
+
+
+def test_output_tensor_type_and_own_path(home, tmp_path_factory):
+    out = tmp_path_factory.mktemp("out") / "small-q8-out-q4.gguf"
+    env = {"SPECULANT_HOME": str(home)}
+    proc = run("quantize", SMALL, "--type", "Q8_0", "--output-tensor-type", "Q4_0", "--allow-requantize", "-q",
+               "-o", str(out), "--name", "small-test", env=env)
+    assert proc.returncode == 0, proc.stderr
+    # SmolLM2 ties its output layer to the token embeddings, so the embedding matrix is the one it quantizes
+    types = _gguf_types(out)
+    assert "output.weight" not in types and types["token_embd.weight"] == "Q4_0"
+    assert json.loads((home / "models" / "local.json").read_text())["small-test"]["path"] == str(out)
+
+
+def test_refuses_to_requantize_unless_asked(home):
+    proc = run("quantize", SMALL, "--type", "Q8_0", env={"SPECULANT_HOME": str(home)})
+    assert_clean_error(proc, "already holds quantized weights", "Q4_1", "--allow-requantize", "acceptance")
+    assert not list((home / "models").glob("*q8_0*"))
+
+
+@pytest.mark.parametrize("args, needles", [
+    (["--type", "Q9_9"], ["unknown quantization type", "Q4_0", "Q4_K_M", "Q8_0"]),
+    (["--type", "Q4_0", "--output-tensor-type", "Q7"], ["unknown tensor type", "--output-tensor-type"]),
+    (["--type", "Q4_0", "-t", "0"], ["--threads must be >= 1"]),
+])
+def test_bad_settings(home, args, needles):
+    assert_clean_error(run("quantize", SMALL, *args, "--allow-requantize", env={"SPECULANT_HOME": str(home)}),
+                       *needles)
+
+
+def test_missing_and_corrupt_inputs(home, tmp_path_factory):
+    env = {"SPECULANT_HOME": str(home)}
+    scratch = tmp_path_factory.mktemp("bad")
+    assert_clean_error(run("quantize", str(scratch / "none.gguf"), "--type", "Q4_0", env=env), "not found")
+    assert_clean_error(run("quantize", "no-such-model", "--type", "Q4_0", env=env), "unknown model")
+    cut = scratch / "cut.gguf"
+    cut.write_bytes(models.cached_path(SMALL).read_bytes()[:5_000_000])  # header intact, tensor data cut off
+    assert_clean_error(run("quantize", str(cut), "--type", "Q4_0", "--allow-requantize", env=env), "truncated")
+    junk = scratch / "junk.gguf"
+    junk.write_bytes(b"not a model at all" * 100)
+    assert_clean_error(run("quantize", str(junk), "--type", "Q4_0", env=env), "not a GGUF file")
+    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-") or "q4_0" in p.name]
+
+
+def test_output_onto_its_input_is_refused(home):
+    src = str(models.cached_path(SMALL))
+    assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--allow-requantize", "-o", src,
+                           env={"SPECULANT_HOME": str(home)}), "is the input file")
+
+
+def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path):
+    name = "qwen2.5-coder-0.5b-instruct-q4_0"
+    spec = models.REGISTRY[name]
+    if not models.cached_path(spec.derived_from).exists():
+        pytest.skip(f"{spec.derived_from} not pulled")
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / models.cached_path(spec.derived_from).name).symlink_to(models.cached_path(spec.derived_from))
+    env = {"SPECULANT_HOME": str(tmp_path)}
+    first = run("pull", name, env=env)
+    assert first.returncode == 0, first.stderr
+    assert "preparing" in first.stderr and "never the output" in first.stderr and "warning" not in first.stderr
+    made = tmp_path / "models" / spec.filename
+    assert made.stat().st_size == spec.size and models.sha256_file(made) == spec.sha256  # deterministic here
+    assert _gguf_types(made)["blk.0.ffn_up.weight"] == "Q4_0"
+    again = run("pull", name, env=env)
+    assert again.returncode == 0 and "preparing" not in again.stderr  # made once, then cached
+    assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".quantize-")]
+
+
+@pytest.mark.parametrize("sig, code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_interrupted_quantize_leaves_nothing(home, sig, code):
+    """The quantizer runs in a child: a signal to the command stops it at once and removes the staged file."""
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "quantize", SMALL, "--type", "Q4_K_M",
+                             "--allow-requantize", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "SPECULANT_HOME": str(home)})
+    folder = home / "models"
+    deadline = time.monotonic() + 60
+    while not list(folder.glob(".quantize-*/*")) and time.monotonic() < deadline and proc.poll() is None:
+        time.sleep(0.01)
+    if proc.poll() is not None:
+        pytest.skip("quantizing finished before it could be interrupted")
+    proc.send_signal(sig)
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == code, err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in folder.iterdir()) == [models.cached_path(SMALL).name]  # nothing else
