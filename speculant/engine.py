@@ -150,6 +150,7 @@ class Engine:
         target = self.target
         text = _TextTracker(target, stop)
 
+        verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
         t0 = time.perf_counter()
         target.prefill(context[:-1])  # everything but the last token, which each step feeds
         if drafter:
@@ -174,18 +175,18 @@ class Engine:
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
                 t = time.perf_counter()
-                n_pass = target.behind(context + draft.tokens) if self.trace is not None else 0
-                verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
+                candidate = context + draft.tokens
+                n_pass = target.behind(candidate) if self.trace is not None else 0
                 if verify_step is not None:
-                    n_accepted, next_token = verify_step(context + draft.tokens, len(draft), draft.probs, params, rng)
-                elif params.greedy:
-                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
-                    n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
+                    n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
-                    logits = target.sync(context + draft.tokens, n_logits=len(draft) + 1)  # [k+1, V]
-                    n_accepted, next_token = verify_sampled(
-                        np.asarray(draft.tokens, dtype=np.int64), draft.probs,
-                        probs_from_logits(logits, params), rng)
+                    logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
+                    if params.greedy:
+                        n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
+                    else:
+                        n_accepted, next_token = verify_sampled(
+                            np.asarray(draft.tokens, dtype=np.int64), draft.probs,
+                            probs_from_logits(logits, params), rng)
                 verify_time = time.perf_counter() - t
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
