@@ -10,7 +10,8 @@
 # What goes in: the pinned llama-cpp-python sdist (sha256-checked), our patch (native/*.patch: the variant
 # list, the build reporting itself in llama_print_system_info, and a hook that sends passes of a few tokens
 # to our batch-invariant kernels, native/src/speculant-mm.c), and the flags exactness needs: no llamafile
-# sgemm (batched passes must round like single-token ones); the target loads without repacking. The AMX
+# sgemm (batched passes must round like single-token ones); weights load repacked (our kernels keep the
+# repacked layout invariant, native/src/speculant-mm.c). The AMX
 # variant is left out (its matmul path crashed on quantized models).
 #
 #   native/build-llama.sh            # -> prints .../llama_cpp_python-0.3.36+spec.<key>-py3-none-linux_x86_64.whl

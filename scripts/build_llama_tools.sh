@@ -15,7 +15,14 @@ set -euo pipefail
 VERSION=0.3.36
 SDIST_SHA256=832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 HOME_DIR="${SPECULANT_HOME:-$HOME/.cache/speculant}"
-CPU_KEY="$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo) | sha256sum | cut -c1-10)"
+# llama.cpp's AMX kernels (compiled in by a native build on CPUs with AMX) crash on our quantized models
+# (llama-bench segfaults while repacking Q4_K/Q6_K into its AMX buffer, on the default flags). A user who meets
+# that builds without AMX and keeps every other default (the CPU_REPACK kernels included), and so do we.
+NATIVE_FLAGS=""
+if grep -m1 '^flags' /proc/cpuinfo | grep -qw amx_int8; then
+  NATIVE_FLAGS="-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"
+fi
+CPU_KEY="$( (grep -m1 '^model name' /proc/cpuinfo; grep -m1 '^flags' /proc/cpuinfo; echo "$NATIVE_FLAGS") | sha256sum | cut -c1-10)"
 OUT="${LLAMA_TOOLS_DIR:-$HOME_DIR/llama-tools/$CPU_KEY}"
 JOBS="${JOBS:-$(nproc)}"
 TARGETS=(llama-simple llama-speculative-simple llama-speculative llama-lookup llama-bench)
@@ -41,7 +48,8 @@ SRC="$WORK/llama_cpp_python-$VERSION/vendor/llama.cpp"
 
 echo "configuring llama.cpp with its own defaults (native CPU build)" >&2
 cmake -S "$SRC" -B "$WORK/build" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF -DLLAMA_CURL=OFF \
-  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF > "$WORK/cmake.log" 2>&1 \
+  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DCMAKE_C_FLAGS="$NATIVE_FLAGS" -DCMAKE_CXX_FLAGS="$NATIVE_FLAGS" \
+  > "$WORK/cmake.log" 2>&1 \
   || { tail -n 30 "$WORK/cmake.log" >&2; exit 1; }
 echo "building ${TARGETS[*]} with $JOBS jobs (several minutes)" >&2
 cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TARGETS[@]}" > "$WORK/build.log" 2>&1 \
@@ -49,8 +57,9 @@ cmake --build "$WORK/build" --config Release -j "$JOBS" --target "${TARGETS[@]}"
 
 mkdir -p "$OUT/bin.tmp"
 for t in "${TARGETS[@]}"; do cp "$WORK/build/bin/$t" "$OUT/bin.tmp/"; done
-printf 'llama-cpp-python %s (llama.cpp %s)\nbuild: llama.cpp defaults, native for: %s\n' "$VERSION" \
-  "$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)" "$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2)" \
+printf 'llama-cpp-python %s (llama.cpp %s)\nbuild: llama.cpp defaults%s, native for: %s\n' "$VERSION" \
+  "$(git -C "$SRC" rev-parse HEAD 2>/dev/null || echo unknown)" "${NATIVE_FLAGS:+ (AMX off: $NATIVE_FLAGS)}" \
+  "$(grep -m1 '^model name' /proc/cpuinfo | cut -d: -f2)" \
   > "$OUT/bin.tmp/BUILD_INFO"
 rm -rf "$OUT/bin" && mv "$OUT/bin.tmp" "$OUT/bin"
 echo "$OUT/bin"

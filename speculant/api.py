@@ -56,8 +56,13 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
 
         return SupervisedBackend(path, rpc, parse_tensor_split(tensor_split, len(rpc)), n_ctx=n_ctx,
                                  n_threads=threads)
-    # a draft may use the faster repacked weights: its numerics need not match anything (see llamacpp.py)
-    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=(role == "draft"))
+    # repacked weights: faster, and exact in our build (see llamacpp.py); SPECULANT_REPACK=0 saves their memory
+    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=repack_weights())
+
+
+def repack_weights() -> bool:
+    """Whether models load with their weights repacked (the default; SPECULANT_REPACK=0: not)."""
+    return os.environ.get("SPECULANT_REPACK", "1") != "0"
 
 
 @functools.lru_cache(maxsize=None)

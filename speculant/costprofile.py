@@ -46,14 +46,15 @@ def pass_times_ms(backend, ns: list[int], depth: int = DEPTH) -> dict[int, float
 
 
 def profile_key(backend) -> str:
-    """Model file (name, size, mtime), build, CPU and threads: what the shape of T(n) depends on."""
+    """Model file (name, size, mtime), build, CPU, threads and weight layout: what T(n) depends on."""
     from . import native
     from .bench.peers import cpu_key
 
     path = Path(backend.path)
     st = path.stat()
     build = (native.build_info() or {}).get("key", "stock")
-    raw = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{build}|{cpu_key()}|{backend.n_threads}"
+    layout = "repacked" if getattr(backend, "repack", False) else "plain"
+    raw = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{build}|{cpu_key()}|{backend.n_threads}|{layout}"
     return f"{path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
 
 

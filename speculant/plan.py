@@ -3,8 +3,9 @@
 Per model (llama.cpp backend), from the GGUF header alone (tensor types and shapes, n_layer, heads, ...):
 - weights: the file's tensor data is mmapped (file-backed pages, shared through the page cache with every
   process and every copy that maps the same file); every page is touched by the first passes, so all of it
-  counts in the process's resident set. A draft loads with repacking on (faster kernels): its Q4_0 / Q4_K /
-  IQ4_NL matrices are also copied into an anonymous, repacked buffer (the mapped pages stay resident too).
+  counts in the process's resident set. Models load with repacking on (faster kernels, exact in our build;
+  SPECULANT_REPACK=0 turns it off): their Q4_0 / Q4_K / Q6_K / IQ4_NL matrices are also copied into an
+  anonymous, repacked buffer (the mapped pages stay resident too).
 - KV cache: n_layer x n_ctx x (n_head_kv x (head_dim_k + head_dim_v)) x 2 bytes (f16 K and V); llama.cpp
   clears it when the context is made, so all of it is resident from the start.
 - compute buffers: llama.cpp reserves address space for the worst pass it can imagine (all 512 logits of a
@@ -31,12 +32,12 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import models
+from . import api, models
 from .errors import ModelError, SettingsError
 
 MiB = 2 ** 20
 N_UBATCH = 512  # the backend's n_batch = n_ubatch (backends/llamacpp.py)
-REPACKED_TYPES = {"Q4_0", "Q4_K", "IQ4_NL"}  # matrices ggml's CPU backend repacks on x86 (AVX2 and up)
+REPACKED_TYPES = {"Q4_0", "Q4_K", "Q6_K", "IQ4_NL"}  # matrices our build repacks on x86 (AVX2 and up)
 KV_BYTES = 2  # f16 K and V cache
 RUNTIME_BASE = 48 * MiB  # interpreter, numpy, llama.cpp's libraries (fit to measured peaks, see below)
 # bytes per vocabulary entry of each loaded model: llama.cpp's token tables and ours (fit to measured peaks:
@@ -54,7 +55,8 @@ class ModelMemory:
     file_type: str
     file_bytes: int
     mapped: int  # mmapped tensor data: file-backed, shared across processes and copies
-    repacked: int  # anonymous copies of repacked matrices (drafts only)
+    repacked: int  # anonymous copies of repacked matrices
+    loaded: int  # the rest of the tensor data, read into this process (repacking loads without mmap)
     kv_per_token: int
     kv: int
     compute: int  # resident: what the worst pass touches (compute_resident)
@@ -68,7 +70,7 @@ class ModelMemory:
 
     @property
     def total(self) -> int:
-        return self.mapped + self.repacked + self.kv + self.compute + self.output + self.vocab_tables
+        return self.mapped + self.loaded + self.repacked + self.kv + self.compute + self.output + self.vocab_tables
 
     @property
     def anonymous(self) -> int:
@@ -91,7 +93,7 @@ class Plan:
         return {"n_ctx": self.n_ctx, "prompt_tokens": self.n_prompt or self.n_ctx, "runtime_mb": _mb(self.runtime),
                 "total_mb": _mb(self.total),
                 "models": [{**{k: v for k, v in asdict(m).items() if k != "types"},
-                            **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "repacked", "kv", "compute",
+                            **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "loaded", "repacked", "kv", "compute",
                                                                          "output", "vocab_tables", "total",
                                                                          "anonymous")},
                             "types_mb": {k: _mb(v) for k, v in sorted(m.types.items())}} for m in self.models]}
@@ -213,21 +215,24 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     as_type = None if as_type == f["file_type"] else as_type
     types: dict[str, int] = {}
     repacked = 0
+    repack = api.repack_weights()
     for name, ttype, shape, nbytes, n_elements in f["tensors"]:
         if as_type and len(shape) >= 2 and ttype not in ("F32", "F16", "BF16"):
             ttype, nbytes = EST_TENSOR_TYPE[as_type], int(n_elements * EST_BPW[as_type] / 8)
         types[ttype] = types.get(ttype, 0) + nbytes
         # the token embeddings are read by row lookups, not matmuls: never repacked
-        if role == "draft" and ttype in REPACKED_TYPES and name != "token_embd.weight" and len(shape) >= 2 \
+        if repack and ttype in REPACKED_TYPES and name != "token_embd.weight" and len(shape) >= 2 \
                 and shape[1] % 8 == 0:
             repacked += nbytes
     file_bytes = f["file_bytes"] - f["data_bytes"] + sum(types.values())
+    data_bytes = sum(types.values())
     kv_per_token = f["n_layer"] * f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES
     n_kv = _padded(n_ctx)
     outputs = verify_positions if role == "target" else 1
     return ModelMemory(
         name=model, role=role, path=str(path), file_type=f"{as_type} (estimated)" if as_type else f["file_type"],
-        file_bytes=file_bytes, mapped=file_bytes, repacked=repacked, kv_per_token=kv_per_token,
+        file_bytes=file_bytes, mapped=0 if repack else file_bytes, repacked=repacked,
+        loaded=data_bytes - repacked if repack else 0, kv_per_token=kv_per_token,
         kv=kv_per_token * n_kv, compute=compute_resident(f, n_ctx, outputs, n_prompt),
         compute_reserved=compute_reserved(f, n_ctx), output=outputs * f["n_vocab"] * 4,
         vocab_tables=RUNTIME_PER_VOCAB * f["n_vocab"], n_params=sum(t[4] for t in f["tensors"]),
@@ -328,7 +333,7 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
                    "fits": bool(ok), "n_ctx": ok[-1].n_ctx if ok else None,
                    "total_mb": _mb(ok[-1].total if ok else smallest.total)}
             if not ok:
-                weights = sum(m.mapped + m.repacked for m in smallest.models)
+                weights = sum(m.mapped + m.loaded + m.repacked for m in smallest.models)
                 row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights > mem
                               else f"at n_ctx {smallest.n_ctx} it needs {_mb(smallest.total):.0f} MiB (weights "
                               f"{_mb(weights):.0f}, KV cache {_mb(sum(m.kv for m in smallest.models)):.0f}, compute "
@@ -340,7 +345,7 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
 
 # -- CLI ------------------------------------------------------------------------------------------------------
 def table(p: Plan) -> str:
-    cols = [("weights mmapped", "mapped"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
+    cols = [("weights mmapped", "mapped"), ("weights read", "loaded"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
             ("output", "output"), ("vocab tables", "vocab_tables"), ("total", "total")]
     head = "| model | type | " + " | ".join(c for c, _ in cols) + " |"
     lines = [f"memory plan at n_ctx {p.n_ctx} (MiB; resident at peak, after a prompt of {p.n_prompt or p.n_ctx} "
@@ -349,12 +354,16 @@ def table(p: Plan) -> str:
     for m in p.models:
         lines.append(f"| {m.role}: {m.name} | {m.file_type} | " +
                      " | ".join(f"{getattr(m, k) / MiB:.0f}" for _, k in cols) + " |")
-        lines.append(f"|  KV per token: {m.kv_per_token / 1024:.1f} KiB | | | | | | | | |")
-    lines.append(f"| runtime (interpreter, libraries) | | | | | | | | {p.runtime / MiB:.0f} |")
-    lines.append(f"| **total** | | | | | | | | **{p.total / MiB:.0f}** |")
+        lines.append(f"|  KV per token: {m.kv_per_token / 1024:.1f} KiB |" + " |" * (len(cols) + 1))
+    lines.append(f"| runtime (interpreter, libraries) |" + " |" * len(cols) + f" {p.runtime / MiB:.0f} |")
+    lines.append(f"| **total** |" + " |" * len(cols) + f" **{p.total / MiB:.0f}** |")
     shared = sum(m.mapped for m in p.models)
-    lines += ["", f"Of the total, {shared / MiB:.0f} MiB are mmapped weights: file-backed pages shared with every "
-                  "other process (and bench copy) that maps the same files; the rest is this process's own."]
+    if shared:
+        lines += ["", f"Of the total, {shared / MiB:.0f} MiB are mmapped weights: file-backed pages shared with "
+                      "every other process (and bench copy) that maps the same files; the rest is this process's own."]
+    if any(m.repacked for m in p.models):
+        lines += ["", "Repacked weights (faster kernels) are read, not mmapped; SPECULANT_REPACK=0 mmaps the files "
+                      "unrepacked instead (shared pages, slower passes)."]
     return "\n".join(lines) + "\n"
 
 

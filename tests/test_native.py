@@ -174,6 +174,94 @@ def test_the_bit_identity_check_sees_a_reordered_sum(qtype):
     np.testing.assert_allclose(reordered, single, rtol=1e-4)  # same sum, other rounding
 
 
+def _kernel_lib_q4_Kx8():
+    _kernel_lib()
+    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so"))
+    fn = lib.speculant_mm_test_q4_Kx8
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
+    return fn
+
+
+def _dot_q4_Kx8(fn, x, y, ncols, group, reorder=0, with_ggml=False):
+    """x: 8 Q4_K rows [8, nb, 144]; -> ours [ncols, 8] (and ggml's gemv [ncols, 8])."""
+    out = np.zeros((ncols, 8), np.float32)
+    ggml = np.zeros((ncols, 8), np.float32)
+    x = np.ascontiguousarray(x)
+    rc = fn(x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data,
+            ggml.ctypes.data if with_ggml else None)
+    if rc != 0:
+        pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+    return (out, ggml) if with_ggml else out
+
+
+def test_repacked_q4_K_kernel_is_bit_identical_to_ggml_one_token_kernel():
+    """Q4_K repacked 8 rows at a time (llama.cpp's layout on x86): every column of a multi-token pass has the bits
+    of ggml's own one-token kernel (ggml_gemv_q4_K_8x8_q8_K), and it is the right product."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    fn = _kernel_lib_q4_Kx8()
+    rng = np.random.default_rng(3)
+    for nb in (1, 6, 35):
+        x = np.stack([_random_weights(rng, Q4_K, nb) for _ in range(8)])
+        y, yf = _random_q8_K(rng, 9, nb)
+        single, ggml = _dot_q4_Kx8(fn, x, y, 9, group=1, with_ggml=True)
+        assert single.tobytes() == ggml.tobytes(), f"{nb} blocks: one token differs from ggml's gemv"
+        for group in (2, 3, 4):
+            multi = _dot_q4_Kx8(fn, x, y, 9, group=group)
+            assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
+        w = dequantize(x.reshape(-1), GGMLQuantizationType.Q4_K).reshape(8, -1).astype(np.float64)
+        ref = yf.astype(np.float64) @ w.T
+        np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+
+
+def test_the_repacked_check_sees_a_reordered_sum():
+    fn = _kernel_lib_q4_Kx8()
+    rng = np.random.default_rng(8)
+    x = np.stack([_random_weights(rng, Q4_K, 6) for _ in range(8)])
+    y, _ = _random_q8_K(rng, 8, 6)
+    single = _dot_q4_Kx8(fn, x, y, 8, group=1)
+    reordered = _dot_q4_Kx8(fn, x, y, 8, group=4, reorder=1)
+    assert reordered.tobytes() != single.tobytes()
+    np.testing.assert_allclose(reordered, single, rtol=1e-4)
+
+
+def test_repacked_q6_K_kernel_is_invariant_and_right():
+    """Q6_K repacked 8 rows at a time (our build's layout on x86): the same bits however many tokens share the
+    unpacked weights, the right product, and a reordered sum is seen."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    _kernel_lib()
+    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so"))
+    fn = lib.speculant_mm_test_q6_Kx8
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                   ctypes.c_int, ctypes.c_void_p]
+
+    def run(x, y, ncols, group, reorder=0):
+        out = np.zeros((ncols, 8), np.float32)
+        if fn(x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data):
+            pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+        return out
+
+    rng = np.random.default_rng(5)
+    for nb in (1, 6, 35):
+        x = np.ascontiguousarray(np.stack([_random_weights(rng, Q6_K, nb) for _ in range(8)]))
+        y, yf = _random_q8_K(rng, 9, nb)
+        single = run(x, y, 9, group=1)
+        for group in (2, 3, 4):
+            assert run(x, y, 9, group=group).tobytes() == single.tobytes(), f"{nb} blocks, {group} at a time"
+        w = dequantize(x.reshape(-1), GGMLQuantizationType.Q6_K).reshape(8, -1).astype(np.float64)
+        ref = yf.astype(np.float64) @ w.T
+        np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
+        if nb > 1:
+            reordered = run(x, y, 9, group=4, reorder=1)
+            assert reordered.tobytes() != single.tobytes()
+
+
 # -- doctor ---------------------------------------------------------------------------------------------------
 
 def test_doctor_prints_every_fact():

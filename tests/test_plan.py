@@ -59,23 +59,30 @@ def test_compute_buffer_model_matches_llama_cpp(n_ctx):
     assert abs(m.compute_reserved / 2 ** 20 / _mib(log, "CPU compute") - 1) < 0.03
 
 
-def test_repacked_weights_match_llama_cpp():
-    """A draft loads with repacking: the plan's anonymous copy is llama.cpp's CPU_REPACK buffer."""
-    need(DRAFT)
-    log = _llama_log(models.cached_path(DRAFT), 512, True)
-    m = plan.plan_model(DRAFT, "draft", 512)
+@pytest.mark.parametrize("model", [DRAFT, TARGET])
+def test_repacked_weights_match_llama_cpp(model, monkeypatch):
+    """Models load with repacking (Q4_K and Q6_K included: our build repacks Q6_K on x86 too): the plan's
+    anonymous copy is llama.cpp's CPU_REPACK buffer; SPECULANT_REPACK=0 plans none."""
+    need(model)
+    log = _llama_log(models.cached_path(model), 512, True)
+    m = plan.plan_model(model, "target", 512)
     assert _mib(log, "CPU_REPACK model") > 0
     assert abs(m.repacked / 2 ** 20 - _mib(log, "CPU_REPACK model")) < 1.0
-    assert plan.plan_model(DRAFT, "target", 512).repacked == 0  # a target never repacks (exactness)
+    assert plan.plan_model(model, "draft", 512).repacked == m.repacked
+    monkeypatch.setenv("SPECULANT_REPACK", "0")
+    assert plan.plan_model(model, "target", 512).repacked == 0
 
 
-def test_kv_per_token_from_metadata():
+def test_kv_per_token_from_metadata(monkeypatch):
     need(TARGET, DRAFT)
     t, d = plan.plan_model(TARGET, "target", 4096), plan.plan_model(DRAFT, "draft", 4096)
     # Qwen2.5-1.5B: 28 layers x 2 KV heads x (128 + 128) x 2 bytes; 0.5B: 24 layers x 2 x (64 + 64) x 2
     assert t.kv_per_token == 28 * 2 * 256 * 2 and d.kv_per_token == 24 * 2 * 128 * 2
     assert t.kv == t.kv_per_token * 4096
-    assert t.mapped == models.cached_path(TARGET).stat().st_size
+    monkeypatch.setenv("SPECULANT_REPACK", "0")
+    assert plan.plan_model(TARGET, "target", 4096).mapped == models.cached_path(TARGET).stat().st_size
+    size = models.cached_path(TARGET).stat().st_size
+    assert t.mapped == 0 and t.repacked > 0 and size - 16 * 2 ** 20 < t.loaded + t.repacked < size  # read, no mmap
 
 
 def run(*args):
@@ -93,9 +100,10 @@ def test_cli_json_and_mem():
     assert "weights alone" in fits[("Q8_0 (estimated)", "Q4_K_M")]["why"]
     text = run("plan", "-md", DRAFT, "--mem", "1700M").stdout
     assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
-    assert "does not fit: target Q4_K_M + draft Q8_0 (estimated): the weights alone take 1710 MiB" in text
+    assert "does not fit: target Q8_0 (estimated) alone (plain decoding, -md lookup or -md history): the weights " \
+           "alone take 1801 MiB" in text
     assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB "
-                     r"\(weights 1562,", text)
+                     r"\(weights 1523,", text)
     assert re.search(r"fits: target Q4_K_M alone \(plain decoding.*\), n_ctx up to 4096 ", text)
 
 

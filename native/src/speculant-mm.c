@@ -311,6 +311,498 @@ static inline __attribute__((always_inline)) void dot_q6_K_pairs(const int NP, c
 }
 #endif
 
+// -- Q4_K repacked by ggml (block_q4_Kx8: 8 rows interleaved 8 bytes at a time) ------------------------------
+//
+// Decode and verify passes on a target loaded with repacking (llama.cpp's default, and its fastest layout on x86).
+// Per output element and superblock the float operations are those of ggml_gemv_q4_K_8x8_q8_K, ggml's one-token
+// kernel for this layout: the superblock's integer sum and min sum, each converted to float and added with one
+// fused multiply-add, times x.d * y.d and x.dmin * y.d, into two accumulators; their difference at the end.
+// The integer sums are exact, so how they are formed (VNNI or not, how many tokens share the unpacked weights)
+// cannot change a bit.
+
+typedef struct {
+    ggml_half d[8];
+    ggml_half dmin[8];
+    uint8_t scales[96];  // per sub-block j, 12 bytes: the 6-bit scales and mins of the 8 rows (K-quant packing)
+    uint8_t qs[1024];    // 8-byte chunk k (of 128) holds bytes 8(k/8)..+7 of row k%8
+} q4_Kx8;
+
+_Static_assert(sizeof(q4_Kx8) == 8 * sizeof(block_q4_K), "block_q4_Kx8 layout");
+
+// the 8 scales (bytes 0..7, row order) and 8 mins (bytes 8..15) of sub-block j of a q4_Kx8 block
+static inline void q4_Kx8_scales(const q4_Kx8 * x, int j, uint32_t u[4]) {
+    memcpy(u, x->scales + 12 * j, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t u1 = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = u1;
+    u[0] &= 0x3f3f3f3f;
+}
+
+static inline int64_t load64(const int8_t * p) {
+    int64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+#if defined(SPECULANT_MM_HAVE_512)
+// 16 int32 lanes: row r's bytes 0-3 of a chunk in lane 2r, bytes 4-7 in lane 2r+1
+#if defined(__AVX512VNNI__)
+#define Q4KX8_VNNI 1
+#endif
+
+static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, const int nb, const q4_Kx8 * x,
+                                                             const block_q8_K * const * y, const int * order,
+                                                             float * const * out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m128i dup2 = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+#ifndef Q4KX8_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    __m256 acc[SPECULANT_MM_COLS], acc_min[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_min[c] = _mm256_setzero_ps(); }
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q4_Kx8 * xb = x + i;
+        uint32_t u[8][4];
+        for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
+
+        __m512i isum[SPECULANT_MM_COLS];
+        for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
+        for (int sb = 0; sb < 4; ++sb) {  // 64 values: sub-block 2sb in the low nibbles, 2sb+1 in the high ones
+            __m512i raw[4];
+            for (int k = 0; k < 4; ++k) raw[k] = _mm512_loadu_si512((const void *) (xb->qs + 256 * sb + 64 * k));
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * sb + h;
+                __m512i w[4];
+                for (int k = 0; k < 4; ++k) w[k] = _mm512_and_si512(h ? _mm512_srli_epi16(raw[k], 4) : raw[k], m4);
+                // each lane's row scale, as an int32 (high int16 zero): madd of an int16 sum by it is a product
+                const __m512i scale = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) u[j]), dup2));
+                for (int c = 0; c < NC; ++c) {
+                    const int8_t * q8 = y[c][i].qs + 64 * sb + 32 * h;
+                    __m512i s = _mm512_setzero_si512();
+                    for (int k = 0; k < 4; ++k) {  // |s| <= 16 * 15 * 128 < 2^15 per lane
+                        const __m512i a = _mm512_set1_epi64(load64(q8 + 8 * k));
+#ifdef Q4KX8_VNNI
+                        s = _mm512_dpbusd_epi32(s, w[k], a);
+#else
+                        s = _mm512_add_epi32(s, _mm512_madd_epi16(_mm512_maddubs_epi16(w[k], a), ones));
+#endif
+                    }
+#ifdef Q4KX8_VNNI
+                    isum[c] = _mm512_dpwssd_epi32(isum[c], s, scale);
+#else
+                    isum[c] = _mm512_add_epi32(isum[c], _mm512_madd_epi16(s, scale));
+#endif
+                }
+            }
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        const __m256 xdmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->dmin));
+        __m256i mins[4];  // sub-blocks 2q and 2q+1: the int16 pairs (min_2q, min_2q+1) of each row
+        for (int q = 0; q < 4; ++q) {
+            mins[q] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) &u[2 * q][2]),
+                                                             _mm_loadl_epi64((const __m128i *) &u[2 * q + 1][2])));
+        }
+        for (int c = 0; c < NC; ++c) {
+            const __m128i bsums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) y[c][i].bsums),
+                                                 _mm_loadu_si128((const __m128i *) (y[c][i].bsums + 8)));
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < 4; ++q) {
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[q], _mm256_set1_epi32(_mm_extract_epi32(bsums, q))));
+            }
+            // lanes 2r and 2r+1 -> row r
+            const __m256i irow = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[c], _mm512_srli_epi64(isum[c], 32)));
+            const __m256 yd = _mm256_set1_ps(y[c][i].d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(irow), _mm256_mul_ps(xd, yd), acc[c]);
+            acc_min[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(xdmin, yd), acc_min[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], _mm256_sub_ps(acc[c], acc_min[c]));
+}
+
+#else  // AVX2: rows 0-3 and 4-7 of a chunk in two 256-bit halves, int16 pair sums then madd by the scales
+
+static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, const int nb, const q4_Kx8 * x,
+                                                             const block_q8_K * const * y, const int * order,
+                                                             float * const * out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m128i dup4 = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
+    __m256 acc[SPECULANT_MM_COLS], acc_min[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_min[c] = _mm256_setzero_ps(); }
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q4_Kx8 * xb = x + i;
+        uint32_t u[8][4];
+        for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
+
+        __m256i isum[SPECULANT_MM_COLS][2];
+        for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
+        for (int sb = 0; sb < 4; ++sb) {
+            for (int h = 0; h < 2; ++h) {
+                const int j = 2 * sb + h;
+                const uint8_t * scb = (const uint8_t *) u[j];
+                for (int half = 0; half < 2; ++half) {  // rows 4*half .. 4*half+3
+                    __m256i w[4];
+                    for (int k = 0; k < 4; ++k) {
+                        const __m256i raw = _mm256_loadu_si256((const __m256i *) (xb->qs + 256 * sb + 64 * k + 32 * half));
+                        w[k] = _mm256_and_si256(h ? _mm256_srli_epi16(raw, 4) : raw, m4);
+                    }
+                    uint32_t sc4;
+                    memcpy(&sc4, scb + 4 * half, 4);
+                    // int16 lanes: each row's scale in both halves of its two int32 lanes
+                    const __m256i scale = _mm256_cvtepu8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128((int) sc4), dup4));
+                    for (int c = 0; c < NC; ++c) {
+                        const int8_t * q8 = y[c][i].qs + 64 * sb + 32 * h;
+                        __m256i p = _mm256_setzero_si256();
+                        for (int k = 0; k < 4; ++k) {  // int16 lanes: |p| <= 8 * 15 * 128 < 2^15
+                            p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[k], _mm256_set1_epi64x(load64(q8 + 8 * k))));
+                        }
+                        isum[c][half] = _mm256_add_epi32(isum[c][half], _mm256_madd_epi16(p, scale));
+                    }
+                }
+            }
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        const __m256 xdmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->dmin));
+        __m256i mins[4];
+        for (int q = 0; q < 4; ++q) {
+            mins[q] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) &u[2 * q][2]),
+                                                             _mm_loadl_epi64((const __m128i *) &u[2 * q + 1][2])));
+        }
+        for (int c = 0; c < NC; ++c) {
+            const __m128i bsums = _mm_hadd_epi16(_mm_loadu_si128((const __m128i *) y[c][i].bsums),
+                                                 _mm_loadu_si128((const __m128i *) (y[c][i].bsums + 8)));
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < 4; ++q) {
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[q], _mm256_set1_epi32(_mm_extract_epi32(bsums, q))));
+            }
+            // [r0 r1 r4 r5 | r2 r3 r6 r7] -> row order
+            const __m256i irow = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(isum[c][0], isum[c][1]), row_order);
+            const __m256 yd = _mm256_set1_ps(y[c][i].d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(irow), _mm256_mul_ps(xd, yd), acc[c]);
+            acc_min[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(xdmin, yd), acc_min[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], _mm256_sub_ps(acc[c], acc_min[c]));
+}
+#endif
+
+// one group of 8 repacked rows against ncols columns, `group` columns per weight unpacking; column c's 8
+// results at out + c * out_stride
+static void q4_Kx8_group(int n, const q4_Kx8 * x, const char * ycols, size_t row_size, int ncols, int group,
+                         const int * order, float * out, size_t out_stride) {
+    const int nb = n / QK_K;
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_K * y[SPECULANT_MM_COLS];
+        float * o[SPECULANT_MM_COLS];
+        for (int c = 0; c < nc; ++c) {
+            y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+            o[c] = out + (size_t) (c0 + c) * out_stride;
+        }
+        switch (nc) {  // constant NC: each case compiles to its own unrolled kernel
+            case 1: q4_Kx8_cols(1, nb, x, y, order, o); break;
+            case 2: q4_Kx8_cols(2, nb, x, y, order, o); break;
+            case 3: q4_Kx8_cols(3, nb, x, y, order, o); break;
+            default: q4_Kx8_cols(4, nb, x, y, order, o); break;
+        }
+    }
+}
+
+// -- Q6_K repacked (block_q6_Kx8; ggml repacks Q6_K on x86 only in our build, and every pass takes this kernel) --
+//
+// Per output element and superblock: the superblock's integer sum (the -32 offset of every 6-bit value folded in
+// through the q8_K block sums) converted to float, times x.d * y.d, added with one fused multiply-add.
+
+typedef struct {
+    ggml_half d[8];
+    int8_t scales[128];  // scale g (of 16) of row r at 8g + r
+    uint8_t ql[1024];    // 8-byte chunk k holds low-bit bytes 8(k/8)..+7 of row k%8
+    uint8_t qh[512];     // 8-byte chunk k holds high-bit bytes 8(k/8)..+7 of row k%8
+} q6_Kx8;
+
+_Static_assert(sizeof(q6_Kx8) == 8 * sizeof(block_q6_K), "block_q6_Kx8 layout");
+
+#if defined(SPECULANT_MM_HAVE_512)
+static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, const int nb, const q6_Kx8 * x,
+                                                             const block_q8_K * const * y, const int * order,
+                                                             float * const * out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i dup2 = _mm_set_epi8(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0);
+    const __m512i lo16 = _mm512_set1_epi32(0xFFFF);
+#ifndef Q4KX8_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q6_Kx8 * xb = x + i;
+        __m512i isum[SPECULANT_MM_COLS];
+        for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
+        for (int h = 0; h < 2; ++h) {          // values 128h ..
+            for (int kk = 0; kk < 4; ++kk) {   // .. + 8kk + {0, 32, 64, 96} + 0..7
+                const __m512i ql_a = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + kk)));
+                const __m512i ql_b = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + 4 + kk)));
+                const __m512i qh = _mm512_loadu_si512((const void *) (xb->qh + 64 * (4 * h + kk)));
+                __m512i q[4];
+                q[0] = _mm512_or_si512(_mm512_and_si512(ql_a, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m3), 4));
+                q[1] = _mm512_or_si512(_mm512_and_si512(ql_b, m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), m3), 4));
+                q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_a, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m3), 4));
+                q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_b, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), m3), 4));
+                __m512i scale[4];  // int32 lanes (high int16 zero): the row's scale of each value's group of 16
+                for (int m = 0; m < 4; ++m) {
+                    const int g = 8 * h + 2 * m + kk / 2;
+                    scale[m] = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) (xb->scales + 8 * g)), dup2)), lo16);
+                }
+                for (int c = 0; c < NC; ++c) {
+                    const int8_t * q8 = y[c][i].qs + 128 * h + 8 * kk;
+                    for (int m = 0; m < 4; ++m) {  // |s| <= 4 * 63 * 128 < 2^15 per lane
+                        const __m512i a = _mm512_set1_epi64(load64(q8 + 32 * m));
+#ifdef Q4KX8_VNNI
+                        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[m], a), scale[m]);
+#else
+                        isum[c] = _mm512_add_epi32(isum[c], _mm512_madd_epi16(_mm512_madd_epi16(_mm512_maddubs_epi16(q[m], a), ones), scale[m]));
+#endif
+                    }
+                }
+            }
+        }
+        // the -32 offsets: 32 * sum over groups g of scale_g * (sum of the group's 16 q8 values)
+        __m256i scales_pair[8];  // groups 2p, 2p+1: the int16 pairs (scale_2p, scale_2p+1) of each row
+        for (int p = 0; p < 8; ++p) {
+            scales_pair[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) (xb->scales + 16 * p)),
+                                                                    _mm_loadl_epi64((const __m128i *) (xb->scales + 16 * p + 8))));
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        for (int c = 0; c < NC; ++c) {
+            __m256i ioff = _mm256_setzero_si256();
+            for (int p = 0; p < 8; ++p) {
+                int32_t pair;
+                memcpy(&pair, y[c][i].bsums + 2 * p, 4);
+                ioff = _mm256_add_epi32(ioff, _mm256_madd_epi16(scales_pair[p], _mm256_set1_epi32(pair)));
+            }
+            const __m256i irow = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[c], _mm512_srli_epi64(isum[c], 32)));
+            const __m256i itotal = _mm256_sub_epi32(irow, _mm256_slli_epi32(ioff, 5));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(itotal), _mm256_mul_ps(xd, _mm256_set1_ps(y[c][i].d)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+
+#else  // AVX2: rows 0-3 and 4-7 in two halves; int16 pair products, then madd by the scales
+
+static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, const int nb, const q6_Kx8 * x,
+                                                             const block_q8_K * const * y, const int * order,
+                                                             float * const * out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i dup4 = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
+    const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q6_Kx8 * xb = x + i;
+        __m256i isum[SPECULANT_MM_COLS][2];
+        for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
+        for (int h = 0; h < 2; ++h) {
+            for (int kk = 0; kk < 4; ++kk) {
+                for (int half = 0; half < 2; ++half) {
+                    const __m256i ql_a = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + kk) + 32 * half));
+                    const __m256i ql_b = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + 4 + kk) + 32 * half));
+                    const __m256i qh = _mm256_loadu_si256((const __m256i *) (xb->qh + 64 * (4 * h + kk) + 32 * half));
+                    __m256i q[4];
+                    q[0] = _mm256_or_si256(_mm256_and_si256(ql_a, m4), _mm256_slli_epi16(_mm256_and_si256(qh, m3), 4));
+                    q[1] = _mm256_or_si256(_mm256_and_si256(ql_b, m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 2), m3), 4));
+                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_a, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 4), m3), 4));
+                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_b, 4), m4), _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(qh, 6), m3), 4));
+                    __m256i scale[4];  // int16 lanes: each row's scale in all four lanes of its 8 bytes
+                    for (int m = 0; m < 4; ++m) {
+                        const int g = 8 * h + 2 * m + kk / 2;
+                        int32_t sc4;
+                        memcpy(&sc4, xb->scales + 8 * g + 4 * half, 4);
+                        scale[m] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(sc4), dup4));
+                    }
+                    for (int c = 0; c < NC; ++c) {
+                        const int8_t * q8 = y[c][i].qs + 128 * h + 8 * kk;
+                        for (int m = 0; m < 4; ++m) {  // int16 lanes: |p| <= 2 * 63 * 128 < 2^15
+                            const __m256i p = _mm256_maddubs_epi16(q[m], _mm256_set1_epi64x(load64(q8 + 32 * m)));
+                            isum[c][half] = _mm256_add_epi32(isum[c][half], _mm256_madd_epi16(p, scale[m]));
+                        }
+                    }
+                }
+            }
+        }
+        __m256i scales_pair[8];
+        for (int p = 0; p < 8; ++p) {
+            scales_pair[p] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) (xb->scales + 16 * p)),
+                                                                    _mm_loadl_epi64((const __m128i *) (xb->scales + 16 * p + 8))));
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        for (int c = 0; c < NC; ++c) {
+            __m256i ioff = _mm256_setzero_si256();
+            for (int p = 0; p < 8; ++p) {
+                int32_t pair;
+                memcpy(&pair, y[c][i].bsums + 2 * p, 4);
+                ioff = _mm256_add_epi32(ioff, _mm256_madd_epi16(scales_pair[p], _mm256_set1_epi32(pair)));
+            }
+            const __m256i irow = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(isum[c][0], isum[c][1]), row_order);
+            const __m256i itotal = _mm256_sub_epi32(irow, _mm256_slli_epi32(ioff, 5));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(itotal), _mm256_mul_ps(xd, _mm256_set1_ps(y[c][i].d)), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+#endif
+
+static void q6_Kx8_group(int n, const q6_Kx8 * x, const char * ycols, size_t row_size, int ncols, int group,
+                         const int * order, float * out, size_t out_stride) {
+    const int nb = n / QK_K;
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_K * y[SPECULANT_MM_COLS];
+        float * o[SPECULANT_MM_COLS];
+        for (int c = 0; c < nc; ++c) {
+            y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+            o[c] = out + (size_t) (c0 + c) * out_stride;
+        }
+        switch (nc) {
+            case 1: q6_Kx8_cols(1, nb, x, y, order, o); break;
+            case 2: q6_Kx8_cols(2, nb, x, y, order, o); break;
+            case 3: q6_Kx8_cols(3, nb, x, y, order, o); break;
+            default: q6_Kx8_cols(4, nb, x, y, order, o); break;
+        }
+    }
+}
+
+void speculant_mm_q6_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
+                              int ncols, float * dst, size_t dst_stride) {
+    const size_t group_bytes = (size_t) (n / QK_K) * sizeof(q6_Kx8);
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        q6_Kx8_group(n, (const q6_Kx8 *) ((const char *) x + g * group_bytes), wdata, row_size, ncols,
+                     SPECULANT_MM_COLS, NULL, dst + 8 * g, dst_stride);
+    }
+}
+
+static void q6_Kx8_pack(const block_q6_K * rows, int nb, q6_Kx8 * out) {
+    for (int i = 0; i < nb; ++i) {
+        q6_Kx8 * o = out + i;
+        for (int r = 0; r < 8; ++r) {
+            const block_q6_K * in = rows + (size_t) r * nb + i;
+            o->d[r] = in->d;
+            for (int g = 0; g < 16; ++g) o->scales[8 * g + r] = in->scales[g];
+            for (int k = 0; k < 16; ++k) memcpy(o->ql + 64 * k + 8 * r, in->ql + 8 * k, 8);
+            for (int k = 0; k < 8; ++k) memcpy(o->qh + 64 * k + 8 * r, in->qh + 8 * k, 8);
+        }
+    }
+}
+
+int speculant_mm_test_q6_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
+                             int reorder, float * out) {
+    if (n % QK_K || group < 1 || group > SPECULANT_MM_COLS) {
+        return -1;
+    }
+    const int nb = n / QK_K;
+    q6_Kx8 * packed = malloc(sizeof(q6_Kx8) * nb);
+    int * order = NULL;
+    q6_Kx8_pack(x, nb, packed);
+    if (reorder && group > 1) {
+        order = malloc(sizeof(int) * nb);
+        for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
+    }
+    q6_Kx8_group(n, packed, y, row_size, ncols, group, order, out, 8);
+    free(order);
+    free(packed);
+    return 0;
+}
+
+static void speculant_mm_q4_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
+                                     int ncols, float * dst, size_t dst_stride);
+
+bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
+    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && interleave == 8 && rows == 8;
+}
+
+void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
+                                size_t row_size, int ncols, float * dst, size_t dst_stride) {
+    if (type == GGML_TYPE_Q4_K) {
+        speculant_mm_q4_Kx8_rows(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
+    } else {
+        speculant_mm_q6_Kx8_rows(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
+    }
+}
+
+static void speculant_mm_q4_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
+                                     int ncols, float * dst, size_t dst_stride) {
+    const size_t group_bytes = (size_t) (n / QK_K) * sizeof(q4_Kx8);
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        q4_Kx8_group(n, (const q4_Kx8 *) ((const char *) x + g * group_bytes), wdata, row_size, ncols,
+                     SPECULANT_MM_COLS, NULL, dst + 8 * g, dst_stride);
+    }
+}
+
+// ggml's own layout change (repack.cpp, make_block_q4_Kx8), for tests that start from plain Q4_K rows
+static void q4_Kx8_pack(const block_q4_K * rows, int nb, q4_Kx8 * out) {
+    for (int i = 0; i < nb; ++i) {
+        const block_q4_K * in[8];
+        for (int r = 0; r < 8; ++r) in[r] = rows + (size_t) r * nb + i;
+        q4_Kx8 * o = out + i;
+        for (int r = 0; r < 8; ++r) { o->d[r] = in[r]->d; o->dmin[r] = in[r]->dmin; }
+        for (int k = 0; k < 128; ++k) memcpy(o->qs + 8 * k, in[k % 8]->qs + 8 * (k / 8), 8);
+        for (int j = 0; j < 8; ++j) {  // every row's scale and min of sub-block j, packed as K-quants pack 8 of them
+            uint8_t s[8], m[8];
+            for (int r = 0; r < 8; ++r) {
+                const uint8_t * q = in[r]->scales;
+                if (j < 4) {
+                    s[r] = q[j] & 63;
+                    m[r] = q[j + 4] & 63;
+                } else {
+                    s[r] = (q[j + 4] & 0xF) | ((q[j - 4] >> 6) << 4);
+                    m[r] = (q[j + 4] >> 4) | ((q[j] >> 6) << 4);
+                }
+            }
+            uint8_t * p = o->scales + 12 * j;
+            for (int r = 0; r < 4; ++r) {
+                p[r] = s[r] | ((s[r + 4] >> 4) << 6);
+                p[r + 4] = m[r] | ((m[r + 4] >> 4) << 6);
+                p[r + 8] = (s[r + 4] & 0xF) | ((m[r + 4] & 0xF) << 4);
+            }
+        }
+    }
+}
+
+void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+
+int speculant_mm_test_q4_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
+                             int reorder, float * out, float * out_ggml) {
+    if (n % QK_K || group < 1 || group > SPECULANT_MM_COLS) {
+        return -1;
+    }
+    const int nb = n / QK_K;
+    q4_Kx8 * packed = malloc(sizeof(q4_Kx8) * nb);
+    int * order = NULL;
+    q4_Kx8_pack(x, nb, packed);
+    if (reorder && group > 1) {
+        order = malloc(sizeof(int) * nb);
+        for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
+    }
+    q4_Kx8_group(n, packed, y, row_size, ncols, group, order, out, 8);
+    for (int c = 0; out_ggml && c < ncols; ++c) {
+        ggml_gemv_q4_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, (const char *) y + c * row_size, 1, 8);
+    }
+    free(order);
+    free(packed);
+    return 0;
+}
+
 // one weight row against ncols columns, `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                     int ncols, int group, const int * order, float * out) {
@@ -391,6 +883,29 @@ int speculant_mm_test_dot(int type, int n, const void * x, const void * y, size_
 }
 
 #else  // no AVX2: ggml's own dot products run every pass (still invariant, one column at a time)
+
+bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
+    (void) type; (void) interleave; (void) rows;
+    return false;
+}
+
+void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
+                                size_t row_size, int ncols, float * dst, size_t dst_stride) {
+    (void) type; (void) n; (void) x; (void) nrows; (void) wdata; (void) row_size; (void) ncols; (void) dst; (void) dst_stride;
+    abort();  // speculant_mm_repacked_supported() is false on this build
+}
+
+int speculant_mm_test_q6_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
+                             int reorder, float * out) {
+    (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group; (void) reorder; (void) out;
+    return -1;
+}
+
+int speculant_mm_test_q4_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
+                             int reorder, float * out, float * out_ggml) {
+    (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group; (void) reorder; (void) out; (void) out_ggml;
+    return -1;
+}
 
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {

@@ -1,19 +1,21 @@
 """llama.cpp backend over llama-cpp-python's low-level API (GGUF models, quantized, CPU).
 
 Numerics: the engine's exactness needs a target pass over k+1 tokens to give bit-identical logits to k+1
-single-token passes. Stock llama.cpp has three matmul paths that round differently by batch size: the
-llamafile sgemm (disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (`use_extra_bufts`, off for a
-target), and the tiled K-quant kernel taken at >= 8 rows; flash attention also switches to a tiled kernel for
->= 64 queries, so it stays off. Our build (native/) sends every pass of at most `invariant_rows()` (64)
-tokens to batch-invariant kernels (native/src/speculant-mm.c for Q4_K/Q6_K, ggml's dot products otherwise),
-so decode and verify passes give bit-identical logits (tests/test_llamacpp.py); longer passes, which only
-prompt processing makes, keep llama.cpp's fast batched kernels.
+single-token passes. Stock llama.cpp has matmul paths that round differently by batch size: the llamafile sgemm
+(disabled at build time, GGML_LLAMAFILE=OFF), repacked weights (one-token gemv against 4-token gemm), and the
+tiled K-quant kernel taken at >= 8 rows; flash attention also switches to a tiled kernel for >= 64 queries, so
+it stays off. Our build (native/) sends every pass of at most `invariant_rows()` (64) tokens to batch-invariant
+kernels (native/src/speculant-mm.c): weights load repacked 8 rows at a time (`repack=True`, llama.cpp's fastest
+layout on x86) and Q4_K/Q6_K go through our multi-token kernels (per column the bits of ggml's one-token
+kernel), other repacked types through ggml's one-token kernel column by column; unrepacked Q4_K/Q6_K
+(`repack=False`: less memory, slower) through our plain-layout kernels, other types through ggml's dot
+products. So decode and verify passes give bit-identical logits (tests/test_llamacpp.py); longer passes, which
+only prompt processing makes, keep llama.cpp's fast batched kernels.
 
 "The target alone" is therefore: the prompt (all but its last token) evaluated in chunks of n_batch
 positions from position 0, then one token per pass. `prefill()` reproduces exactly that on a warm cache
 (the server's prefix reuse): it keeps a cached position only where a fresh prefill would have computed it
-by the same kind of pass (see `prefill`). A draft needs no such care: any q is verified exactly, so drafts
-may load with repacking on (`repack=True`), which is faster.
+by the same kind of pass (see `prefill`). A draft needs no such care: any q is verified exactly.
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class LlamaCppBackend(Backend):
     """One GGUF model and one llama.cpp context (sequence 0)."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
-                 n_batch: int = 512, repack: bool = False, flash_attn: int = 0, embed=None,
+                 n_batch: int = 512, repack: bool = True, flash_attn: int = 0, embed=None,
                  devices: Sequence[int] = (), n_device_layers: int = 0, device_split: Sequence[float] = ()):
         """embed: token ids -> input embeddings [n, n_embd] float32. When given, every pass feeds embeddings
         instead of ids (a draft whose vocabulary was cut still reads every token of the context exactly:
@@ -76,9 +78,13 @@ class LlamaCppBackend(Backend):
         super().__init__()
         self.path = Path(path)
         self.embed = embed
+        self.repack = repack
         self.name = self.path.name
         mparams = ll.llama_model_default_params()
-        mparams.use_extra_bufts = repack  # repacked weights use different kernels per batch size
+        mparams.use_extra_bufts = repack  # weights repacked 8 rows at a time: faster kernels
+        # repacking copies the matrices out of the file; mmapped, their pages would stay resident beside the
+        # copy (twice the memory): read the file instead (plan.py)
+        mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE if repack else ll.LLAMA_LOAD_MODE_MMAP
         mparams.n_gpu_layers = n_device_layers if devices else 0
         if devices:  # NULL-terminated; llama.cpp copies both arrays during the load
             device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
