@@ -9,9 +9,9 @@
 #
 # What goes in: the pinned llama-cpp-python sdist (sha256-checked), our patch (native/*.patch: the variant
 # list, the build reporting itself in llama_print_system_info, and a hook that sends passes of a few tokens
-# to our batch-invariant kernels, native/src/speculant-mm.c), and the flags exactness needs: no llamafile
-# sgemm (batched passes must round like single-token ones); weights load repacked (our kernels keep the
-# repacked layout invariant, native/src/speculant-mm.c). The AMX
+# to our batch-invariant kernels, native/src/speculant-mm.c, and lets llamafile's sgemm serve only passes over
+# more tokens, i.e. prompt processing). Weights load repacked (our kernels keep the repacked layout invariant).
+# The AMX
 # variant is left out (its matmul path crashed on quantized models).
 #
 #   native/build-llama.sh            # -> prints .../llama_cpp_python-0.3.36+spec.<key>-py3-none-linux_x86_64.whl
@@ -27,7 +27,7 @@ PIP="${PIP:-python3 -m pip}"
 export CMAKE_BUILD_PARALLEL_LEVEL="${JOBS:-$(nproc)}"
 
 CMAKE_FLAGS="-DGGML_NATIVE=OFF -DGGML_BACKEND_DL=ON -DGGML_CPU_ALL_VARIANTS=ON -DGGML_CPU_VARIANTS=$VARIANTS \
--DGGML_LLAMAFILE=OFF -DGGML_RPC=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
+-DGGML_LLAMAFILE=ON -DGGML_RPC=ON -DLLAVA_BUILD=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF"
 KEY="$( (echo "$VERSION $SDIST_SHA256 $CMAKE_FLAGS"; cat "$HERE"/*.patch "$HERE"/src/* "$0") | sha256sum | cut -c1-12)"
 LOCAL_VERSION="$VERSION+spec.$KEY"
 

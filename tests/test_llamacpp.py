@@ -46,9 +46,22 @@ def test_every_pass_size_up_to_the_invariant_limit_is_bit_identical_smollm2(smal
 
 
 def test_pass_sizes_are_bit_identical_qwen(qwen_target):
-    """The Qwen target's Q4_K/Q6_K weights go through our multi-token kernels (native/src/speculant-mm.c)."""
+    """The Qwen target's Q4_K/Q6_K weights, repacked 8 rows at a time, go through our multi-token kernels
+    (native/src/speculant-mm.c)."""
+    assert qwen_target.repack
     sizes = list(range(1, 18)) + [24, 33, 48, 64]
     assert _batch_vs_single(qwen_target, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+
+
+def test_pass_sizes_are_bit_identical_qwen_unrepacked():
+    """SPECULANT_REPACK=0 (mmapped, unrepacked weights): our plain-layout kernels are invariant too."""
+    from conftest import TARGET, _backend
+
+    b = _backend(TARGET, n_ctx=512, repack=False)
+    try:
+        assert _batch_vs_single(b, LONG_TEXT, [1, 2, 3, 4, 5, 8, 16, 33, 64], offsets=(4,)) == 0.0
+    finally:
+        b.close()
 
 
 def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):

@@ -35,6 +35,10 @@ bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_
     return src1->ne[1] * src1->ne[2] * src1->ne[3] <= speculant_mm_max_rows();
 }
 
+bool speculant_mm_few_tokens(const struct ggml_tensor * src1) {
+    return src1->ne[1] <= speculant_mm_max_rows();
+}
+
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
 #ifdef SPECULANT_MM_HAVE_KERNELS
     return (src0->type == GGML_TYPE_Q4_K || src0->type == GGML_TYPE_Q6_K) && src1->type == GGML_TYPE_F32
@@ -546,30 +550,33 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
         const q6_Kx8 * xb = x + i;
         __m512i isum[SPECULANT_MM_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
-        for (int h = 0; h < 2; ++h) {          // values 128h ..
-            for (int kk = 0; kk < 4; ++kk) {   // .. + 8kk + {0, 32, 64, 96} + 0..7
-                const __m512i ql_a = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + kk)));
-                const __m512i ql_b = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + 4 + kk)));
-                const __m512i qh = _mm512_loadu_si512((const void *) (xb->qh + 64 * (4 * h + kk)));
-                __m512i q[4];
-                q[0] = _mm512_or_si512(_mm512_and_si512(ql_a, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m3), 4));
-                q[1] = _mm512_or_si512(_mm512_and_si512(ql_b, m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), m3), 4));
-                q[2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_a, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m3), 4));
-                q[3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_b, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), m3), 4));
-                __m512i scale[4];  // int32 lanes (high int16 zero): the row's scale of each value's group of 16
-                for (int m = 0; m < 4; ++m) {
-                    const int g = 8 * h + 2 * m + kk / 2;
-                    scale[m] = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) (xb->scales + 8 * g)), dup2)), lo16);
+        for (int h = 0; h < 2; ++h) {            // values 128h ..
+            for (int p = 0; p < 2; ++p) {        // .. + {0, 32, 64, 96} + 16p + 0..15: group g = 8h + 2m + p
+                __m512i q[2][4];
+                for (int t = 0; t < 2; ++t) {    // 8 values each: chunk kk = 2p + t
+                    const int kk = 2 * p + t;
+                    const __m512i ql_a = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + kk)));
+                    const __m512i ql_b = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + 4 + kk)));
+                    const __m512i qh = _mm512_loadu_si512((const void *) (xb->qh + 64 * (4 * h + kk)));
+                    q[t][0] = _mm512_or_si512(_mm512_and_si512(ql_a, m4), _mm512_slli_epi16(_mm512_and_si512(qh, m3), 4));
+                    q[t][1] = _mm512_or_si512(_mm512_and_si512(ql_b, m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 2), m3), 4));
+                    q[t][2] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_a, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 4), m3), 4));
+                    q[t][3] = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi16(ql_b, 4), m4), _mm512_slli_epi16(_mm512_and_si512(_mm512_srli_epi16(qh, 6), m3), 4));
                 }
-                for (int c = 0; c < NC; ++c) {
-                    const int8_t * q8 = y[c][i].qs + 128 * h + 8 * kk;
-                    for (int m = 0; m < 4; ++m) {  // |s| <= 4 * 63 * 128 < 2^15 per lane
-                        const __m512i a = _mm512_set1_epi64(load64(q8 + 32 * m));
+                for (int m = 0; m < 4; ++m) {
+                    // int32 lanes (high int16 zero): the row's scale of this group of 16 values
+                    const int g = 8 * h + 2 * m + p;
+                    const __m512i scale = _mm512_and_si512(_mm512_cvtepi8_epi32(_mm_shuffle_epi8(_mm_loadl_epi64((const __m128i *) (xb->scales + 8 * g)), dup2)), lo16);
+                    for (int c = 0; c < NC; ++c) {
+                        const int8_t * q8 = y[c][i].qs + 128 * h + 32 * m + 16 * p;
+                        for (int t = 0; t < 2; ++t) {  // |s| <= 4 * 63 * 128 < 2^15 per lane
+                            const __m512i a = _mm512_set1_epi64(load64(q8 + 8 * t));
 #ifdef Q4KX8_VNNI
-                        isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[m], a), scale[m]);
+                            isum[c] = _mm512_dpwssd_epi32(isum[c], _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[t][m], a), scale);
 #else
-                        isum[c] = _mm512_add_epi32(isum[c], _mm512_madd_epi16(_mm512_madd_epi16(_mm512_maddubs_epi16(q[m], a), ones), scale[m]));
+                            isum[c] = _mm512_add_epi32(isum[c], _mm512_madd_epi16(_mm512_madd_epi16(_mm512_maddubs_epi16(q[t][m], a), ones), scale));
 #endif
+                        }
                     }
                 }
             }

@@ -27,6 +27,10 @@ int64_t speculant_mm_max_rows(void);
 // true when this matmul is a small pass (<= speculant_mm_max_rows() tokens)
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
+// true when src1 holds at most speculant_mm_max_rows() tokens (its ne[1]; an attention product's heads are its
+// ne[2]): llamafile's sgemm, whose rounding depends on the shape, serves only longer passes
+bool speculant_mm_few_tokens(const struct ggml_tensor * src1);
+
 // true when the kernels below handle src0's type on this build (AVX2 and up)
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 

@@ -34,16 +34,22 @@ def ours_ms(backend, ns: list[int], depth: int, prefill: int) -> dict:
     return out
 
 
+def _llama_bench(cmd: list[str]) -> list[dict]:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    if proc.returncode != 0:
+        why = f"signal {-proc.returncode}" if proc.returncode < 0 else f"exit status {proc.returncode}"
+        last = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+        raise SettingsError(f"llama-bench failed ({why}): {last} -- rebuild the peer with scripts/build_llama_tools.sh")
+    return json.loads(proc.stdout)
+
+
 def llama_bench_ms(bindir: Path, model: str, ns: list[int], depth: int, prefill: int, threads: int) -> dict:
     """One round of llama-bench (its own defaults build): the same quantities."""
-    cmd = [str(bindir / "llama-bench"), "-m", model, "-p", ",".join(str(n) for n in ns), "-n", "0",
-           "-d", str(depth), "-r", "1", "-t", str(threads), "-o", "json"]
-    runs = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800).stdout)
+    runs = _llama_bench([str(bindir / "llama-bench"), "-m", model, "-p", ",".join(str(n) for n in ns), "-n", "0",
+                         "-d", str(depth), "-r", "1", "-t", str(threads), "-o", "json"])
     out = {r["n_prompt"]: r["n_prompt"] / r["avg_ts"] * 1e3 for r in runs}
-    cmd_pp = [str(bindir / "llama-bench"), "-m", model, "-p", str(prefill), "-n", "0", "-r", "1", "-t",
-              str(threads), "-o", "json"]
-    out["prefill_tps"] = json.loads(subprocess.run(cmd_pp, capture_output=True, text=True, check=True,
-                                                   timeout=1800).stdout)[0]["avg_ts"]
+    out["prefill_tps"] = _llama_bench([str(bindir / "llama-bench"), "-m", model, "-p", str(prefill), "-n", "0",
+                                       "-r", "1", "-t", str(threads), "-o", "json"])[0]["avg_ts"]
     return out
 
 

@@ -53,7 +53,9 @@ def cpu_key() -> str:
 
     lines = Path("/proc/cpuinfo").read_text().splitlines()
     first = lambda prefix: next((line + "\n" for line in lines if line.startswith(prefix)), "")  # noqa: E731
-    return hashlib.sha256((first("model name") + first("flags")).encode()).hexdigest()[:10]
+    # built without AMX where the CPU has it (the script's NATIVE_FLAGS: llama.cpp's AMX path crashes)
+    no_amx = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16" if "amx_int8" in first("flags").split() else ""
+    return hashlib.sha256((first("model name") + first("flags") + no_amx + "\n").encode()).hexdigest()[:10]
 
 
 _DECODED = re.compile(r"decoded\s+(\d+)\s+tokens in\s+([\d.]+)\s+seconds, speed:\s+([\d.]+|nan|inf)\s+t/s")
