@@ -49,7 +49,8 @@ def _planned(path: str, role: str, n_ctx: int, verify_positions: int) -> Optiona
     except Exception:  # a file the planner cannot read (e.g. a torch directory) is simply not planned
         return None
     return {"model": m.name.rsplit("/", 1)[-1], "planned_mb": round(m.total / 2 ** 20, 1),
-            "weights_mmapped_mb": round(m.mapped / 2 ** 20, 1), "repacked_mb": round(m.repacked / 2 ** 20, 1),
+            "weights_mmapped_mb": round(m.mapped / 2 ** 20, 1), "weights_read_mb": round(m.loaded / 2 ** 20, 1),
+            "repacked_mb": round(m.repacked / 2 ** 20, 1),
             "kv_mb": round(m.kv / 2 ** 20, 1), "compute_mb": round(m.compute / 2 ** 20, 1)}
 
 

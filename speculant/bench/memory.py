@@ -8,8 +8,9 @@ peak_rss_mb: the child's peak RSS over its whole life, model loading included: V
 kept for reference; on Linux it is not the child's own peak when the parent is large, because execve carries
 over the high-water mark of the forked copy of the parent (every child of a 1.3 GB bench reads >= 1.3 GB).
 rss_anon_mb / rss_file_mb: RssAnon / RssFile of /proc/self/status after generating. GGUF weights (llama.cpp)
-are mmapped, file-backed pages that the page cache shares with every process mapping the same file; torch
-weights converted to bf16 (or fp32) are anonymous memory of the process. startup_rss_mb: before any model
+load repacked and read, so anonymous (with SPECULANT_REPACK=0 they are mmapped: file-backed pages that the page
+cache shares with every process mapping the same file); torch weights converted to bf16 (or fp32) are
+anonymous memory of the process. startup_rss_mb: before any model
 loads (the interpreter and speculant's imports). peak_gpu_mb: torch.cuda.max_memory_allocated, on CUDA.
 
     python -m speculant.bench.memory '{"method": "plain", "model": "smollm2-135m-instruct", ...}'
