@@ -309,3 +309,36 @@ def test_every_isa_level_gives_the_same_bits(qtype):
         pytest.skip("fewer than two kernel ISA levels run on this CPU")
     first = next(iter(results.values()))
     assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
+
+
+def test_every_isa_level_gives_the_same_bits_repacked():
+    """The repacked kernels (256-bit maddubs on haswell, 512-bit without VNNI on skylakex, VNNI on icelake and
+    zen4) compute the same integers and the same float sequence: the same logits on any machine."""
+    _kernel_lib()
+    rng = np.random.default_rng(13)
+    x4 = np.ascontiguousarray(np.stack([_random_weights(rng, Q4_K, 6) for _ in range(8)]))
+    x6 = np.ascontiguousarray(np.stack([_random_weights(rng, Q6_K, 6) for _ in range(8)]))
+    y, _ = _random_q8_K(rng, 7, 6)
+    results = {}
+    for variant, needs in VARIANT_NEEDS.items():
+        path = native.lib_dir() / f"libggml-cpu-{variant}.so"
+        if not path.exists() or not needs <= native.cpu_flags():
+            continue
+        lib = ctypes.CDLL(str(path))
+        lib.ggml_cpu_init()
+        bits = []
+        for name, x in (("speculant_mm_test_q4_Kx8", x4), ("speculant_mm_test_q6_Kx8", x6)):
+            fn = getattr(lib, name)
+            fn.restype = ctypes.c_int
+            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                           ctypes.c_int, ctypes.c_void_p] + ([ctypes.c_void_p] if name.endswith("q4_Kx8") else [])
+            for group in (1, 4):
+                out = np.zeros((7, 8), np.float32)
+                args = [x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], 7, group, 0, out.ctypes.data]
+                assert fn(*args, *([None] if name.endswith("q4_Kx8") else [])) == 0, variant
+                bits.append(out.tobytes())
+        results[variant] = bits
+    if len(results) < 2:
+        pytest.skip("fewer than two kernel ISA levels run on this CPU")
+    first = next(iter(results.values()))
+    assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
