@@ -99,18 +99,38 @@ BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
 Q8_K_BYTES = 292  # float d, int8 qs[256], int16 bsums[16]
 
 
+_I, _P, _S = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
+TEST_ENTRY_ARGS = {  # the kernels' test entry points (native/src/speculant-mm.h)
+    "speculant_mm_test_dot": [_I, _I, _P, _P, _S, _I, _I, _I, _P],
+    "speculant_mm_test_q4_Kx8": [_I, _P, _P, _S, _I, _I, _I, _P, _P],
+    "speculant_mm_test_q6_Kx8": [_I, _P, _P, _S, _I, _I, _I, _P],
+}
+
+
+def _bind(lib, name: str):
+    fn = getattr(lib, name)
+    fn.restype = ctypes.c_int
+    fn.argtypes = TEST_ENTRY_ARGS[name]
+    return fn
+
+
+def _isa_libs():
+    """(variant, library) for every kernel ISA level built and runnable on this CPU, each initialized."""
+    for variant, needs in VARIANT_NEEDS.items():
+        path = native.lib_dir() / f"libggml-cpu-{variant}.so"
+        if path.exists() and needs <= native.cpu_flags():
+            lib = ctypes.CDLL(str(path))
+            lib.ggml_cpu_init()  # this copy's fp16 table (the loaded variant's was set up by the backend)
+            yield variant, lib
+
+
 def _kernel_lib():
     from speculant.backends import llamacpp  # noqa: F401
 
     variant = native.loaded_variant()
     if native.build_info() is None or variant is None:
         pytest.skip("not our wheel")
-    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{variant}.so"))
-    fn = lib.speculant_mm_test_dot
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
-    return fn
+    return _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{variant}.so")), "speculant_mm_test_dot")
 
 
 def _random_weights(rng, qtype: int, nb: int) -> np.ndarray:
@@ -176,12 +196,8 @@ def test_the_bit_identity_check_sees_a_reordered_sum(qtype):
 
 def _kernel_lib_q4_Kx8():
     _kernel_lib()
-    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so"))
-    fn = lib.speculant_mm_test_q4_Kx8
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
-    return fn
+    return _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so")),
+                 "speculant_mm_test_q4_Kx8")
 
 
 def _dot_q4_Kx8(fn, x, y, ncols, group, reorder=0, with_ggml=False):
@@ -235,11 +251,8 @@ def test_repacked_q6_K_kernel_is_invariant_and_right():
     from gguf.quants import dequantize
 
     _kernel_lib()
-    lib = ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so"))
-    fn = lib.speculant_mm_test_q6_Kx8
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                   ctypes.c_int, ctypes.c_void_p]
+    fn = _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so")),
+               "speculant_mm_test_q6_Kx8")
 
     def run(x, y, ncols, group, reorder=0):
         out = np.zeros((ncols, 8), np.float32)
@@ -294,16 +307,8 @@ def test_every_isa_level_gives_the_same_bits(qtype):
     x = _random_weights(rng, qtype, 6)
     y, _ = _random_q8_K(rng, 7, 6)
     results = {}
-    for variant, needs in VARIANT_NEEDS.items():
-        path = native.lib_dir() / f"libggml-cpu-{variant}.so"
-        if not path.exists() or not needs <= native.cpu_flags():
-            continue
-        lib = ctypes.CDLL(str(path))
-        lib.ggml_cpu_init()  # this copy's fp16 table (the loaded variant's was set up by the backend)
-        fn = lib.speculant_mm_test_dot
-        fn.restype = ctypes.c_int
-        fn.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+    for variant, lib in _isa_libs():
+        fn = _bind(lib, "speculant_mm_test_dot")
         results[variant] = [_dot(fn, qtype, x, y, 7, group=g).tobytes() for g in (1, 4)]
     if len(results) < 2:
         pytest.skip("fewer than two kernel ISA levels run on this CPU")
@@ -320,18 +325,10 @@ def test_every_isa_level_gives_the_same_bits_repacked():
     x6 = np.ascontiguousarray(np.stack([_random_weights(rng, Q6_K, 6) for _ in range(8)]))
     y, _ = _random_q8_K(rng, 7, 6)
     results = {}
-    for variant, needs in VARIANT_NEEDS.items():
-        path = native.lib_dir() / f"libggml-cpu-{variant}.so"
-        if not path.exists() or not needs <= native.cpu_flags():
-            continue
-        lib = ctypes.CDLL(str(path))
-        lib.ggml_cpu_init()
+    for variant, lib in _isa_libs():
         bits = []
         for name, x in (("speculant_mm_test_q4_Kx8", x4), ("speculant_mm_test_q6_Kx8", x6)):
-            fn = getattr(lib, name)
-            fn.restype = ctypes.c_int
-            fn.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                           ctypes.c_int, ctypes.c_void_p] + ([ctypes.c_void_p] if name.endswith("q4_Kx8") else [])
+            fn = _bind(lib, name)
             for group in (1, 4):
                 out = np.zeros((7, 8), np.float32)
                 args = [x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], 7, group, 0, out.ctypes.data]
