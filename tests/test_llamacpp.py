@@ -64,6 +64,47 @@ def test_pass_sizes_are_bit_identical_qwen_unrepacked():
         b.close()
 
 
+def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft):
+    """The 0.5B draft's rows (896 values) cannot hold K-quant superblocks: most of its weights are Q5_0 and Q8_0,
+    which go through our plain-layout 32-value kernels."""
+    sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]
+    assert _batch_vs_single(qwen_draft, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+
+
+@pytest.fixture(scope="module")
+def small_requantized(tmp_path_factory):
+    """SmolLM2 requantized by llama.cpp's quantizer to each 32-value type our kernels take: {type: path}."""
+    from speculant import models, quantize
+
+    src = models.cached_path("smollm2-135m-instruct")
+    if not src.exists():
+        pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
+    out = tmp_path_factory.mktemp("requantized")
+    made = {}
+    for qtype in ("Q8_0", "Q5_0", "Q4_0"):
+        made[qtype] = out / f"smollm2-{qtype}.gguf"
+        quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False)
+    return made
+
+
+@pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False)])
+def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtype, repack):
+    """Q8_0 and Q5_0 (plain layout), Q4_0 repacked 8 rows at a time (llama.cpp's layout on x86) and unrepacked:
+    every pass size up to the invariant limit gives a token the bits of its one-token pass."""
+    from gguf import GGUFReader
+
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    path = small_requantized[qtype]
+    assert {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}["blk.0.ffn_up.weight"] == qtype
+    b = LlamaCppBackend(path, n_ctx=512, repack=repack)
+    try:
+        sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]
+        assert _batch_vs_single(b, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+    finally:
+        b.close()
+
+
 def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):
     """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt,
     processed by a fast 512-token chunk and a small one, and tokens decoded one at a time) must give the logits

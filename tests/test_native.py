@@ -94,23 +94,26 @@ def test_no_instruction_set_is_hard_coded():
 
 # -- the kernels, on random blocks ----------------------------------------------------------------------------
 
-Q4_K, Q6_K = 12, 14  # ggml type ids
-BLOCK_BYTES = {Q4_K: 144, Q6_K: 210}
-Q8_K_BYTES = 292  # float d, int8 qs[256], int16 bsums[16]
+Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14  # ggml type ids
+BLOCK_BYTES = {Q4_0: 18, Q5_0: 22, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+BLOCK_VALUES = {Q4_0: 32, Q5_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+SCALE_OFFSETS = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}  # fp16 scales in a block
+# 256 .. 8960 values per row (the Qwen shapes; 896 and 4864 in the 0.5B draft)
+BLOCK_COUNTS = {256: (1, 6, 35), 32: (1, 28, 152, 280)}
+PLAIN = [Q4_K, Q6_K, Q8_0, Q5_0, Q4_0]  # the plain layout (SPECULANT_REPACK=0, and types nothing repacks)
+REPACKED = [Q4_K, Q6_K, Q4_0]  # 8 rows at a time (how targets load on x86)
+KERNELS = [(False, t) for t in PLAIN] + [(True, t) for t in REPACKED]
+KERNEL_IDS = [("repacked-" if r else "") + {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}[t]
+              for r, t in KERNELS]
+
+TEST_ENTRY_ARGS = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                   ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]  # speculant_mm_test
 
 
-_I, _P, _S = ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t
-TEST_ENTRY_ARGS = {  # the kernels' test entry points (native/src/speculant-mm.h)
-    "speculant_mm_test_dot": [_I, _I, _P, _P, _S, _I, _I, _I, _P],
-    "speculant_mm_test_q4_Kx8": [_I, _P, _P, _S, _I, _I, _I, _P, _P],
-    "speculant_mm_test_q6_Kx8": [_I, _P, _P, _S, _I, _I, _I, _P],
-}
-
-
-def _bind(lib, name: str):
-    fn = getattr(lib, name)
+def _bind(lib):
+    fn = lib.speculant_mm_test
     fn.restype = ctypes.c_int
-    fn.argtypes = TEST_ENTRY_ARGS[name]
+    fn.argtypes = TEST_ENTRY_ARGS
     return fn
 
 
@@ -130,149 +133,83 @@ def _kernel_lib():
     variant = native.loaded_variant()
     if native.build_info() is None or variant is None:
         pytest.skip("not our wheel")
-    return _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{variant}.so")), "speculant_mm_test_dot")
+    return _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{variant}.so")))
 
 
 def _random_weights(rng, qtype: int, nb: int) -> np.ndarray:
-    x = rng.integers(0, 256, (nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
-    scale = lambda: np.frombuffer(np.float16(rng.uniform(-0.02, 0.02)).tobytes(), np.uint8)  # noqa: E731
-    for b in range(nb):  # finite fp16 scales
-        if qtype == Q4_K:
-            x[b, 0:2], x[b, 2:4] = scale(), scale()
-        else:
-            x[b, 208:210] = scale()
+    """8 weight rows of nb random blocks with finite fp16 scales: [8, nb, block bytes]."""
+    x = rng.integers(0, 256, (8, nb, BLOCK_BYTES[qtype]), dtype=np.uint8)
+    for off in SCALE_OFFSETS[qtype]:
+        scales = rng.uniform(-0.02, 0.02, (8, nb)).astype(np.float16)
+        x[..., off:off + 2] = scales[..., None].view(np.uint8)
     return x
 
 
-def _random_q8_K(rng, ncols: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """ncols q8_K rows of nb blocks, and their values as floats [ncols, nb*256]."""
-    d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float32)
-    qs = rng.integers(-127, 128, (ncols, nb, 256)).astype(np.int8)
-    bsums = qs.reshape(ncols, nb, 16, 16).sum(-1).astype(np.int16)
-    raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8), bsums.view(np.uint8)], axis=-1)
-    return np.ascontiguousarray(raw.reshape(ncols, -1)), (d[..., None] * qs).reshape(ncols, -1)
+def _random_columns(rng, qtype: int, ncols: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
+    """ncols quantized activation rows (q8_K for the K-quants, q8_0 for the others) and their values as floats."""
+    if BLOCK_VALUES[qtype] == 256:  # q8_K: float d, int8 qs[256], int16 bsums[16]
+        d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float32)
+        qs = rng.integers(-127, 128, (ncols, nb, 256)).astype(np.int8)
+        bsums = qs.reshape(ncols, nb, 16, 16).sum(-1).astype(np.int16)
+        raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8), bsums.view(np.uint8)], axis=-1)
+    else:  # q8_0: fp16 d, int8 qs[32]
+        d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float16)
+        qs = rng.integers(-127, 128, (ncols, nb, 32)).astype(np.int8)
+        raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8)], axis=-1)
+    values = (d.astype(np.float32)[..., None] * qs).reshape(ncols, -1)
+    return np.ascontiguousarray(raw.reshape(ncols, -1)), values
 
 
-def _dot(fn, qtype, x, y, ncols, group, reorder=0) -> np.ndarray:
-    out = np.zeros(ncols, np.float32)
-    n = x.shape[0] * 256
-    rc = fn(qtype, n, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data)
-    if rc != 0:
-        pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
-    return out
-
-
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
-def test_multi_token_kernel_is_bit_identical_to_the_single_token_one(qtype):
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    fn = _kernel_lib()
-    rng = np.random.default_rng(qtype)
-    for nb in (1, 6, 35):  # 256 .. 8960 values per row (the Qwen shapes)
-        x = _random_weights(rng, qtype, nb)
-        y, yf = _random_q8_K(rng, 9, nb)
-        single = _dot(fn, qtype, x, y, 9, group=1)
-        for group in (2, 3, 4):
-            multi = _dot(fn, qtype, x, y, 9, group=group)
-            assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
-        # and it is the right dot product (gguf's own dequantization as the reference)
-        w = dequantize(x.reshape(-1), GGMLQuantizationType(qtype)).astype(np.float64)
-        ref = yf.astype(np.float64) @ w
-        np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
-
-
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
-def test_the_bit_identity_check_sees_a_reordered_sum(qtype):
-    fn = _kernel_lib()
-    rng = np.random.default_rng(7)
-    x = _random_weights(rng, qtype, 6)
-    y, _ = _random_q8_K(rng, 8, 6)
-    single = _dot(fn, qtype, x, y, 8, group=1)
-    reordered = _dot(fn, qtype, x, y, 8, group=4, reorder=1)
-    assert reordered.tobytes() != single.tobytes()
-    np.testing.assert_allclose(reordered, single, rtol=1e-4)  # same sum, other rounding
-
-
-def _kernel_lib_q4_Kx8():
-    _kernel_lib()
-    return _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so")),
-                 "speculant_mm_test_q4_Kx8")
-
-
-def _dot_q4_Kx8(fn, x, y, ncols, group, reorder=0, with_ggml=False):
-    """x: 8 Q4_K rows [8, nb, 144]; -> ours [ncols, 8] (and ggml's gemv [ncols, 8])."""
+def _mm(fn, qtype, repacked, x, y, ncols, group, reorder=0, with_ggml=False):
+    """8 weight rows x ncols columns: ours [ncols, 8], and ggml's one-token kernel (None where ggml has none)."""
+    x = np.ascontiguousarray(x)
     out = np.zeros((ncols, 8), np.float32)
     ggml = np.zeros((ncols, 8), np.float32)
-    x = np.ascontiguousarray(x)
-    rc = fn(x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data,
-            ggml.ctypes.data if with_ggml else None)
-    if rc != 0:
+    n = x.shape[-2] * BLOCK_VALUES[qtype]
+    rc = fn(qtype, int(repacked), n, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder,
+            out.ctypes.data, ggml.ctypes.data if with_ggml else None)
+    if rc < 0:
         pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
-    return (out, ggml) if with_ggml else out
+    return out, (ggml if with_ggml and rc == 0 else None)
 
 
-def test_repacked_q4_K_kernel_is_bit_identical_to_ggml_one_token_kernel():
-    """Q4_K repacked 8 rows at a time (llama.cpp's layout on x86): every column of a multi-token pass has the bits
-    of ggml's own one-token kernel (ggml_gemv_q4_K_8x8_q8_K), and it is the right product."""
+@pytest.mark.parametrize("repacked,qtype", KERNELS, ids=KERNEL_IDS)
+def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtype):
+    """Every column of a multi-token pass has the bits of the same column computed alone, and those are the bits
+    of ggml's own one-token kernel for the layout (its AVX2 dot product; its gemv for repacked rows; repacked
+    Q6_K has no ggml x86 kernel); and it is the right product (gguf's dequantization as the reference)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
-    fn = _kernel_lib_q4_Kx8()
-    rng = np.random.default_rng(3)
-    for nb in (1, 6, 35):
-        x = np.stack([_random_weights(rng, Q4_K, nb) for _ in range(8)])
-        y, yf = _random_q8_K(rng, 9, nb)
-        single, ggml = _dot_q4_Kx8(fn, x, y, 9, group=1, with_ggml=True)
-        assert single.tobytes() == ggml.tobytes(), f"{nb} blocks: one token differs from ggml's gemv"
+    fn = _kernel_lib()
+    rng = np.random.default_rng(qtype + 100 * repacked)
+    for nb in BLOCK_COUNTS[BLOCK_VALUES[qtype]]:
+        x = _random_weights(rng, qtype, nb)
+        y, yf = _random_columns(rng, qtype, 9, nb)
+        single, ggml = _mm(fn, qtype, repacked, x, y, 9, group=1, with_ggml=True)
+        if ggml is not None:
+            assert single.tobytes() == ggml.tobytes(), f"{nb} blocks: one token differs from ggml's kernel"
+        else:
+            assert (repacked, qtype) == (True, Q6_K), "ggml's kernel should have been compared"
         for group in (2, 3, 4):
-            multi = _dot_q4_Kx8(fn, x, y, 9, group=group)
+            multi, _ = _mm(fn, qtype, repacked, x, y, 9, group=group)
             assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
-        w = dequantize(x.reshape(-1), GGMLQuantizationType.Q4_K).reshape(8, -1).astype(np.float64)
+        w = dequantize(x.reshape(-1), GGMLQuantizationType(qtype)).reshape(8, -1).astype(np.float64)
         ref = yf.astype(np.float64) @ w.T
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
-def test_the_repacked_check_sees_a_reordered_sum():
-    fn = _kernel_lib_q4_Kx8()
-    rng = np.random.default_rng(8)
-    x = np.stack([_random_weights(rng, Q4_K, 6) for _ in range(8)])
-    y, _ = _random_q8_K(rng, 8, 6)
-    single = _dot_q4_Kx8(fn, x, y, 8, group=1)
-    reordered = _dot_q4_Kx8(fn, x, y, 8, group=4, reorder=1)
+@pytest.mark.parametrize("repacked,qtype", KERNELS, ids=KERNEL_IDS)
+def test_the_bit_identity_check_sees_a_reordered_sum(repacked, qtype):
+    fn = _kernel_lib()
+    rng = np.random.default_rng(7)
+    nb = 6 if BLOCK_VALUES[qtype] == 256 else 28
+    x = _random_weights(rng, qtype, nb)
+    y, _ = _random_columns(rng, qtype, 8, nb)
+    single, _ = _mm(fn, qtype, repacked, x, y, 8, group=1)
+    reordered, _ = _mm(fn, qtype, repacked, x, y, 8, group=4, reorder=1)
     assert reordered.tobytes() != single.tobytes()
-    np.testing.assert_allclose(reordered, single, rtol=1e-4)
-
-
-def test_repacked_q6_K_kernel_is_invariant_and_right():
-    """Q6_K repacked 8 rows at a time (our build's layout on x86): the same bits however many tokens share the
-    unpacked weights, the right product, and a reordered sum is seen."""
-    from gguf import GGMLQuantizationType
-    from gguf.quants import dequantize
-
-    _kernel_lib()
-    fn = _bind(ctypes.CDLL(str(native.lib_dir() / f"libggml-cpu-{native.loaded_variant()}.so")),
-               "speculant_mm_test_q6_Kx8")
-
-    def run(x, y, ncols, group, reorder=0):
-        out = np.zeros((ncols, 8), np.float32)
-        if fn(x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder, out.ctypes.data):
-            pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
-        return out
-
-    rng = np.random.default_rng(5)
-    for nb in (1, 6, 35):
-        x = np.ascontiguousarray(np.stack([_random_weights(rng, Q6_K, nb) for _ in range(8)]))
-        y, yf = _random_q8_K(rng, 9, nb)
-        single = run(x, y, 9, group=1)
-        for group in (2, 3, 4):
-            assert run(x, y, 9, group=group).tobytes() == single.tobytes(), f"{nb} blocks, {group} at a time"
-        w = dequantize(x.reshape(-1), GGMLQuantizationType.Q6_K).reshape(8, -1).astype(np.float64)
-        ref = yf.astype(np.float64) @ w.T
-        np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
-        if nb > 1:
-            reordered = run(x, y, 9, group=4, reorder=1)
-            assert reordered.tobytes() != single.tobytes()
+    np.testing.assert_allclose(reordered, single, rtol=1e-4, atol=1e-6 * np.abs(single).max())  # same sum
 
 
 # -- doctor ---------------------------------------------------------------------------------------------------
@@ -299,42 +236,19 @@ VARIANT_NEEDS = {"haswell": {"avx2", "fma"}, "skylakex": {"avx512f", "avx512bw"}
                  "icelake": {"avx512f", "avx512vbmi", "avx512_vnni"}, "zen4": {"avx512f", "avx512_bf16"}}
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K])
-def test_every_isa_level_gives_the_same_bits(qtype):
-    """256-bit (haswell) and 512-bit (skylakex, icelake, ...) kernels: the same logits on any machine."""
+@pytest.mark.parametrize("repacked,qtype", KERNELS, ids=KERNEL_IDS)
+def test_every_isa_level_gives_the_same_bits(repacked, qtype):
+    """256-bit (haswell: maddubs) and 512-bit (skylakex without VNNI; icelake and zen4 with it) kernels compute the
+    same integers and the same float sequence: the same logits on any machine."""
     _kernel_lib()
     rng = np.random.default_rng(11)
-    x = _random_weights(rng, qtype, 6)
-    y, _ = _random_q8_K(rng, 7, 6)
+    nb = 6 if BLOCK_VALUES[qtype] == 256 else 28
+    x = _random_weights(rng, qtype, nb)
+    y, _ = _random_columns(rng, qtype, 7, nb)
     results = {}
     for variant, lib in _isa_libs():
-        fn = _bind(lib, "speculant_mm_test_dot")
-        results[variant] = [_dot(fn, qtype, x, y, 7, group=g).tobytes() for g in (1, 4)]
-    if len(results) < 2:
-        pytest.skip("fewer than two kernel ISA levels run on this CPU")
-    first = next(iter(results.values()))
-    assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
-
-
-def test_every_isa_level_gives_the_same_bits_repacked():
-    """The repacked kernels (256-bit maddubs on haswell, 512-bit without VNNI on skylakex, VNNI on icelake and
-    zen4) compute the same integers and the same float sequence: the same logits on any machine."""
-    _kernel_lib()
-    rng = np.random.default_rng(13)
-    x4 = np.ascontiguousarray(np.stack([_random_weights(rng, Q4_K, 6) for _ in range(8)]))
-    x6 = np.ascontiguousarray(np.stack([_random_weights(rng, Q6_K, 6) for _ in range(8)]))
-    y, _ = _random_q8_K(rng, 7, 6)
-    results = {}
-    for variant, lib in _isa_libs():
-        bits = []
-        for name, x in (("speculant_mm_test_q4_Kx8", x4), ("speculant_mm_test_q6_Kx8", x6)):
-            fn = _bind(lib, name)
-            for group in (1, 4):
-                out = np.zeros((7, 8), np.float32)
-                args = [x.shape[1] * 256, x.ctypes.data, y.ctypes.data, y.shape[1], 7, group, 0, out.ctypes.data]
-                assert fn(*args, *([None] if name.endswith("q4_Kx8") else [])) == 0, variant
-                bits.append(out.tobytes())
-        results[variant] = bits
+        fn = _bind(lib)
+        results[variant] = [_mm(fn, qtype, repacked, x, y, 7, group=g)[0].tobytes() for g in (1, 4)]
     if len(results) < 2:
         pytest.skip("fewer than two kernel ISA levels run on this CPU")
     first = next(iter(results.values()))

@@ -1,10 +1,11 @@
 // speculant: batch-invariant multi-token matmul kernels (see speculant-mm.h).
 //
-// Per output element and per 256-value superblock, the float operations are exactly those of ggml's AVX2
-// dot products (ggml_vec_dot_q4_K_q8_K / ggml_vec_dot_q6_K_q8_K): d = y.d * x.d, one fused multiply-add of
-// the eight int32 lane sums into an 8-lane accumulator (and, for Q4_K, of the four min lanes into a
-// 4-lane one), and the same horizontal sum at the end. The int32 lane sums are computed with the same lane
-// layout (maddubs + madd), so each lane holds the same integer however many tokens share the weights.
+// Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
+// one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q6_K_q8_K,
+// _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0; ggml_gemv_q4_K_8x8_q8_K and ggml_gemv_q4_0_8x8_q8_0 for the repacked
+// layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
+// are unpacked once for up to SPECULANT_MM_COLS of them), and integer sums are exact however they are formed
+// (VNNI or not, 256 or 512 bits), so every ISA level gives the same bits.
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
 #include "ggml-cpu.h"
@@ -21,13 +22,18 @@
 #define SPECULANT_MM_HAVE_KERNELS 1
 #endif
 
+static int64_t max_rows = -1;
+
 int64_t speculant_mm_max_rows(void) {
-    static int64_t max_rows = -1;
     if (max_rows < 0) {
         const char * env = getenv("SPECULANT_INVARIANT_ROWS");
         max_rows = env ? atoll(env) : 64;
     }
     return max_rows;
+}
+
+void speculant_mm_set_max_rows(int64_t rows) {
+    max_rows = rows;
 }
 
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
@@ -39,18 +45,16 @@ bool speculant_mm_few_tokens(const struct ggml_tensor * src1) {
     return src1->ne[1] <= speculant_mm_max_rows();
 }
 
-bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
 #ifdef SPECULANT_MM_HAVE_KERNELS
-    return (src0->type == GGML_TYPE_Q4_K || src0->type == GGML_TYPE_Q6_K) && src1->type == GGML_TYPE_F32
-        && src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1
-        && ggml_is_contiguous(src1) && src0->ne[0] % QK_K == 0;
+
+// exact either way; F16C converts in a register, where ggml's table costs a load from a 256 KB table per block
+static inline float fp16_to_fp32(ggml_fp16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
 #else
-    (void) src0; (void) src1;
-    return false;
+    return GGML_CPU_FP16_TO_FP32(h);
 #endif
 }
-
-#ifdef SPECULANT_MM_HAVE_KERNELS
 
 static inline float hsum8(const __m256 x) {
     __m128 r = _mm256_extractf128_ps(x, 1);
@@ -83,8 +87,8 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const uint8_t * sc = (const uint8_t *) u;  // sc[0..7]: scales
-        const float xd = GGML_CPU_FP16_TO_FP32(x[i].d);
-        const float xdmin = GGML_CPU_FP16_TO_FP32(x[i].dmin);
+        const float xd = fp16_to_fp32(x[i].d);
+        const float xdmin = fp16_to_fp32(x[i].dmin);
 
         __m256i sumi[SPECULANT_MM_COLS];
         for (int c = 0; c < NC; ++c) {
@@ -133,7 +137,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        const float xd = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m256i sumi[SPECULANT_MM_COLS];
         for (int c = 0; c < NC; ++c) {
@@ -211,8 +215,8 @@ static inline __attribute__((always_inline)) void dot_q4_K_pairs(const int NP, c
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const uint8_t * sc = (const uint8_t *) u;
-        const float xd = GGML_CPU_FP16_TO_FP32(x[i].d);
-        const float xdmin = GGML_CPU_FP16_TO_FP32(x[i].dmin);
+        const float xd = fp16_to_fp32(x[i].d);
+        const float xdmin = fp16_to_fp32(x[i].dmin);
 
         for (int c = 0; c < 2 * NP; ++c) {
             const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
@@ -264,7 +268,7 @@ static inline __attribute__((always_inline)) void dot_q6_K_pairs(const int NP, c
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        const float xd = GGML_CPU_FP16_TO_FP32(x[i].d);
+        const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m512i sumi[SPECULANT_MM_COLS / 2];
         for (int p = 0; p < NP; ++p) {
@@ -495,28 +499,6 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 }
 #endif
 
-// one group of 8 repacked rows against ncols columns, `group` columns per weight unpacking; column c's 8
-// results at out + c * out_stride
-static void q4_Kx8_group(int n, const q4_Kx8 * x, const char * ycols, size_t row_size, int ncols, int group,
-                         const int * order, float * out, size_t out_stride) {
-    const int nb = n / QK_K;
-    for (int c0 = 0; c0 < ncols; c0 += group) {
-        const int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_K * y[SPECULANT_MM_COLS];
-        float * o[SPECULANT_MM_COLS];
-        for (int c = 0; c < nc; ++c) {
-            y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
-            o[c] = out + (size_t) (c0 + c) * out_stride;
-        }
-        switch (nc) {  // constant NC: each case compiles to its own unrolled kernel
-            case 1: q4_Kx8_cols(1, nb, x, y, order, o); break;
-            case 2: q4_Kx8_cols(2, nb, x, y, order, o); break;
-            case 3: q4_Kx8_cols(3, nb, x, y, order, o); break;
-            default: q4_Kx8_cols(4, nb, x, y, order, o); break;
-        }
-    }
-}
-
 // -- Q6_K repacked (block_q6_Kx8; ggml repacks Q6_K on x86 only in our build, and every pass takes this kernel) --
 //
 // Per output element and superblock: the superblock's integer sum (the -32 offset of every 6-bit value folded in
@@ -670,34 +652,189 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 }
 #endif
 
-static void q6_Kx8_group(int n, const q6_Kx8 * x, const char * ycols, size_t row_size, int ncols, int group,
-                         const int * order, float * out, size_t out_stride) {
-    const int nb = n / QK_K;
-    for (int c0 = 0; c0 < ncols; c0 += group) {
-        const int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_K * y[SPECULANT_MM_COLS];
-        float * o[SPECULANT_MM_COLS];
-        for (int c = 0; c < nc; ++c) {
-            y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
-            o[c] = out + (size_t) (c0 + c) * out_stride;
+
+// -- Q4_0 repacked (block_q4_0x8, llama.cpp's layout for Q4_0 on x86) --
+//
+// Per output element and block: the block's integer sum converted to float, times x.d * y.d, added with one fused
+// multiply-add: the float operations of ggml_gemv_q4_0_8x8_q8_0. ggml sign-extends the stored 4-bit values; here
+// they are read as unsigned (0..15) and 8 times the column's block sum is taken off: the same integer.
+
+typedef struct {
+    ggml_half d[8];
+    uint8_t qs[128];  // 8-byte chunk k holds bytes 8(k/8)..+7 of row k%8, each nibble XOR 8 (so signed)
+} q4_0x8;
+
+_Static_assert(sizeof(q4_0x8) == 8 * sizeof(block_q4_0), "block_q4_0x8 layout");
+
+#if defined(SPECULANT_MM_HAVE_512)
+// one 512-bit register holds 8 values of all 8 rows: row r's 4-byte groups in int32 lanes 2r and 2r+1
+static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, const int nb, const q4_0x8 * x,
+                                                             const block_q8_0 * const * y, const int32_t * const * ysum,
+                                                             const int * order, float * const * out) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const __m512i unsign = _mm512_set1_epi8((char) 0x88);
+#ifndef Q4KX8_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q4_0x8 * xb = x + i;
+        const __m512i lo = _mm512_xor_si512(_mm512_loadu_si512((const void *) xb->qs), unsign);         // bytes 0-7
+        const __m512i hi = _mm512_xor_si512(_mm512_loadu_si512((const void *) (xb->qs + 64)), unsign);  // bytes 8-15
+        // values 0-7, 8-15, 16-23 and 24-31 of every row, 0..15
+        const __m512i w[4] = {_mm512_and_si512(lo, m4), _mm512_and_si512(hi, m4),
+                              _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4), _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4)};
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs;
+#ifdef Q4KX8_VNNI
+            __m512i s = _mm512_setzero_si512();
+            for (int k = 0; k < 4; ++k) s = _mm512_dpbusd_epi32(s, w[k], _mm512_set1_epi64(load64(q8 + 8 * k)));
+#else
+            __m512i p = _mm512_setzero_si512();  // int16 lanes: |p| <= 4 * 2 * 15 * 128 < 2^15
+            for (int k = 0; k < 4; ++k) p = _mm512_add_epi16(p, _mm512_maddubs_epi16(w[k], _mm512_set1_epi64(load64(q8 + 8 * k))));
+            const __m512i s = _mm512_madd_epi16(p, ones);
+#endif
+            const __m256i irow = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
+            const __m256i isum = _mm256_sub_epi32(irow, _mm256_set1_epi32(8 * ysum[c][i]));
+            const __m256 yd = _mm256_set1_ps(fp16_to_fp32(y[c][i].d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(xd, yd), acc[c]);
         }
-        switch (nc) {
-            case 1: q6_Kx8_cols(1, nb, x, y, order, o); break;
-            case 2: q6_Kx8_cols(2, nb, x, y, order, o); break;
-            case 3: q6_Kx8_cols(3, nb, x, y, order, o); break;
-            default: q6_Kx8_cols(4, nb, x, y, order, o); break;
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+
+#else  // AVX2: rows 0-3 and 4-7 in two 256-bit halves
+
+static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, const int nb, const q4_0x8 * x,
+                                                             const block_q8_0 * const * y, const int32_t * const * ysum,
+                                                             const int * order, float * const * out) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i unsign = _mm256_set1_epi8((char) 0x88);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q4_0x8 * xb = x + i;
+        __m256i w[2][4];
+        for (int half = 0; half < 2; ++half) {  // rows 4*half .. 4*half+3
+            const __m256i lo = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) (xb->qs + 32 * half)), unsign);
+            const __m256i hi = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) (xb->qs + 64 + 32 * half)), unsign);
+            w[half][0] = _mm256_and_si256(lo, m4);
+            w[half][1] = _mm256_and_si256(hi, m4);
+            w[half][2] = _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4);
+            w[half][3] = _mm256_and_si256(_mm256_srli_epi16(hi, 4), m4);
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs;
+            __m256i a[4];
+            for (int k = 0; k < 4; ++k) a[k] = _mm256_set1_epi64x(load64(q8 + 8 * k));
+            __m256i s[2];
+            for (int half = 0; half < 2; ++half) {
+                __m256i p = _mm256_setzero_si256();
+                for (int k = 0; k < 4; ++k) p = _mm256_add_epi16(p, _mm256_maddubs_epi16(w[half][k], a[k]));
+                s[half] = _mm256_madd_epi16(p, ones);
+            }
+            // [r0 r1 r4 r5 | r2 r3 r6 r7] -> row order
+            const __m256i irow = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(s[0], s[1]), row_order);
+            const __m256i isum = _mm256_sub_epi32(irow, _mm256_set1_epi32(8 * ysum[c][i]));
+            const __m256 yd = _mm256_set1_ps(fp16_to_fp32(y[c][i].d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(xd, yd), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+#endif
+
+// the sum of each q8_0 block's 32 values, for ncols columns of nb blocks: sums[c * nb + i]
+static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int ncols, int32_t * sums) {
+    const __m256i bias = _mm256_set1_epi8((char) 0x80);  // as unsigned bytes: value + 128
+    for (int c = 0; c < ncols; ++c) {
+        const block_q8_0 * y = (const block_q8_0 *) (ycols + (size_t) c * row_size);
+        for (int i = 0; i < nb; ++i) {
+            const __m256i sad = _mm256_sad_epu8(_mm256_xor_si256(_mm256_loadu_si256((const __m256i *) y[i].qs), bias),
+                                                _mm256_setzero_si256());
+            const __m128i s2 = _mm_add_epi64(_mm256_castsi256_si128(sad), _mm256_extracti128_si256(sad, 1));
+            sums[(size_t) c * nb + i] = (int32_t) (_mm_cvtsi128_si64(s2) + _mm_extract_epi64(s2, 1)) - 32 * 128;
         }
     }
 }
 
-void speculant_mm_q6_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
-                              int ncols, float * dst, size_t dst_stride) {
-    const size_t group_bytes = (size_t) (n / QK_K) * sizeof(q6_Kx8);
-    for (int64_t g = 0; g < nrows / 8; ++g) {
-        q6_Kx8_group(n, (const q6_Kx8 *) ((const char *) x + g * group_bytes), wdata, row_size, ncols,
-                     SPECULANT_MM_COLS, NULL, dst + 8 * g, dst_stride);
+// -- every repacked type: one group of 8 rows against ncols columns --
+
+// kernel(NC, ...) with NC a constant: each case compiles to its own unrolled kernel
+#define SPECULANT_BY_NC(nc, kernel, ...)                  \
+    switch (nc) {                                         \
+        case 1: kernel(1, __VA_ARGS__); break;            \
+        case 2: kernel(2, __VA_ARGS__); break;            \
+        case 3: kernel(3, __VA_ARGS__); break;            \
+        default: kernel(4, __VA_ARGS__); break;           \
+    }
+
+static size_t repacked_group_bytes(enum ggml_type type, int n) {
+    switch (type) {
+        case GGML_TYPE_Q4_K: return (size_t) (n / QK_K) * sizeof(q4_Kx8);
+        case GGML_TYPE_Q6_K: return (size_t) (n / QK_K) * sizeof(q6_Kx8);
+        default:             return (size_t) (n / QK8_0) * sizeof(q4_0x8);
     }
 }
+
+// 8 repacked rows (x) against ncols columns, `group` columns per weight unpacking; column c's 8 results at
+// out + c * out_stride. ysums: the q8_0 block sums of the columns (Q4_0 only).
+static void repacked_group(enum ggml_type type, int n, const void * x, const char * ycols, size_t row_size, int ncols,
+                           int group, const int32_t * ysums, const int * order, float * out, size_t out_stride) {
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_K * yk[SPECULANT_MM_COLS] = {0};
+        const block_q8_0 * y0[SPECULANT_MM_COLS] = {0};
+        const int32_t * ys[SPECULANT_MM_COLS] = {0};
+        float * o[SPECULANT_MM_COLS] = {0};
+        for (int c = 0; c < nc; ++c) {
+            yk[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+            y0[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
+            ys[c] = ysums ? ysums + (size_t) (c0 + c) * (n / QK8_0) : NULL;
+            o[c] = out + (size_t) (c0 + c) * out_stride;
+        }
+        switch (type) {
+            case GGML_TYPE_Q4_K: SPECULANT_BY_NC(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
+            case GGML_TYPE_Q6_K: SPECULANT_BY_NC(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
+            default:             SPECULANT_BY_NC(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
+        }
+    }
+}
+
+bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
+    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0) && interleave == 8 && rows == 8;
+}
+
+static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
+                          size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
+    int32_t * ysums = NULL;
+    if (type == GGML_TYPE_Q4_0) {
+        ysums = malloc(sizeof(int32_t) * (size_t) ncols * (n / QK8_0));
+        q8_0_block_sums(n / QK8_0, wdata, row_size, ncols, ysums);
+    }
+    const size_t group_bytes = repacked_group_bytes(type, n);
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        repacked_group(type, n, (const char *) x + g * group_bytes, wdata, row_size, ncols, group, ysums, order,
+                       dst + 8 * g, dst_stride);
+    }
+    free(ysums);
+}
+
+void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
+                                size_t row_size, int ncols, float * dst, size_t dst_stride) {
+    repacked_rows(type, n, x, nrows, wdata, row_size, ncols, SPECULANT_MM_COLS, NULL, dst, dst_stride);
+}
+
+// -- ggml's own layout changes (repack.cpp), for tests that start from plain rows --
 
 static void q6_Kx8_pack(const block_q6_K * rows, int nb, q6_Kx8 * out) {
     for (int i = 0; i < nb; ++i) {
@@ -709,50 +846,6 @@ static void q6_Kx8_pack(const block_q6_K * rows, int nb, q6_Kx8 * out) {
             for (int k = 0; k < 16; ++k) memcpy(o->ql + 64 * k + 8 * r, in->ql + 8 * k, 8);
             for (int k = 0; k < 8; ++k) memcpy(o->qh + 64 * k + 8 * r, in->qh + 8 * k, 8);
         }
-    }
-}
-
-int speculant_mm_test_q6_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                             int reorder, float * out) {
-    if (n % QK_K || group < 1 || group > SPECULANT_MM_COLS) {
-        return -1;
-    }
-    const int nb = n / QK_K;
-    q6_Kx8 * packed = malloc(sizeof(q6_Kx8) * nb);
-    int * order = NULL;
-    q6_Kx8_pack(x, nb, packed);
-    if (reorder && group > 1) {
-        order = malloc(sizeof(int) * nb);
-        for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
-    }
-    q6_Kx8_group(n, packed, y, row_size, ncols, group, order, out, 8);
-    free(order);
-    free(packed);
-    return 0;
-}
-
-static void speculant_mm_q4_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
-                                     int ncols, float * dst, size_t dst_stride);
-
-bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
-    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && interleave == 8 && rows == 8;
-}
-
-void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
-                                size_t row_size, int ncols, float * dst, size_t dst_stride) {
-    if (type == GGML_TYPE_Q4_K) {
-        speculant_mm_q4_Kx8_rows(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
-    } else {
-        speculant_mm_q6_Kx8_rows(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
-    }
-}
-
-static void speculant_mm_q4_Kx8_rows(int n, const void * x, int64_t nrows, const void * wdata, size_t row_size,
-                                     int ncols, float * dst, size_t dst_stride) {
-    const size_t group_bytes = (size_t) (n / QK_K) * sizeof(q4_Kx8);
-    for (int64_t g = 0; g < nrows / 8; ++g) {
-        q4_Kx8_group(n, (const q4_Kx8 *) ((const char *) x + g * group_bytes), wdata, row_size, ncols,
-                     SPECULANT_MM_COLS, NULL, dst + 8 * g, dst_stride);
     }
 }
 
@@ -786,37 +879,226 @@ static void q4_Kx8_pack(const block_q4_K * rows, int nb, q4_Kx8 * out) {
     }
 }
 
-void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
-int speculant_mm_test_q4_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                             int reorder, float * out, float * out_ggml) {
-    if (n % QK_K || group < 1 || group > SPECULANT_MM_COLS) {
-        return -1;
+// make_block_q4_0x8: chunk k of 8 bytes is bytes 8(k/8)..+7 of row k%8, XOR 0x88
+static void q4_0x8_pack(const block_q4_0 * rows, int nb, q4_0x8 * out) {
+    for (int i = 0; i < nb; ++i) {
+        q4_0x8 * o = out + i;
+        for (int r = 0; r < 8; ++r) o->d[r] = rows[(size_t) r * nb + i].d;
+        for (int k = 0; k < 16; ++k) {
+            const uint8_t * src = rows[(size_t) (k % 8) * nb + i].qs + 8 * (k / 8);
+            for (int b = 0; b < 8; ++b) o->qs[8 * k + b] = src[b] ^ 0x88;
+        }
     }
-    const int nb = n / QK_K;
-    q4_Kx8 * packed = malloc(sizeof(q4_Kx8) * nb);
-    int * order = NULL;
-    q4_Kx8_pack(x, nb, packed);
-    if (reorder && group > 1) {
-        order = malloc(sizeof(int) * nb);
-        for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
-    }
-    q4_Kx8_group(n, packed, y, row_size, ncols, group, order, out, 8);
-    for (int c = 0; out_ggml && c < ncols; ++c) {
-        ggml_gemv_q4_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, (const char *) y + c * row_size, 1, 8);
-    }
-    free(order);
-    free(packed);
-    return 0;
 }
 
-// one weight row against ncols columns, `group` columns per weight unpacking
+void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+
+// -- plain layout, 32-value blocks: Q8_0, Q5_0, Q4_0 against q8_0 columns --
+//
+// Per output element the float operations of ggml's AVX2 dot products (ggml_vec_dot_q8_0_q8_0 and its Q5_0 and
+// Q4_0 siblings): per block, eight int32 lane sums of 4 products each, converted to float, one fused multiply-add
+// by x.d * y.d into an 8-lane accumulator; the same horizontal sum at the end. The block's 32 signed values are
+// unpacked (and their absolute values taken) once for all columns.
+
+static inline size_t q0_block_bytes(enum ggml_type type) {
+    return type == GGML_TYPE_Q8_0 ? sizeof(block_q8_0) : type == GGML_TYPE_Q5_0 ? sizeof(block_q5_0) : sizeof(block_q4_0);
+}
+
+// what is added to a block's values to make them unsigned bytes
+static inline int q0_offset(enum ggml_type type) {
+    return type == GGML_TYPE_Q8_0 ? 128 : type == GGML_TYPE_Q5_0 ? 16 : 8;
+}
+
+// the 32 values of block i plus q0_offset(type), value j in byte j (0..255)
+static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
+    if (type == GGML_TYPE_Q8_0) {
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) ((const block_q8_0 *) x)[i].qs),
+                                _mm256_set1_epi8((char) 0x80));
+    }
+    const uint8_t * qs = type == GGML_TYPE_Q4_0 ? ((const block_q4_0 *) x)[i].qs : ((const block_q5_0 *) x)[i].qs;
+    const __m128i packed = _mm_loadu_si128((const __m128i *) qs);  // value j in the low nibble of byte j, j+16 high
+    const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
+    if (type == GGML_TYPE_Q4_0) {
+        return nibbles;
+    }
+    uint32_t qh;  // Q5_0: bit j is value j's fifth bit
+    memcpy(&qh, ((const block_q5_0 *) x)[i].qh, 4);
+    const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int) qh),
+                                               _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                                 0x0101010101010101, 0x0000000000000000));
+    const __m256i bit = _mm256_set1_epi64x((int64_t) 0x8040201008040201);
+    return _mm256_or_si256(nibbles, _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit),
+                                                     _mm256_set1_epi8(0x10)));
+}
+
+static inline float q0_scale(enum ggml_type type, const void * x, int i) {
+    switch (type) {
+        case GGML_TYPE_Q8_0: return fp16_to_fp32(((const block_q8_0 *) x)[i].d);
+        case GGML_TYPE_Q5_0: return fp16_to_fp32(((const block_q5_0 *) x)[i].d);
+        default:             return fp16_to_fp32(((const block_q4_0 *) x)[i].d);
+    }
+}
+
+// per column and block, what the kernels need besides its values: -offset x (sums of 4 adjacent values), the
+// int32 lanes that make the unsigned dot product the signed one, and y.d as a float
+typedef struct {
+    int32_t corr[8];
+    float d;
+} q0_col;
+
+// Rows per kernel call: each streams from memory on its own, and several streams keep more loads in flight than
+// one (a block of one row is soon consumed). The accumulators of RM rows x 4 tokens must fit in the registers.
+#if defined(__AVX512VL__)
+#define Q0_RM 4
+#else
+#define Q0_RM 2
+#endif
+
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q0_UNSIGNED 1  // VNNI multiplies unsigned by signed bytes into int32 lanes, without saturation
+
+static inline __m256i q0_dpbusd(__m256i acc, __m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, y);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, y);
+#endif
+}
+
+// RM rows (x_stride bytes apart) x NC columns; out[r * SPECULANT_MM_COLS + c]. The int32 lanes: sums of 4 adjacent
+// products (x + offset) * y, less offset * (sums of 4 adjacent y): the lanes of ggml's x * y.
+static inline __attribute__((always_inline)) void dot_q0(const int NC, const enum ggml_type type, const int RM,
+                                                        const int nb, const char * x, size_t x_stride,
+                                                        const block_q8_0 * const * y, const q0_col * const * cols,
+                                                        const int * order, float * out) {
+    __m256 acc[Q0_RM][SPECULANT_MM_COLS];
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        __m256i u[Q0_RM];
+        __m256 dx[Q0_RM];
+        for (int r = 0; r < RM; ++r) {
+            u[r] = q0_unsigned(type, x + r * x_stride, i);
+            dx[r] = _mm256_set1_ps(q0_scale(type, x + r * x_stride, i));
+        }
+        for (int c = 0; c < NC; ++c) {
+            const q0_col * col = cols[c] + i;
+            const __m256i corr = _mm256_loadu_si256((const __m256i *) col->corr);
+            const __m256i yq = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
+            const __m256 dy = _mm256_broadcast_ss(&col->d);
+            for (int r = 0; r < RM; ++r) {
+                const __m256 d = _mm256_mul_ps(dx[r], dy);  // x.d * y.d, as ggml's scalar product
+                acc[r][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q0_dpbusd(corr, u[r], yq)), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) out[r * SPECULANT_MM_COLS + c] = hsum8(acc[r][c]);
+}
+
+static void q0_columns(enum ggml_type type, int nb, const block_q8_0 * const * y, int nc, q0_col * cols) {
+    const __m256i offset = _mm256_set1_epi8((char) q0_offset(type));
+    for (int c = 0; c < nc; ++c) {
+        for (int i = 0; i < nb; ++i) {
+            const __m256i sums = q0_dpbusd(_mm256_setzero_si256(), offset, _mm256_loadu_si256((const __m256i *) y[c][i].qs));
+            _mm256_storeu_si256((__m256i *) cols[(size_t) c * nb + i].corr, _mm256_sub_epi32(_mm256_setzero_si256(), sums));
+            cols[(size_t) c * nb + i].d = fp16_to_fp32(y[c][i].d);
+        }
+    }
+}
+
+#else  // no VNNI: |x| times (y signed by x), maddubs + madd, exactly as ggml forms the lanes
+
+static inline __attribute__((always_inline)) void dot_q0(const int NC, const enum ggml_type type, const int RM,
+                                                        const int nb, const char * x, size_t x_stride,
+                                                        const block_q8_0 * const * y, const q0_col * const * cols,
+                                                        const int * order, float * out) {
+    (void) cols;
+    __m256 acc[Q0_RM][SPECULANT_MM_COLS];
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        __m256i qx[Q0_RM], ax[Q0_RM];
+        float dx[Q0_RM];
+        for (int r = 0; r < RM; ++r) {
+            qx[r] = _mm256_sub_epi8(q0_unsigned(type, x + r * x_stride, i), _mm256_set1_epi8((char) q0_offset(type)));
+            ax[r] = _mm256_sign_epi8(qx[r], qx[r]);
+            dx[r] = q0_scale(type, x + r * x_stride, i);
+        }
+        for (int c = 0; c < NC; ++c) {
+            const __m256i yq = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
+            const float dy = fp16_to_fp32(y[c][i].d);
+            for (int r = 0; r < RM; ++r) {
+                const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yq, qx[r])),
+                                                        _mm256_set1_epi16(1));
+                acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy), _mm256_cvtepi32_ps(lanes), acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) out[r * SPECULANT_MM_COLS + c] = hsum8(acc[r][c]);
+}
+#endif
+
+// nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 columns, `group` columns per weight
+// unpacking; row r x column c at out[r * row_stride + c * col_stride]
+static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
+                    size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
+                    size_t col_stride) {
+    const int nb = n / QK8_0;
+#ifdef Q0_UNSIGNED
+    q0_col * cols = malloc(sizeof(q0_col) * (size_t) nb * group);
+#else
+    q0_col * cols = NULL;
+#endif
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_0 * y[SPECULANT_MM_COLS] = {0};
+        const q0_col * cc[SPECULANT_MM_COLS] = {0};
+        for (int c = 0; c < nc; ++c) {
+            y[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
+            cc[c] = cols ? cols + (size_t) c * nb : NULL;
+        }
+#ifdef Q0_UNSIGNED
+        q0_columns(type, nb, y, nc, cols);
+#endif
+        for (int64_t r0 = 0; r0 < nrows;) {
+            const int rm = nc > 1 && nrows - r0 >= Q0_RM ? Q0_RM : 1;
+            const char * xr = x + r0 * x_stride;
+            float tmp[Q0_RM * SPECULANT_MM_COLS];
+#define Q0_ROWS(RM)                                                                                              \
+            switch (type) {                                                                                      \
+                case GGML_TYPE_Q8_0: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q8_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
+                case GGML_TYPE_Q5_0: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q5_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
+                default:             SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q4_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
+            }
+            if (rm == Q0_RM) {
+                Q0_ROWS(Q0_RM)
+            } else {
+                Q0_ROWS(1)
+            }
+#undef Q0_ROWS
+            for (int r = 0; r < rm; ++r) {
+                for (int c = 0; c < nc; ++c) out[(r0 + r) * row_stride + (c0 + c) * col_stride] = tmp[r * SPECULANT_MM_COLS + c];
+            }
+            r0 += rm;
+        }
+    }
+    free(cols);
+}
+
+static bool plain_supported(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
+        || type == GGML_TYPE_Q4_0;
+}
+
+// one Q4_K or Q6_K weight row against ncols q8_K columns, `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                     int ncols, int group, const int * order, float * out) {
     const int nb = n / QK_K;
     for (int c0 = 0; c0 < ncols; c0 += group) {
         int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_K * y[SPECULANT_MM_COLS];
+        const block_q8_K * y[SPECULANT_MM_COLS] = {0};
         for (int c = 0; c < nc; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
         float * o = out + c0;
 #ifdef SPECULANT_MM_HAVE_512
@@ -836,29 +1118,29 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
         }
 #endif
         if (type == GGML_TYPE_Q4_K) {
-            const block_q4_K * x = xrow;
-            switch (nc) {  // constant NC: each case compiles to its own unrolled kernel
-                case 1: dot_q4_K(1, nb, x, y, order, o); break;
-                case 2: dot_q4_K(2, nb, x, y, order, o); break;
-                case 3: dot_q4_K(3, nb, x, y, order, o); break;
-                default: dot_q4_K(4, nb, x, y, order, o); break;
-            }
+            SPECULANT_BY_NC(nc, dot_q4_K, nb, xrow, y, order, o);
         } else {
-            const block_q6_K * x = xrow;
-            switch (nc) {
-                case 1: dot_q6_K(1, nb, x, y, order, o); break;
-                case 2: dot_q6_K(2, nb, x, y, order, o); break;
-                case 3: dot_q6_K(3, nb, x, y, order, o); break;
-                default: dot_q6_K(4, nb, x, y, order, o); break;
-            }
+            SPECULANT_BY_NC(nc, dot_q6_K, nb, xrow, y, order, o);
         }
     }
+}
+
+bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
+    return plain_supported(src0->type) && src1->type == GGML_TYPE_F32
+        && src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1
+        && ggml_is_contiguous(src1) && src0->ne[0] % ggml_blck_size(src0->type) == 0;
 }
 
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     const int64_t ne00 = src0->ne[0];
     const int64_t ncols = dst->ne[1];
+    if (ggml_blck_size(src0->type) == QK8_0) {
+        q0_rows(src0->type, (int) ne00, (const char *) src0->data + ir0 * src0->nb[1], src0->nb[1], ir1 - ir0, wdata,
+                row_size, (int) ncols, SPECULANT_MM_COLS, NULL, (float *) ((char *) dst->data + ir0 * dst->nb[0]),
+                dst->nb[0] / sizeof(float), dst->nb[1] / sizeof(float));
+        return;
+    }
     float tmp[SPECULANT_MM_COLS];
     for (int64_t r = ir0; r < ir1; ++r) {
         const void * xrow = (const char *) src0->data + r * src0->nb[1];
@@ -873,23 +1155,66 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
     }
 }
 
-int speculant_mm_test_dot(int type, int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                          int reorder, float * out) {
-    if ((type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K) || n % QK_K || group < 1 || group > SPECULANT_MM_COLS) {
+int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
+                      int group, int reorder, float * out, float * out_ggml) {
+    const enum ggml_type t = (enum ggml_type) type;
+    if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1
+        || group > SPECULANT_MM_COLS || n % ggml_blck_size(t)) {
         return -1;
     }
-    const int nb = n / QK_K;
+    const int nb = n / ggml_blck_size(t);
     int * order = NULL;
-    if (reorder && group > 1) {  // the wrong kernel: multi-column passes sum the superblocks backwards
+    if (reorder && group > 1) {  // the wrong kernel: multi-column passes sum the blocks backwards
         order = malloc(sizeof(int) * nb);
         for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
     }
-    dot_row((enum ggml_type) type, n, x, y, row_size, ncols, group, order, out);
+    int rc = 0;
+    if (!repacked) {  // 8 plain rows, row after row
+        const size_t x_stride = ggml_row_size(t, n);
+        if (ggml_blck_size(t) == QK8_0) {
+            q0_rows(t, n, x, x_stride, 8, y, row_size, ncols, group, order, out, 1, 8);
+        } else {
+            for (int r = 0; r < 8; ++r) {
+                float col[64];
+                if (ncols > 64) { rc = -1; break; }
+                dot_row(t, n, (const char *) x + r * x_stride, y, row_size, ncols, group, order, col);
+                for (int c = 0; c < ncols; ++c) out[8 * c + r] = col[c];
+            }
+        }
+        const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(t)->vec_dot;
+        for (int c = 0; out_ggml && c < ncols; ++c) {
+            for (int r = 0; r < 8; ++r) {
+                vec_dot(n, out_ggml + 8 * c + r, 0, (const char *) x + r * x_stride, 0, (const char *) y + c * row_size, 0, 1);
+            }
+        }
+    } else {
+        void * packed = malloc(repacked_group_bytes(t, n));
+        switch (t) {
+            case GGML_TYPE_Q4_K: q4_Kx8_pack(x, nb, packed); break;
+            case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, packed); break;
+            default:             q4_0x8_pack(x, nb, packed); break;
+        }
+        repacked_rows(t, n, packed, 8, y, row_size, ncols, group, order, out, 8);
+        for (int c = 0; out_ggml && c < ncols; ++c) {
+            const char * yc = (const char *) y + c * row_size;
+            switch (t) {  // ggml has no x86 kernel for repacked Q6_K
+                case GGML_TYPE_Q4_K: ggml_gemv_q4_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
+                case GGML_TYPE_Q4_0: ggml_gemv_q4_0_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
+                default: rc = 1; break;
+            }
+        }
+        free(packed);
+    }
     free(order);
-    return 0;
+    return rc;
 }
 
 #else  // no AVX2: ggml's own dot products run every pass (still invariant, one column at a time)
+
+bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
+    (void) src0; (void) src1;
+    return false;
+}
 
 bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
     (void) type; (void) interleave; (void) rows;
@@ -902,27 +1227,16 @@ void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int6
     abort();  // speculant_mm_repacked_supported() is false on this build
 }
 
-int speculant_mm_test_q6_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                             int reorder, float * out) {
-    (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group; (void) reorder; (void) out;
-    return -1;
-}
-
-int speculant_mm_test_q4_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                             int reorder, float * out, float * out_ggml) {
-    (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group; (void) reorder; (void) out; (void) out_ggml;
-    return -1;
-}
-
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     (void) src0; (void) wdata; (void) row_size; (void) dst; (void) ir0; (void) ir1;
     abort();  // speculant_mm_supported() is false on this build
 }
 
-int speculant_mm_test_dot(int type, int n, const void * x, const void * y, size_t row_size, int ncols, int group,
-                          int reorder, float * out) {
-    (void) type; (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group; (void) reorder; (void) out;
+int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
+                      int group, int reorder, float * out, float * out_ggml) {
+    (void) type; (void) repacked; (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group;
+    (void) reorder; (void) out; (void) out_ggml;
     return -1;
 }
 

@@ -1,9 +1,9 @@
-// speculant: batch-invariant multi-token matmul kernels for ggml's CPU backend (Q4_K, Q6_K weights; Q4_K
-// repacked).
+// speculant: batch-invariant multi-token matmul kernels for ggml's CPU backend (Q4_K, Q6_K, Q8_0, Q5_0, Q4_0
+// weights; Q4_K, Q6_K and Q4_0 repacked 8 rows at a time).
 //
 // A pass over n tokens must give every output the bits a one-token pass gives it, or speculative
 // verification would not be exact. These kernels compute each output element with one fixed sequence of
-// float operations (the one ggml's AVX2 dot product uses), whatever the number of tokens, while unpacking
+// float operations (the one a ggml one-token kernel uses), whatever the number of tokens, while unpacking
 // each weight block once for up to SPECULANT_MM_COLS tokens. Only the integer part is shared between tokens,
 // and integer sums do not depend on their order.
 #pragma once
@@ -24,6 +24,10 @@ extern "C" {
 // larger ones (prompt processing) may take ggml's fast batched kernels. SPECULANT_INVARIANT_ROWS overrides.
 int64_t speculant_mm_max_rows(void);
 
+// Sets that limit in this process (0: every pass takes ggml's own kernels, as in llama.cpp's build; not exact).
+// For A/B runs of the kernels over the same weights in memory.
+GGML_BACKEND_API void speculant_mm_set_max_rows(int64_t rows);
+
 // true when this matmul is a small pass (<= speculant_mm_max_rows() tokens)
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
@@ -38,30 +42,26 @@ bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_t
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
 
-// Weights repacked 8 rows at a time (ggml's block_q4_Kx8; block_q6_Kx8, which ggml repacks on x86 only in our
-// build; interleave/rows: the repack's INTER_SIZE and NB_COLS): true when speculant_mm_repacked_rows handles them
+// Weights repacked 8 rows at a time (ggml's block_q4_Kx8 and block_q4_0x8; block_q6_Kx8, which ggml repacks on
+// x86 only in our build; interleave/rows: the repack's INTER_SIZE and NB_COLS): true when
+// speculant_mm_repacked_rows handles them
 bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows);
 
-// nrows (a multiple of 8) repacked rows starting at x, times ncols q8_K columns (row_size bytes apart at wdata);
-// column c's results at dst + c * dst_stride. Q4_K: per column the bits of ggml_gemv_q4_K_8x8_q8_K. Q6_K: every
-// pass, of any size, takes this kernel (ggml has no x86 kernels for the layout).
+// nrows (a multiple of 8) repacked rows starting at x, times ncols quantized columns (row_size bytes apart at
+// wdata: q8_K for the K-quants, q8_0 for Q4_0); column c's results at dst + c * dst_stride. Per column the bits
+// of ggml's one-token kernel for the layout (Q4_K, Q4_0). Q6_K: every pass, of any size, takes this kernel
+// (ggml has no x86 kernel for the layout).
 void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                                 size_t row_size, int ncols, float * dst, size_t dst_stride);
 
-// for tests: 8 plain Q4_K rows (x: row after row, n values each) repacked as ggml does, against ncols q8_K rows,
-// `group` columns at a time; out[8c + r] is row r x column c. out_ggml (may be NULL) gets ggml's gemv per column.
-GGML_BACKEND_API int speculant_mm_test_q4_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols,
-                                              int group, int reorder, float * out, float * out_ggml);
-
-// for tests: as speculant_mm_test_q4_Kx8, for Q6_K (no ggml reference on x86)
-GGML_BACKEND_API int speculant_mm_test_q6_Kx8(int n, const void * x, const void * y, size_t row_size, int ncols,
-                                              int group, int reorder, float * out);
-
-// for tests: one weight row (n values of `type`) against ncols q8_K rows (y, row_size bytes apart), columns
-// taken `group` at a time (1..SPECULANT_MM_COLS); reorder != 0 deliberately sums blocks in another order
-// (a test must be able to see that). Returns 0, or -1 for an unsupported type or build.
-GGML_BACKEND_API int speculant_mm_test_dot(int type, int n, const void * x, const void * y, size_t row_size,
-                                           int ncols, int group, int reorder, float * out);
+// For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
+// ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
+// unpacking (1..SPECULANT_MM_COLS); reorder != 0 deliberately sums the blocks in another order (a test must be
+// able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
+// Returns 0; 1 when ggml has no kernel to compare with (repacked Q6_K); -1 for an unsupported type or build.
+GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y,
+                                       size_t row_size, int ncols, int group, int reorder, float * out,
+                                       float * out_ggml);
 
 #ifdef __cplusplus
 }
