@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional
@@ -139,3 +140,23 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+@contextmanager
+def ggml_kernels():
+    """Within this block every pass in this process takes ggml's own kernels, as in llama.cpp's default build
+    (not exact): an A/B of the kernels over the very same weights in memory. Yields False (and changes nothing)
+    on a build without the switch."""
+    variant = loaded_variant()
+    path = lib_dir() / f"libggml-cpu-{variant}.so"
+    fn = getattr(ctypes.CDLL(str(path)), "speculant_mm_set_max_rows", None) if variant and path.exists() else None
+    if fn is None:
+        yield False
+        return
+    fn.argtypes = [ctypes.c_int64]
+    fn(0)
+    try:
+        yield True
+    finally:
+        fn(invariant_rows())
+

@@ -278,6 +278,30 @@ draft:
 """
 
 
+def test_costs_table_on_a_small_model(tmp_path):
+    """`bench --costs`: one round on SmolLM2 without llama.cpp's tools writes costs.json with our pass times and,
+    on our build, the same passes on ggml's own kernels in our process; the table says what is missing."""
+    import os
+    import subprocess
+    import sys
+
+    path = models.cached_path(SMALL)
+    if not path.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    proc = subprocess.run([sys.executable, "-m", "speculant", "bench", "--costs", "--costs-rounds", "1", "-m", str(path),
+                           "-t", "2", "--llama-tools", str(tmp_path / "no-tools"), "--out", str(tmp_path / "out")],
+                          capture_output=True, text=True, timeout=600,
+                          env={**os.environ, "SPECULANT_HOME": str(tmp_path)})
+    assert proc.returncode == 0, proc.stderr
+    costs = json.loads((tmp_path / "out" / "costs.json").read_text())
+    assert [int(n) for n in costs["ours"] if n != "prefill_tps"] == list(range(1, 17))
+    assert costs["ours"]["prefill_tps"] > 0 and costs["llama.cpp"] is None and "not built" in costs["llama_tools"]
+    same = costs["ggml_same_process"]
+    if same is not None:
+        assert [int(n) for n in same] == list(range(1, 17)) and all(v > 0 for v in same.values())
+    assert "| 16 |" in proc.stdout and "ggml kernels, same process" in proc.stdout
+
+
 def test_parse_llama_tool_output():
     from speculant.bench.peers import parse_llama_output
 

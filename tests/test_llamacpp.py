@@ -105,6 +105,18 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
         b.close()
 
 
+def test_the_ggml_kernels_switch_is_scoped(small_target):
+    """`bench --costs` times llama.cpp's own kernels in our process by switching ours off for a block: inside it,
+    batched passes round like stock llama.cpp's (not exact); after it, they are exact again."""
+    from speculant import native
+
+    with native.ggml_kernels() as switched:
+        if not switched:
+            pytest.skip("not our build")
+        assert _batch_vs_single(small_target, LONG_TEXT, [16, 33, 64], offsets=(4,)) > 0.0
+    assert _batch_vs_single(small_target, LONG_TEXT, [16, 33, 64], offsets=(4,)) == 0.0
+
+
 def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):
     """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt,
     processed by a fast 512-token chunk and a small one, and tokens decoded one at a time) must give the logits

@@ -5,6 +5,11 @@ pass needs), n new tokens after a `--costs-depth`-token context. llama.cpp: `lla
 from the tools built with llama.cpp's own defaults (scripts/build_llama_tools.sh): prompt-processing
 speed of an N-token pass after DEPTH tokens, i.e. the same pass with its fastest batched kernels. Rounds
 alternate between the two so machine drift hits both; each figure is the median over rounds.
+
+Also, where our build has the switch: the same passes in our process with ggml's own kernels (what llama.cpp's
+build runs, not exact) over the very same weights in memory. Two processes can place their weights so that
+one streams them measurably faster than the other (seen: 10-30% between runs of one binary), which this column
+is immune to: it is the kernel comparison, llama-bench's the one a user sees.
 """
 
 from __future__ import annotations
@@ -18,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Optional
 
-from .. import costprofile
+from .. import costprofile, native
 from ..errors import SettingsError
 
 
@@ -63,11 +68,14 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
     bindir = default_tools_dir(tools_dir)
     have_peer = (bindir / "llama-bench").exists()
     backend = load_backend(model_path, n_ctx=2048, threads=threads)
-    ours_rounds, peer_rounds = [], []
+    ours_rounds, peer_rounds, same_rounds = [], [], []
     try:
         ours_ms(backend, ns[:2], depth, 64)  # warm-up
         for _ in range(rounds):
             ours_rounds.append(ours_ms(backend, ns, depth, prefill))
+            with native.ggml_kernels() as switched:
+                if switched:
+                    same_rounds.append(dict(costprofile.pass_times_ms(backend, ns, depth)))
             if have_peer:
                 peer_rounds.append(llama_bench_ms(bindir, model_path, ns, depth, prefill, threads))
         med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
@@ -81,22 +89,26 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
     return {"model": model_path, "depth": depth, "prefill": prefill, "rounds": rounds, "threads": threads,
             "ours": {k: med(ours_rounds, k) for k in keys},
             "llama.cpp": {k: med(peer_rounds, k) for k in keys} if have_peer else None,
+            "ggml_same_process": {n: med(same_rounds, n) for n in ns} if same_rounds else None,
             "llama_tools": str(bindir) if have_peer else f"not built ({bindir}): run scripts/build_llama_tools.sh"}
 
 
 def markdown(costs: dict) -> str:
-    ours, peer = costs["ours"], costs["llama.cpp"]
+    ours, peer, same = costs["ours"], costs["llama.cpp"], costs.get("ggml_same_process")
+    fmt = lambda v: f"{v:.1f}" if v else "–"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.2f}" if a and b else "–"  # noqa: E731
     lines = [f"target pass over n new tokens after {costs['depth']} tokens, ms (median of {costs['rounds']} "
-             f"alternating rounds, {costs['threads']} threads); llama.cpp = {costs['llama_tools']}", "",
-             "| n | ours (invariant) | llama.cpp defaults | ratio |", "|---:|---:|---:|---:|"]
+             f"alternating rounds, {costs['threads']} threads); llama.cpp = {costs['llama_tools']}; ggml kernels = "
+             "llama.cpp's own kernels in our process over the same weights in memory", "",
+             "| n | ours (invariant) | llama.cpp defaults | ratio | ggml kernels, same process | ratio |",
+             "|---:|---:|---:|---:|---:|---:|"]
     for n, ms in ours.items():
         if n == "prefill_tps":
             continue
-        p = peer[n] if peer else None
-        lines.append(f"| {n} | {ms:.1f} | {f'{p:.1f}' if p else '–'} | {f'{ms / p:.2f}' if p else '–'} |")
+        p, g = peer[n] if peer else None, same.get(n) if same else None
+        lines.append(f"| {n} | {ms:.1f} | {fmt(p)} | {ratio(ms, p)} | {fmt(g)} | {ratio(ms, g)} |")
     mine, p = ours["prefill_tps"], peer["prefill_tps"] if peer else None
-    lines.append(f"| prefill {costs['prefill']} tokens, tokens/s | {mine:.1f} | {f'{p:.1f}' if p else '–'} | "
-                 f"{f'{mine / p:.2f}' if p else '–'} |")
+    lines.append(f"| prefill {costs['prefill']} tokens, tokens/s | {mine:.1f} | {fmt(p)} | {ratio(mine, p)} | – | – |")
     return "\n".join(lines) + "\n"
 
 
