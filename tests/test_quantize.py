@@ -120,8 +120,8 @@ def test_output_onto_its_input_is_refused(home):
                            env={"SPECULANT_HOME": str(home)}), "is the input file")
 
 
-def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path):
-    name = "qwen2.5-coder-0.5b-instruct-q4_0"
+@pytest.mark.parametrize("name", ["qwen2.5-coder-0.5b-instruct-q4_0", "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0"])
+def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path, name):
     spec = models.REGISTRY[name]
     if not models.cached_path(spec.derived_from).exists():
         pytest.skip(f"{spec.derived_from} not pulled")
@@ -133,7 +133,8 @@ def test_pull_makes_a_derived_draft_once_with_its_recorded_sha256(tmp_path):
     assert "preparing" in first.stderr and "never the output" in first.stderr and "warning" not in first.stderr
     made = tmp_path / "models" / spec.filename
     assert made.stat().st_size == spec.size and models.sha256_file(made) == spec.sha256  # deterministic here
-    assert _gguf_types(made)["blk.0.ffn_up.weight"] == "Q4_0"
+    types = _gguf_types(made)
+    assert types["blk.0.ffn_up.weight"] == "Q4_0" and types["output.weight"] == (spec.output_type or "Q8_0")
     again = run("pull", name, env=env)
     assert again.returncode == 0 and "preparing" not in again.stderr  # made once, then cached
     assert not [p for p in (tmp_path / "models").iterdir() if p.name.startswith(".quantize-")]
