@@ -1,4 +1,5 @@
 import os
+import signal
 import sys
 
 import pytest
@@ -8,6 +9,13 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/synthetic.py
 from speculant import models  # noqa: E402
 
 TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
+
+
+def as_from_a_terminal():
+    """preexec_fn for a CLI child that a test signals: Ctrl-C reaches a command started from a terminal, but a CI
+    job run in the background of a shell has SIGINT ignored and a child inherits that (rightly: `nohup cmd &`
+    must not die of it), so the child gets the default back."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def _backend(name, **kw):

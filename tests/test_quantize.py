@@ -12,6 +12,7 @@ import time
 
 import pytest
 
+from conftest import as_from_a_terminal
 from speculant import models
 
 pytestmark = pytest.mark.models
@@ -145,7 +146,7 @@ def test_interrupted_quantize_leaves_nothing(home, sig, code):
     """The quantizer runs in a child: a signal to the command stops it at once and removes the staged file."""
     proc = subprocess.Popen([sys.executable, "-m", "speculant", "quantize", SMALL, "--type", "Q4_K_M",
                              "--allow-requantize", "-t", "1"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "SPECULANT_HOME": str(home)})
+                            text=True, env={**os.environ, "SPECULANT_HOME": str(home)}, preexec_fn=as_from_a_terminal)
     folder = home / "models"
     deadline = time.monotonic() + 60
     while not list(folder.glob(".quantize-*/*")) and time.monotonic() < deadline and proc.poll() is None:

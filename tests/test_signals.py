@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from conftest import as_from_a_terminal
 from speculant import models
 
 SMALL = "smollm2-135m-instruct"
@@ -16,7 +17,8 @@ SMALL = "smollm2-135m-instruct"
 
 def start(*args, env=None):
     return subprocess.Popen([sys.executable, "-m", "speculant", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})})
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
+                            preexec_fn=as_from_a_terminal)
 
 
 def wait_for_line(stream, fragment, timeout=120):
