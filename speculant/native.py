@@ -159,4 +159,3 @@ def ggml_kernels():
         yield True
     finally:
         fn(invariant_rows())
-

@@ -199,6 +199,18 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (True, Q4_0)], ids=["Q8_0", "repacked-Q4_0"])
+def test_long_rows_and_many_tokens_outgrow_the_stack_scratch(repacked, qtype):
+    """The per-call column data sits on the stack up to 48 KB and on the heap beyond: 400 blocks (12800 values)
+    x 64 tokens needs the heap for both kernels; the bits are those of ggml's one-token kernel all the same."""
+    fn = _kernel_lib()
+    rng = np.random.default_rng(21)
+    x = _random_weights(rng, qtype, 400)
+    y, _ = _random_columns(rng, qtype, 64, 400)
+    multi, ggml = _mm(fn, qtype, repacked, x, y, 64, group=4, with_ggml=True)
+    assert multi.tobytes() == ggml.tobytes()
+
+
 @pytest.mark.parametrize("repacked,qtype", KERNELS, ids=KERNEL_IDS)
 def test_the_bit_identity_check_sees_a_reordered_sum(repacked, qtype):
     fn = _kernel_lib()

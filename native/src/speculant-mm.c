@@ -47,6 +47,9 @@ bool speculant_mm_few_tokens(const struct ggml_tensor * src1) {
 
 #ifdef SPECULANT_MM_HAVE_KERNELS
 
+// per-call scratch kept on the stack up to this size (a pass calls the kernels once per chunk of 64 rows)
+#define SCRATCH_BYTES (48 * 1024)
+
 // exact either way; F16C converts in a register, where ggml's table costs a load from a 256 KB table per block
 static inline float fp16_to_fp32(ggml_fp16_t h) {
 #if defined(__F16C__)
@@ -816,9 +819,11 @@ bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int ro
 
 static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                           size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
+    int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
     int32_t * ysums = NULL;
     if (type == GGML_TYPE_Q4_0) {
-        ysums = malloc(sizeof(int32_t) * (size_t) ncols * (n / QK8_0));
+        const size_t need = (size_t) ncols * (n / QK8_0);
+        ysums = need <= sizeof(stack_sums) / sizeof(int32_t) ? stack_sums : malloc(sizeof(int32_t) * need);
         q8_0_block_sums(n / QK8_0, wdata, row_size, ncols, ysums);
     }
     const size_t group_bytes = repacked_group_bytes(type, n);
@@ -826,7 +831,9 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
         repacked_group(type, n, (const char *) x + g * group_bytes, wdata, row_size, ncols, group, ysums, order,
                        dst + 8 * g, dst_stride);
     }
-    free(ysums);
+    if (ysums != stack_sums) {
+        free(ysums);
+    }
 }
 
 void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
@@ -1047,7 +1054,9 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
                     size_t col_stride) {
     const int nb = n / QK8_0;
 #ifdef Q0_UNSIGNED
-    q0_col * cols = malloc(sizeof(q0_col) * (size_t) nb * group);
+    q0_col stack_cols[SCRATCH_BYTES / sizeof(q0_col)];  // this runs per chunk of rows: no allocation if it fits
+    const size_t need = (size_t) nb * group;
+    q0_col * cols = need <= sizeof(stack_cols) / sizeof(q0_col) ? stack_cols : malloc(sizeof(q0_col) * need);
 #else
     q0_col * cols = NULL;
 #endif
@@ -1084,7 +1093,11 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
             r0 += rm;
         }
     }
-    free(cols);
+#ifdef Q0_UNSIGNED
+    if (cols != stack_cols) {
+        free(cols);
+    }
+#endif
 }
 
 static bool plain_supported(enum ggml_type type) {
