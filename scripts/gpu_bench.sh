@@ -15,6 +15,10 @@
 # Usage: scripts/gpu_bench.sh            # on a CUDA machine
 #        scripts/gpu_bench.sh --smoke    # tiny shapes, runs on a CPU in well under a minute (tests do)
 #        scripts/gpu_bench.sh --steps identity,costs
+# The GPU machine has no network and may hold an older transformers than the range we test (5.17 broke
+# TorchBackend.eval); a wheel carried in .whl/ is used then. Prepare it here and carry it with the run:
+#   pip download --no-deps --only-binary=:all: 'transformers==5.24.0' -d .whl   # .whl/ is git-ignored
+#   run: command "scripts/gpu_bench.sh 2>&1 | tee $OUT/log", carry [".whl"], timeout_s 540
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PY=${PY:-}
@@ -22,6 +26,13 @@ if [ -z "$PY" ]; then
     if [ -x .venv/bin/python ]; then PY=.venv/bin/python; else PY=python3; fi
 fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1  # random weights from configs: nothing to fetch
+if ls .whl/transformers-*.whl >/dev/null 2>&1 && ! "$PY" -c 'import sys, transformers as t
+sys.exit(tuple(int(x) for x in t.__version__.split(".")[:2]) < (5, 24))' 2>/dev/null; then
+    site="$(mktemp -d)"
+    "$PY" -m pip install -q --no-index --no-deps --target "$site" .whl/transformers-*.whl \
+        && export PYTHONPATH="$site:$PYTHONPATH" && echo "gpu_bench: transformers from $(ls .whl/transformers-*.whl)" >&2
+fi
 export CUBLAS_WORKSPACE_CONFIG=${CUBLAS_WORKSPACE_CONFIG:-:4096:8}  # cuBLAS: the same bits on every stream
 timeout --signal=INT --kill-after=10 "${BENCH_TIMEOUT:-470}" "$PY" -m speculant.gpubench "$@"
 rc=$?

@@ -49,7 +49,10 @@ def _free() -> None:
 
     gc.collect()
     if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+        try:
+            torch.cuda.empty_cache()
+        except Exception:  # after a sticky CUDA error this raises again: the report must still be written
+            pass
 
 
 def _sync(device) -> None:
@@ -207,7 +210,13 @@ def step_costs(opts) -> dict:
             _say(f"  {shape}: skipped (time budget)")
             continue
         t0 = time.perf_counter()
-        model = random_model(shape, device=dev, seed=0)
+        try:
+            model = random_model(shape, device=dev, seed=0)
+        except Exception as e:  # e.g. out of memory at 32B: the smaller shapes' rows stay
+            table[shape] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"}
+            _say(f"  {shape}: FAILED to build: {table[shape]['failed']}")
+            _free()
+            continue
         setups = []
         if on_cuda:
             setups += [("ours graphs, 16 rows", dict(rows=16, graphs=True)),
@@ -237,6 +246,8 @@ def step_costs(opts) -> dict:
             _say(f"  {shape:14s} {label:28s} " + "  ".join(f"n={n}: {ms:8.2f} ms" if isinstance(ms, float)
                                                           else f"{n}: {ms}" for n, ms in r.items()))
         _say(f"  ({shape}: {time.perf_counter() - t0:.1f} s)")
+        if on_cuda:
+            _say(f"  GPU memory held after {shape}: {torch.cuda.memory_allocated() / 2**30:.1f} GiB")
         del model
         _free()
     if on_cuda:
@@ -307,6 +318,12 @@ def main(argv=None) -> int:
     _say(f"speculant GPU bench ({'smoke, tiny shapes' if args.smoke else 'Qwen2.5 shapes, random weights'}) "
          f"on {opts.device}")
     results, status = {}, {}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    def write() -> None:  # after every step: a run stopped by its time limit keeps what it measured
+        (out / "results.json").write_text(json.dumps({"status": status, "results": results}, indent=1, default=str))
+
     for name in [s for s in args.steps.split(",") if s]:
         if name not in STEPS:
             _say(f"[{name}] unknown step (known: {', '.join(STEPS)})")
@@ -317,6 +334,10 @@ def main(argv=None) -> int:
         try:
             results[name] = STEPS[name](opts)
             status[name] = f"ok ({time.perf_counter() - t:.1f} s)"
+        except KeyboardInterrupt:  # gpu_bench.sh's hard stop (timeout --signal=INT)
+            status[name] = f"INTERRUPTED ({time.perf_counter() - t:.1f} s)"
+            _say(f"[{name}] {status[name]}")
+            break
         except Exception as e:  # report and go on: one broken step must not cost the others
             if isinstance(e, StepFailed):
                 results[name] = e.result
@@ -324,13 +345,12 @@ def main(argv=None) -> int:
             status[name] = f"FAILED ({time.perf_counter() - t:.1f} s): {type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             _free()
         _say(f"[{name}] {status[name]}")
+        write()
     _say("\nsummary:")
     for name, s in status.items():
         _say(f"  {name:9s} {s}")
     _say(f"  total {time.perf_counter() - t_start:.1f} s")
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"status": status, "results": results}, indent=1, default=str))
+    write()
     _say(f"wrote {out / 'results.json'}")
     return 0 if all(s.startswith("ok") for s in status.values()) else 1
 

@@ -184,7 +184,15 @@ def hf_generate_speed(target_model, draft_model, prompt_len: int, n_new: int, de
     out = {}
     ids = torch.tensor([_tokens(prompt_len, target_model.config.vocab_size, 3)], device=device)
     saved = {m: m.config._attn_implementation for m in (target_model, draft_model) if m is not None}
+    # transformers' assistant defaults (20 tokens, stop below confidence 0.4) would stop random weights after
+    # one token: draft k = 4 every round, as the replayed traces do
+    gen = getattr(draft_model, "generation_config", None)
+    saved_gen = {a: getattr(gen, a, None) for a in ("num_assistant_tokens", "assistant_confidence_threshold",
+                                                    "num_assistant_tokens_schedule")} if gen is not None else {}
     try:
+        if gen is not None:
+            gen.num_assistant_tokens, gen.assistant_confidence_threshold = 4, 0.0
+            gen.num_assistant_tokens_schedule = "constant"
         for m in saved:
             m.config._attn_implementation = "sdpa"
         kw = dict(max_new_tokens=n_new, min_new_tokens=n_new, do_sample=False, eos_token_id=None,
@@ -206,6 +214,8 @@ def hf_generate_speed(target_model, draft_model, prompt_len: int, n_new: int, de
     finally:
         for m, impl in saved.items():
             m.config._attn_implementation = impl
+        for a, v in saved_gen.items():
+            setattr(gen, a, v)
     return out
 
 

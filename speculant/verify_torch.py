@@ -53,7 +53,7 @@ def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tu
     best = target_logits.argmax(-1)  # [k+1]
     match = (best[:k] == draft_tokens).to(torch.long)  # [k]
     n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=best.device)
-    n_accepted, token = torch.stack([n, best[n]]).tolist()
+    n_accepted, token = torch.stack([n, best.gather(0, n.view(1))[0]]).tolist()  # no 0-d index: it syncs
     return n_accepted, token
 
 
@@ -74,8 +74,8 @@ def verify_sampled(draft_tokens: torch.Tensor, draft_probs: Optional[torch.Tenso
     u = torch.rand((k,), generator=generator, device=dev, dtype=p_x.dtype)
     rejected = torch.cat([u * q_x >= p_x, torch.ones(1, dtype=torch.bool, device=dev)])  # [k+1]: accept iff u < p/q
     j = rejected.to(torch.int8).argmax()  # the first rejection, k when all were accepted
-    p_j = target_probs[j]
-    r = (p_j - q[j]).clamp_(min=0.0)  # at j = k: q is 0, so r = p_{k+1} (the bonus law)
+    p_j = target_probs.index_select(0, j.view(1))[0]  # indexing by a 0-d device tensor would sync
+    r = (p_j - q.index_select(0, j.view(1))[0]).clamp_(min=0.0)  # at j = k: q is 0, so r = p_{k+1} (the bonus law)
     total = r.sum()
     r = torch.where(total > 0, r / total.clamp(min=torch.finfo(r.dtype).tiny), p_j)  # total 0 only when p == q
     n_accepted, token = torch.stack([j.to(torch.long), sample(r, generator)]).tolist()

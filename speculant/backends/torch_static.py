@@ -144,17 +144,18 @@ class StaticTorchBackend(TorchBackend):
         if key not in self._graphs:
             ids = torch.zeros(rows, dtype=torch.long, device=self.device)
             pos = torch.arange(self.capacity - rows, self.capacity, device=self.device)  # scratch, never read
-            stream = torch.cuda.Stream(self.device)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    self._run(ids, pos, n_blocks)
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            if self._pool is None:
-                self._pool = torch.cuda.graph_pool_handle()
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool):
-                logits = self._run(ids, pos, n_blocks)
+            with torch.cuda.device(self.device):  # torch.cuda.graph captures on the current device's stream
+                stream = torch.cuda.Stream(self.device)
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self._run(ids, pos, n_blocks)
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                if self._pool is None:
+                    self._pool = torch.cuda.graph_pool_handle()
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self._pool):
+                    logits = self._run(ids, pos, n_blocks)
             self._graphs[key] = (graph, ids, pos, logits)
         return self._graphs[key]
 
@@ -162,12 +163,15 @@ class StaticTorchBackend(TorchBackend):
         """One fixed-shape pass over up to MAX_ROWS tokens at positions start.. -> logits [len(chunk), V]."""
         n_real = len(chunk)
         rows = self.rows or shape_class(n_real)
-        ids = torch.tensor(list(chunk) + [chunk[-1]] * (rows - n_real), dtype=torch.long)  # padding rows
+        # pinned (graphs run on CUDA only): a copy from pageable memory would make the host wait for the GPU
+        ids = torch.tensor(list(chunk) + [chunk[-1]] * (rows - n_real), dtype=torch.long,  # padding rows
+                           pin_memory=self.graphs)
         n_blocks = (start + rows - 1) // KV_BLOCK + 1
         if self.graphs:
             graph, g_ids, g_pos, g_logits = self._graph(rows, n_blocks)
             g_ids.copy_(ids, non_blocking=True)
-            g_pos.copy_(torch.arange(start, start + rows), non_blocking=True)
+            positions = torch.arange(start, start + rows)
+            g_pos.copy_(positions.pin_memory(), non_blocking=True)
             graph.replay()
             return g_logits[:n_real].clone()  # the graph's output buffer is overwritten by the next replay
         pos = torch.arange(start, start + rows, device=self.device)
