@@ -285,9 +285,11 @@ def _read_prediction(path: Optional[str]) -> Optional[str]:
 
 def cmd_generate(args) -> int:
     from .engine import Result
+    from .native import one_request_pages
     from .stats import SpecStats
     from .verify import SamplingParams
 
+    one_request_pages()
     if args.conversation:
         raise SettingsError("-cnv (interactive conversation) is not supported: generate answers one prompt; "
                             "use --chat for one chat turn, or `speculant serve` with an OpenAI chat client")
@@ -345,8 +347,10 @@ def cmd_models(args) -> int:
 def cmd_demo(args) -> int:
     from .api import load_backend, load_drafter
     from .engine import Engine
+    from .native import one_request_pages
     from .verify import SamplingParams
 
+    one_request_pages()
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                           dtype=args.dtype, device=args.device, **rpc_kwargs(args))
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,

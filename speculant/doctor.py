@@ -57,6 +57,7 @@ def llama_facts() -> dict:
         "kernel_features": sorted(k for k, v in features.items() if v == "1"),
         "backends": native.backend_names(),
         "exactness": "; ".join(native.exactness_problems()) or "ok (bit-identical batched logits)",
+        "huge_pages": native.huge_pages(),
     })
     return out
 
@@ -104,6 +105,9 @@ def render(facts: dict) -> str:
             f"  kernels    {' '.join(ll['kernel_features'])}",
             f"  backends   {', '.join(ll['backends'])}",
             f"  exactness  {ll['exactness']}",
+            f"  pages      transparent huge pages {ll['huge_pages']['kernel'] or 'not in this kernel'}; buffers of "
+            f"2 MiB+ {'advised onto them' if ll['huge_pages']['requested'] else 'on 4 KiB pages (SPECULANT_THP=0)'}"
+            f" (generate and demo: 4 KiB unless SPECULANT_THP=1)",
         ]
     lines += [
         f"torch        {facts['torch'] or 'not installed'}, transformers {facts['transformers'] or 'not installed'}",

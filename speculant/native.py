@@ -159,3 +159,25 @@ def ggml_kernels():
         yield True
     finally:
         fn(invariant_rows())
+
+
+THP_ENV = "SPECULANT_THP"  # read by our build's ggml_aligned_malloc at every allocation (native/*.patch)
+
+
+def huge_pages() -> dict:
+    """Transparent huge pages: the kernel's mode, and whether our build asks for them (buffers >= 2 MiB:
+    weights, KV cache, compute), which SPECULANT_THP=0 turns off."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+        mode = re.search(r"\[(\w+)\]", text).group(1)
+    except (OSError, AttributeError):
+        mode = None
+    return {"kernel": mode, "requested": os.environ.get(THP_ENV, "1") != "0"}
+
+
+def one_request_pages() -> None:
+    """For a command that loads its models to answer one request (generate, demo): 4 KiB pages unless
+    SPECULANT_THP says otherwise. Huge pages make a Qwen 1.5B decode step ~9% cheaper, but on our VMs the
+    first touch of that memory costs ~2 s more per GB loaded, which a short generation does not earn back
+    (128 tokens: 10.6 s wall on small pages, 12.0 s on huge ones); serve, bench and the Python API keep them."""
+    os.environ.setdefault(THP_ENV, "0")

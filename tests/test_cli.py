@@ -227,3 +227,18 @@ def test_torch_device_without_cuda_fails_before_loading(small, tmp_path):
     assert not (tmp_path / "torch").exists()  # nothing was converted or loaded
     assert_clean_error(run("generate", "--backend", "torch", "--device", "tpu:0", "-m", small, "-p", "hi", env=env),
                        "--device")
+
+
+@pytest.mark.parametrize("given, expected", [(None, "0"), ("1", "1")])
+def test_generate_keeps_small_pages_unless_told(given, expected, small, monkeypatch, capsys):
+    """generate loads for one request: huge pages would cost more to fault in than its decode saves
+    (speculant/native.py), so it asks for 4 KiB pages unless SPECULANT_THP is set (test_llamacpp.py checks
+    that SPECULANT_THP=0 really keeps the weights off huge pages)."""
+    from speculant import cli
+
+    monkeypatch.setenv("SPECULANT_THP", "x")  # recorded, so the variable is restored after the test
+    monkeypatch.delenv("SPECULANT_THP")
+    if given is not None:
+        monkeypatch.setenv("SPECULANT_THP", given)
+    assert cli.main(["generate", "-m", small, "-p", "hi", "-n", "2"]) == 0
+    assert os.environ["SPECULANT_THP"] == expected

@@ -211,3 +211,48 @@ def test_chat_template_comes_from_the_gguf(qwen_target):
     plain = Engine(qwen_target)
     text = _chat(plain, "hi")
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def _thp_mode():
+    """The kernel's transparent-huge-page mode (always / madvise / never), None where it has none."""
+    import re
+    from pathlib import Path
+
+    try:
+        return re.search(r"\[(\w+)\]", Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()).group(1)
+    except (OSError, AttributeError):
+        return None
+
+
+@pytest.mark.parametrize("thp", ["1", "0"])
+def test_weights_sit_on_huge_pages(thp):
+    """Our build asks for transparent huge pages for buffers of 2 MiB and more (weights, KV cache): fewer TLB
+    misses make a Qwen 1.5B decode step ~7% cheaper. SPECULANT_THP=0 keeps 4 KiB pages. Checked in a fresh
+    process: the loaded model's anonymous memory on huge pages."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import SMALL
+    from speculant import models
+
+    mode = _thp_mode()
+    if mode not in ("madvise", "always"):
+        pytest.skip(f"transparent huge pages are {mode or 'absent'} on this kernel")
+    if thp == "0" and mode == "always":
+        pytest.skip("THP is 'always' here: the kernel gives huge pages whatever we ask")
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled")
+    code = ("import sys; from speculant.backends.llamacpp import LlamaCppBackend as B; b = B(sys.argv[1], n_ctx=512); "
+            "b.eval(b.tokenize('hello there'));"
+            "print([int(l.split()[1]) for l in open('/proc/self/smaps_rollup') if l.startswith('AnonHugePages')][0])")
+    env = {**os.environ, "SPECULANT_THP": thp}
+    proc = subprocess.run([sys.executable, "-c", code, str(models.cached_path(SMALL))], env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    huge_kib = int(proc.stdout.split()[-1])
+    weights_kib = models.cached_path(SMALL).stat().st_size // 1024
+    if thp == "1":
+        assert huge_kib > 0.8 * weights_kib, (huge_kib, weights_kib)
+    else:
+        assert huge_kib < 0.1 * weights_kib, (huge_kib, weights_kib)  # numpy may advise its own big arrays
