@@ -7,7 +7,8 @@ PIPQ := $(BIN)/pip install -q --disable-pip-version-check
 # llama.cpp is built from the pinned llama-cpp-python sdist plus our patch (native/), once per source change
 # and cached in $SPECULANT_HOME/wheels: a portable wheel whose CPU kernels are picked by CPUID at run time.
 NATIVE := native/build-llama.sh $(wildcard native/*.patch native/src/*)
-MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct smollm2-135m-instruct
+MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0 \
+	smollm2-135m-instruct
 
 .PHONY: setup models demo test clean
 
@@ -31,7 +32,7 @@ models: $(BIN)/.installed
 	$(BIN)/speculant pull $(MODELS)
 
 demo: $(BIN)/.installed
-	$(BIN)/speculant pull qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct
+	$(BIN)/speculant pull  # the default target and draft
 	$(BIN)/speculant demo
 
 test: $(BIN)/.installed-test models

@@ -71,7 +71,7 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "qwen2.5-coder-0.5b-instruct",
-            "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (default draft)",
+            "Qwen2.5-Coder-0.5B-Instruct Q4_K_M (the shipped draft file; the default draft is made from it)",
             "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
             491_400_064,
             "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
@@ -89,8 +89,8 @@ REGISTRY: dict[str, ModelSpec] = {
         ),
         ModelSpec(
             "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0",
-            "Qwen2.5-Coder-0.5B-Instruct Q4_0 with a Q4_0 output layer, made by pull from the Q4_K_M file (the "
-            "fastest draft on CPU: 46% cheaper step, 4.8 points less acceptance; BENCHMARKS.md)",
+            "Qwen2.5-Coder-0.5B-Instruct Q4_0 with a Q4_0 output layer (default draft), made by pull from the Q4_K_M "
+            "file (the fastest draft on CPU: 46% cheaper step, 4.8 points less acceptance; BENCHMARKS.md)",
             "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0.gguf",
             360_662_912,
             "0e453f0655205b749b4e5f471990d2380dba2ccb8ddc9f643af97184fb599694",
@@ -121,7 +121,9 @@ REGISTRY: dict[str, ModelSpec] = {
 }
 
 DEFAULT_TARGET = "qwen2.5-coder-1.5b-instruct"
-DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct"
+# the shipped 0.5B requantized: its step costs 0.54 of the shipped file's, which is what makes a draft model pay
+# on a CPU (BENCHMARKS.md, "Draft formats"); pull makes it from the shipped file in seconds
+DEFAULT_DRAFT = "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0"
 
 
 def home() -> Path:

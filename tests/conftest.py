@@ -9,6 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/synthetic.py
 from speculant import models  # noqa: E402
 
 TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
+SHIPPED_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the file the default draft is made from
 
 
 def as_from_a_terminal():
@@ -37,6 +38,13 @@ def qwen_target():
 @pytest.fixture(scope="session")
 def qwen_draft():
     b = _backend(DRAFT, n_ctx=2048, repack=True)
+    yield b
+    b.close()
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_shipped():
+    b = _backend(SHIPPED_DRAFT, n_ctx=2048, repack=True)
     yield b
     b.close()
 

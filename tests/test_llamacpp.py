@@ -64,11 +64,11 @@ def test_pass_sizes_are_bit_identical_qwen_unrepacked():
         b.close()
 
 
-def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft):
-    """The 0.5B draft's rows (896 values) cannot hold K-quant superblocks: most of its weights are Q5_0 and Q8_0,
-    which go through our plain-layout 32-value kernels."""
+def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft_shipped):
+    """The shipped 0.5B file's rows (896 values) cannot hold K-quant superblocks: most of its weights are Q5_0
+    and Q8_0, which go through our plain-layout 32-value kernels."""
     sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]
-    assert _batch_vs_single(qwen_draft, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+    assert _batch_vs_single(qwen_draft_shipped, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
 
 
 @pytest.fixture(scope="module")

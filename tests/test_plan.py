@@ -12,6 +12,7 @@ from speculant import models, plan
 pytestmark = pytest.mark.models
 
 TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
+SHIPPED_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the texts below name its file type (Q4_K_M)
 
 
 def need(*names):
@@ -59,7 +60,7 @@ def test_compute_buffer_model_matches_llama_cpp(n_ctx):
     assert abs(m.compute_reserved / 2 ** 20 / _mib(log, "CPU compute") - 1) < 0.03
 
 
-@pytest.mark.parametrize("model", [DRAFT, TARGET])
+@pytest.mark.parametrize("model", [SHIPPED_DRAFT, DRAFT, TARGET])
 def test_repacked_weights_match_llama_cpp(model, monkeypatch):
     """Models load with repacking (Q4_K and Q6_K included: our build repacks Q6_K on x86 too): the plan's
     anonymous copy is llama.cpp's CPU_REPACK buffer; SPECULANT_REPACK=0 plans none."""
@@ -74,8 +75,8 @@ def test_repacked_weights_match_llama_cpp(model, monkeypatch):
 
 
 def test_kv_per_token_from_metadata(monkeypatch):
-    need(TARGET, DRAFT)
-    t, d = plan.plan_model(TARGET, "target", 4096), plan.plan_model(DRAFT, "draft", 4096)
+    need(TARGET, SHIPPED_DRAFT)
+    t, d = plan.plan_model(TARGET, "target", 4096), plan.plan_model(SHIPPED_DRAFT, "draft", 4096)
     # Qwen2.5-1.5B: 28 layers x 2 KV heads x (128 + 128) x 2 bytes; 0.5B: 24 layers x 2 x (64 + 64) x 2
     assert t.kv_per_token == 28 * 2 * 256 * 2 and d.kv_per_token == 24 * 2 * 128 * 2
     assert t.kv == t.kv_per_token * 4096
@@ -90,15 +91,15 @@ def run(*args):
 
 
 def test_cli_json_and_mem():
-    need(TARGET, DRAFT)
-    out = json.loads(run("plan", "-md", DRAFT, "-c", "2048", "--mem", "2G", "--json").stdout)
+    need(TARGET, SHIPPED_DRAFT)
+    out = json.loads(run("plan", "-md", SHIPPED_DRAFT, "-c", "2048", "--mem", "2G", "--json").stdout)
     assert out["n_ctx"] == 2048 and [m["role"] for m in out["models"]] == ["target", "draft"]
     assert out["total_mb"] == pytest.approx(out["runtime_mb"] + sum(m["total_mb"] for m in out["models"]), abs=0.5)
     fits = {(r["target_type"], r["draft_type"]): r for r in out["fits"]}
     assert fits[("Q4_K_M", "Q4_K_M")]["fits"] and fits[("Q4_K_M", "Q4_K_M")]["n_ctx"] == 2048  # --ctx given
     assert not fits[("Q8_0 (estimated)", "Q4_K_M")]["fits"]
     assert "weights alone" in fits[("Q8_0 (estimated)", "Q4_K_M")]["why"]
-    text = run("plan", "-md", DRAFT, "--mem", "1700M").stdout
+    text = run("plan", "-md", SHIPPED_DRAFT, "--mem", "1700M").stdout
     assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
     assert "does not fit: target Q8_0 (estimated) alone (plain decoding, -md lookup or -md history): the weights " \
            "alone take 1801 MiB" in text
