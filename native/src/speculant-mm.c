@@ -4,7 +4,7 @@
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q6_K_q8_K,
 // _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0; ggml_gemv_q4_K_8x8_q8_K and ggml_gemv_q4_0_8x8_q8_0 for the repacked
 // layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
-// are unpacked once for up to SPECULANT_MM_COLS of them), and integer sums are exact however they are formed
+// are unpacked once for up to SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows), and integer sums are exact however they are formed
 // (VNNI or not, 256 or 512 bits), so every ISA level gives the same bits.
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
@@ -49,6 +49,13 @@ bool speculant_mm_few_tokens(const struct ggml_tensor * src1) {
 
 // per-call scratch kept on the stack up to this size (a pass calls the kernels once per chunk of 64 rows)
 #define SCRATCH_BYTES (48 * 1024)
+// tokens per weight unpacking in the repacked kernels: their per-token state (3 registers) fits 8 tokens in
+// AVX-512's 32 vector registers; AVX2's 16 hold 4
+#if defined(__AVX512F__)
+#define REPACKED_COLS 8
+#else
+#define REPACKED_COLS SPECULANT_MM_COLS
+#endif
 
 // exact either way; F16C converts in a register, where ggml's table costs a load from a 256 KB table per block
 static inline float fp16_to_fp32(ggml_fp16_t h) {
@@ -370,7 +377,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 #ifndef Q4KX8_VNNI
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
-    __m256 acc[SPECULANT_MM_COLS], acc_min[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS], acc_min[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_min[c] = _mm256_setzero_ps(); }
 
     for (int ii = 0; ii < nb; ++ii) {
@@ -379,7 +386,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
 
-        __m512i isum[SPECULANT_MM_COLS];
+        __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int sb = 0; sb < 4; ++sb) {  // 64 values: sub-block 2sb in the low nibbles, 2sb+1 in the high ones
             __m512i raw[4];
@@ -441,7 +448,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m128i dup4 = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
-    __m256 acc[SPECULANT_MM_COLS], acc_min[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS], acc_min[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_min[c] = _mm256_setzero_ps(); }
 
     for (int ii = 0; ii < nb; ++ii) {
@@ -450,7 +457,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
 
-        __m256i isum[SPECULANT_MM_COLS][2];
+        __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int sb = 0; sb < 4; ++sb) {
             for (int h = 0; h < 2; ++h) {
@@ -527,13 +534,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 #ifndef Q4KX8_VNNI
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
-    __m256 acc[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const q6_Kx8 * xb = x + i;
-        __m512i isum[SPECULANT_MM_COLS];
+        __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {            // values 128h ..
             for (int p = 0; p < 2; ++p) {        // .. + {0, 32, 64, 96} + 16p + 0..15: group g = 8h + 2m + p
@@ -597,13 +604,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
     const __m256i m3 = _mm256_set1_epi8(3);
     const __m128i dup4 = _mm_set_epi8(3, 3, 3, 3, 2, 2, 2, 2, 1, 1, 1, 1, 0, 0, 0, 0);
     const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
-    __m256 acc[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const q6_Kx8 * xb = x + i;
-        __m256i isum[SPECULANT_MM_COLS][2];
+        __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
             for (int kk = 0; kk < 4; ++kk) {
@@ -679,7 +686,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 #ifndef Q4KX8_VNNI
     const __m512i ones = _mm512_set1_epi16(1);
 #endif
-    __m256 acc[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
@@ -719,7 +726,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
     const __m256i unsign = _mm256_set1_epi8((char) 0x88);
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
-    __m256 acc[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
@@ -773,6 +780,21 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
 // -- every repacked type: one group of 8 rows against ncols columns --
 
 // kernel(NC, ...) with NC a constant: each case compiles to its own unrolled kernel
+#if REPACKED_COLS == 8
+#define SPECULANT_BY_NC_REPACKED(nc, kernel, ...)         \
+    switch (nc) {                                         \
+        case 1: kernel(1, __VA_ARGS__); break;            \
+        case 2: kernel(2, __VA_ARGS__); break;            \
+        case 3: kernel(3, __VA_ARGS__); break;            \
+        case 4: kernel(4, __VA_ARGS__); break;            \
+        case 5: kernel(5, __VA_ARGS__); break;            \
+        case 6: kernel(6, __VA_ARGS__); break;            \
+        case 7: kernel(7, __VA_ARGS__); break;            \
+        default: kernel(8, __VA_ARGS__); break;           \
+    }
+#else
+#define SPECULANT_BY_NC_REPACKED SPECULANT_BY_NC
+#endif
 #define SPECULANT_BY_NC(nc, kernel, ...)                  \
     switch (nc) {                                         \
         case 1: kernel(1, __VA_ARGS__); break;            \
@@ -795,10 +817,10 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
                            int group, const int32_t * ysums, const int * order, float * out, size_t out_stride) {
     for (int c0 = 0; c0 < ncols; c0 += group) {
         const int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_K * yk[SPECULANT_MM_COLS] = {0};
-        const block_q8_0 * y0[SPECULANT_MM_COLS] = {0};
-        const int32_t * ys[SPECULANT_MM_COLS] = {0};
-        float * o[SPECULANT_MM_COLS] = {0};
+        const block_q8_K * yk[REPACKED_COLS] = {0};
+        const block_q8_0 * y0[REPACKED_COLS] = {0};
+        const int32_t * ys[REPACKED_COLS] = {0};
+        float * o[REPACKED_COLS] = {0};
         for (int c = 0; c < nc; ++c) {
             yk[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
             y0[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
@@ -806,9 +828,9 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
             o[c] = out + (size_t) (c0 + c) * out_stride;
         }
         switch (type) {
-            case GGML_TYPE_Q4_K: SPECULANT_BY_NC(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
-            case GGML_TYPE_Q6_K: SPECULANT_BY_NC(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
-            default:             SPECULANT_BY_NC(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
+            case GGML_TYPE_Q4_K: SPECULANT_BY_NC_REPACKED(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
+            case GGML_TYPE_Q6_K: SPECULANT_BY_NC_REPACKED(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
+            default:             SPECULANT_BY_NC_REPACKED(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
         }
     }
 }
@@ -838,7 +860,7 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
 
 void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                                 size_t row_size, int ncols, float * dst, size_t dst_stride) {
-    repacked_rows(type, n, x, nrows, wdata, row_size, ncols, SPECULANT_MM_COLS, NULL, dst, dst_stride);
+    repacked_rows(type, n, x, nrows, wdata, row_size, ncols, REPACKED_COLS, NULL, dst, dst_stride);
 }
 
 // -- ggml's own layout changes (repack.cpp), for tests that start from plain rows --
@@ -1168,11 +1190,15 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
     }
 }
 
+int speculant_mm_max_group(int repacked) {
+    return repacked ? REPACKED_COLS : SPECULANT_MM_COLS;
+}
+
 int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
                       int group, int reorder, float * out, float * out_ggml) {
     const enum ggml_type t = (enum ggml_type) type;
     if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1
-        || group > SPECULANT_MM_COLS || n % ggml_blck_size(t)) {
+        || group > (repacked ? REPACKED_COLS : SPECULANT_MM_COLS) || n % ggml_blck_size(t)) {
         return -1;
     }
     const int nb = n / ggml_blck_size(t);
@@ -1244,6 +1270,11 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     (void) src0; (void) wdata; (void) row_size; (void) dst; (void) ir0; (void) ir1;
     abort();  // speculant_mm_supported() is false on this build
+}
+
+int speculant_mm_max_group(int repacked) {
+    (void) repacked;
+    return 0;
 }
 
 int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,

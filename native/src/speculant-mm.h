@@ -4,7 +4,7 @@
 // A pass over n tokens must give every output the bits a one-token pass gives it, or speculative
 // verification would not be exact. These kernels compute each output element with one fixed sequence of
 // float operations (the one a ggml one-token kernel uses), whatever the number of tokens, while unpacking
-// each weight block once for up to SPECULANT_MM_COLS tokens. Only the integer part is shared between tokens,
+// each weight block once for up to SPECULANT_MM_COLS tokens (repacked rows on AVX-512: 8). Only the integer part is shared between tokens,
 // and integer sums do not depend on their order.
 #pragma once
 
@@ -56,12 +56,16 @@ void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int6
 
 // For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
 // ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
-// unpacking (1..SPECULANT_MM_COLS); reorder != 0 deliberately sums the blocks in another order (a test must be
+// unpacking (1..speculant_mm_max_group(repacked)); reorder != 0 deliberately sums the blocks in another order (a test must be
 // able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
 // Returns 0; 1 when ggml has no kernel to compare with (repacked Q6_K); -1 for an unsupported type or build.
 GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y,
                                        size_t row_size, int ncols, int group, int reorder, float * out,
                                        float * out_ggml);
+
+// Tokens per weight unpacking in this build's kernels for repacked (8 on AVX-512, 4 on AVX2) or plain rows
+// (4); 0 when the build has no kernels.
+GGML_BACKEND_API int speculant_mm_max_group(int repacked);
 
 #ifdef __cplusplus
 }
