@@ -9,7 +9,7 @@ sys.path.insert(0, os.path.dirname(__file__))  # tests/synthetic.py
 from speculant import models  # noqa: E402
 
 TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
-SHIPPED_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the file the default draft is made from
+SHIPPED_DRAFT = models.REGISTRY[DRAFT].derived_from or DRAFT  # the file the default draft is made from
 
 
 def as_from_a_terminal():

@@ -230,7 +230,7 @@ def test_torch_device_without_cuda_fails_before_loading(small, tmp_path):
 
 
 @pytest.mark.parametrize("given, expected", [(None, "0"), ("1", "1")])
-def test_generate_keeps_small_pages_unless_told(given, expected, small, monkeypatch, capsys):
+def test_generate_keeps_small_pages_unless_told(given, expected, small, monkeypatch):
     """generate loads for one request: huge pages would cost more to fault in than its decode saves
     (speculant/native.py), so it asks for 4 KiB pages unless SPECULANT_THP is set (test_llamacpp.py checks
     that SPECULANT_THP=0 really keeps the weights off huge pages)."""

@@ -213,30 +213,19 @@ def test_chat_template_comes_from_the_gguf(qwen_target):
     assert "<|im_start|>user\nhi<|im_end|>" in text and text.endswith("<|im_start|>assistant\n")
 
 
-def _thp_mode():
-    """The kernel's transparent-huge-page mode (always / madvise / never), None where it has none."""
-    import re
-    from pathlib import Path
-
-    try:
-        return re.search(r"\[(\w+)\]", Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()).group(1)
-    except (OSError, AttributeError):
-        return None
-
-
 @pytest.mark.parametrize("thp", ["1", "0"])
 def test_weights_sit_on_huge_pages(thp):
     """Our build asks for transparent huge pages for buffers of 2 MiB and more (weights, KV cache): fewer TLB
-    misses make a Qwen 1.5B decode step ~7% cheaper. SPECULANT_THP=0 keeps 4 KiB pages. Checked in a fresh
+    misses make a Qwen 1.5B decode step ~9% cheaper. SPECULANT_THP=0 keeps 4 KiB pages. Checked in a fresh
     process: the loaded model's anonymous memory on huge pages."""
     import os
     import subprocess
     import sys
 
     from conftest import SMALL
-    from speculant import models
+    from speculant import models, native
 
-    mode = _thp_mode()
+    mode = native.huge_pages()["kernel"]
     if mode not in ("madvise", "always"):
         pytest.skip(f"transparent huge pages are {mode or 'absent'} on this kernel")
     if thp == "0" and mode == "always":

@@ -7,12 +7,10 @@ import sys
 
 import pytest
 
+from conftest import DRAFT, SHIPPED_DRAFT, SMALL, TARGET  # the texts below name the shipped file's type, Q4_K_M
 from speculant import models, plan
 
 pytestmark = pytest.mark.models
-
-TARGET, DRAFT, SMALL = models.DEFAULT_TARGET, models.DEFAULT_DRAFT, "smollm2-135m-instruct"
-SHIPPED_DRAFT = "qwen2.5-coder-0.5b-instruct"  # the texts below name its file type (Q4_K_M)
 
 
 def need(*names):
