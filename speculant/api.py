@@ -21,21 +21,26 @@ BACKENDS = ("auto", "llama.cpp", "torch")
 
 def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",
                  backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
-                 rpc: Sequence[str] = (), tensor_split: Optional[str] = None) -> Backend:
+                 rpc: Sequence[str] = (), tensor_split: Optional[str] = None, parallel: int = 1) -> Backend:
     """A registered model name, a GGUF path or a transformers directory -> a loaded backend.
 
     backend: "llama.cpp" (GGUF), "torch" (transformers; GGUFs are converted once), or "auto": torch for a
     directory, llama.cpp otherwise. rpc: llama.cpp RPC workers ("HOST:PORT") that hold part of the target's
     layers (in the proportions of tensor_split, see rpc.parse_tensor_split); the target then runs in a
-    supervised child process (backends/supervised.py)."""
+    supervised child process (backends/supervised.py). parallel: concurrent requests the backend serves
+    (llama.cpp: sequences of one context, each n_ctx long; backend.slot(i) is request slot i)."""
     if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
     if threads is not None and threads < 1:
         raise SettingsError(f"--threads must be >= 1, got {threads}")
     if backend not in BACKENDS:
         raise SettingsError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+    check_parallel(parallel)
     if backend == "auto":
         backend = "torch" if os.path.isdir(os.path.expanduser(model)) else "llama.cpp"
+    if parallel > 1 and (backend == "torch" or rpc):
+        raise SettingsError("--parallel > 1 needs a local llama.cpp (GGUF) model: the torch backend and a target "
+                            "split over --rpc workers serve one request at a time")
     if backend == "torch":
         try:
             from .backends.torch import load_torch_backend
@@ -57,7 +62,15 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
         return SupervisedBackend(path, rpc, parse_tensor_split(tensor_split, len(rpc)), n_ctx=n_ctx,
                                  n_threads=threads)
     # repacked weights: faster, and exact in our build (see llamacpp.py); SPECULANT_REPACK=0 saves their memory
-    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=repack_weights())
+    return LlamaCppBackend(path, n_ctx=n_ctx, n_threads=threads, repack=repack_weights(), n_seq=parallel)
+
+
+def check_parallel(parallel: int) -> None:
+    if not isinstance(parallel, int) or isinstance(parallel, bool) or not 1 <= parallel <= MAX_PARALLEL:
+        raise SettingsError(f"--parallel must be an integer in [1, {MAX_PARALLEL}], got {parallel!r}")
+
+
+MAX_PARALLEL = 64  # llama.cpp's sequences per context (LLAMA_MAX_SEQ is 256); a merged pass holds <= 64 tokens
 
 
 def repack_weights() -> bool:
@@ -96,7 +109,7 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  self_spec: bool = False, self_spec_exit: Optional[int] = None,
                  draft_vocab: int = DRAFT_VOCAB, history: bool = False,
-                 history_tokens: int = 16384) -> Optional[Drafter]:
+                 history_tokens: int = 16384, parallel: int = 1) -> Optional[Drafter]:
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), history drafting
     (`draft_model="history"`: a suffix trie over the prompt and this process's earlier outputs), or a chain
     (`lookup=True` / `history=True` with a model: history, then lookup, then the model when neither has
@@ -125,9 +138,12 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
     if not draft_model or draft_model in FREE_DRAFTERS:
         return _chain(history_drafter, lookup_drafter)
     models.check_draft(draft_model, target.name, target.n_vocab)  # before a registered draft is pulled
+    if parallel > 1 and draft_vocab:
+        raise SettingsError("a draft with a cut vocabulary (--draft-vocab) serves one request at a time: use "
+                            "--parallel 1 or --draft-vocab 0")
     draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
                          dtype=dtype if draft_backend == "torch" else None,
-                         device=device if draft_backend == "torch" else None)
+                         device=device if draft_backend == "torch" else None, parallel=parallel)
     keep = None
     try:
         check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
@@ -153,21 +169,26 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
                 draft_threads: Optional[int] = None, history: bool = False, history_tokens: int = 16384,
-                long_max: int = 16, rpc: Sequence[str] = (), tensor_split: Optional[str] = None) -> Engine:
+                long_max: int = 16, rpc: Sequence[str] = (), tensor_split: Optional[str] = None,
+                parallel: int = 1) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
     and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
     long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive.
     draft_threads: CPU threads of the draft model (default: threads). rpc, tensor_split: the target's
-    layers spread over RPC workers (see load_backend); the draft stays local. Names, paths and a registered draft's
-    tokenizer are checked before anything is loaded or downloaded."""
+    layers spread over RPC workers (see load_backend); the draft stays local. parallel: concurrent requests
+    (engine.for_slot(i) for i < parallel: one engine each, sharing the models; speculant/batching.py).
+    Names, paths and a registered draft's tokenizer are checked before anything is loaded or downloaded."""
     if not isinstance(draft_max, int) or draft_max < 0:
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
     if not isinstance(draft_min, int) or not (0 <= draft_min <= max(draft_max, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
     if draft_threads is not None and draft_threads < 1:
         raise SettingsError(f"--threads-draft must be >= 1, got {draft_threads}")
+    check_parallel(parallel)
+    if parallel > 1 and (self_spec or self_spec_exit is not None):
+        raise SettingsError("--self-spec runs on the torch backend, which serves one request at a time (--parallel 1)")
     for name in (model, draft_model):
         if name and name not in FREE_DRAFTERS and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
@@ -176,13 +197,13 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
         raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
     target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device,
-                          rpc=rpc, tensor_split=tensor_split)
+                          rpc=rpc, tensor_split=tensor_split, parallel=parallel)
     try:
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,
                                draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
                                self_spec_exit=self_spec_exit, draft_vocab=draft_vocab, history=history,
-                               history_tokens=history_tokens)
+                               history_tokens=history_tokens, parallel=parallel)
     except BaseException:
         target.close()
         raise

@@ -244,7 +244,8 @@ def engine_from_args(args):
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
                        self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
                        draft_threads=args.threads_draft,
-                       history=getattr(args, "history", False), **rpc_kwargs(args))
+                       history=getattr(args, "history", False), parallel=getattr(args, "parallel", 1),
+                       **rpc_kwargs(args))
 
 
 def rpc_kwargs(args) -> dict:

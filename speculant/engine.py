@@ -7,6 +7,7 @@ baseline and the speculative path on one code path, so greedy identity compares 
 from __future__ import annotations
 
 import codecs
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
@@ -68,6 +69,8 @@ class Engine:
         self.target = target
         self.drafter = drafter
         self.draft_max = draft_max
+        self.draft_min = draft_min
+        self.adaptive = adaptive
         self.long_max = long_max
         self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
@@ -78,6 +81,17 @@ class Engine:
                                          cost_prior=target.cost_profile())
         else:
             self.policy = FixedPolicy(draft_max)
+
+    def for_slot(self, i: int) -> "Engine":
+        """An engine for concurrent request slot i: the same models (their sequence i: Backend.slot), a
+        drafter and a policy of its own. Requests on different slots may run on different threads at once;
+        their passes merge (speculant/batching.py) and each output is the one it would be alone."""
+        if i == 0:
+            return self
+        target = self.target.slot(i)
+        drafter = self.drafter.for_slot(i) if self.drafter is not None else None
+        return Engine(target, drafter, draft_max=self.draft_max, adaptive=self.adaptive, draft_min=self.draft_min,
+                      long_max=self.long_max)
 
     # -- prompts ------------------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict]) -> str:
@@ -146,11 +160,22 @@ class Engine:
         stats = result.stats
         stats.prompt_tokens = len(context)
         stats.exact_numerics = getattr(self.target, "exact_numerics", True)
-        rng = np.random.default_rng(params.seed)
         target = self.target
         text = _TextTracker(target, stop)
 
         verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
+        thread = threading.get_ident()
+        target.busy(True)  # concurrent requests' passes wait for this one's (batching.py)
+        try:
+            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step)
+        finally:
+            target.busy(False, thread)
+
+    def _loop(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,
+              max_tokens: int, result: Result, text: "_TextTracker", verify_step) -> Iterator[TokenEvent]:
+        """The decode loop of `stream`: prefill, then draft -> verify -> accept -> rewind until done."""
+        stats, target = result.stats, self.target
+        rng = np.random.default_rng(params.seed)
         t0 = time.perf_counter()
         target.prefill(context[:-1])  # everything but the last token, which each step feeds
         if drafter:

@@ -79,6 +79,7 @@ class ServerConfig:
     api_key: Optional[str] = None
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
+    parallel: int = 1  # requests decoded at once (slots), each on its own sequence of the shared models
     # defaults for fields a request leaves out (from the serve flags)
     max_tokens: int = 128
     temperature: float = 0.0
@@ -359,54 +360,69 @@ def _step(gen):
 
 
 class Worker:
-    """Runs every Engine call on one thread; one request at a time holds the engine (FIFO)."""
+    """Runs each request on a slot: an engine of its own over a sequence of the shared models, stepped on the
+    slot's own thread. Up to `len(engines)` requests decode at once (their passes merge: batching.py); the
+    rest wait for a slot in arrival order."""
 
-    def __init__(self, engine, metrics: Metrics, max_queue: int):
-        self.engine = engine
+    def __init__(self, engines: list, metrics: Metrics, max_queue: int):
+        self.engines = engines
+        self.engine = engines[0]  # slot 0: owns the models; tokenizes, renders chat, reports health
         self.metrics = metrics
         self.max_queue = max_queue
-        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculant-engine")
-        self.lock = asyncio.Lock()
+        self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"speculant-slot{i}")
+                          for i in range(len(engines))]
+        # tokenizing must not wait for a slot's step; with one slot it stays on that slot's thread, since a
+        # target in a worker process (--rpc) answers one call at a time
+        self.tokenizer = self.executors[0] if len(engines) == 1 else \
+            ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculant-tokenize")
+        self.free = list(range(len(engines)))  # idle slots; the lowest goes first (merged passes want
+        self.slots = asyncio.Semaphore(len(engines))  # consecutive sequence ids, see llamacpp.run_group)
         self.waiting = 0
         self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
         self.deadline = math.inf
+
+    @property
+    def in_progress(self) -> int:
+        return len(self.engines) - len(self.free)
 
     def begin_shutdown(self, grace_s: float) -> None:
         self.deadline = min(self.deadline, time.monotonic() + grace_s)
         self.closing = True
 
-    async def call(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-
     async def tokenize(self, job: Job) -> None:
-        job.tokens = await self.call(lambda: self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat))
+        job.tokens = await asyncio.get_running_loop().run_in_executor(
+            self.tokenizer, lambda: self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat))
 
     async def run(self, job: Job, result, is_disconnected=None) -> AsyncIterator:
         """Yield TokenEvents of one generation; `result` is filled when this ends. Closing this iterator
         (a disconnect, a cancellation) stops the generation after the step in progress."""
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        if self.waiting >= self.max_queue:
+        if self.waiting >= self.max_queue and self.slots.locked():
             raise APIError(503, f"the server is busy ({self.waiting} requests queued); retry later",
                            type="server_error", code="server_overloaded")
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
-            await self.lock.acquire()
+            await self.slots.acquire()
         finally:
             self.waiting -= 1
             self.metrics.queue_depth.set(self.waiting)
+        slot = min(self.free)
+        self.free.remove(slot)
+        engine, executor = self.engines[slot], self.executors[slot]
+        loop = asyncio.get_running_loop()
         gen = None
         finished = False
         try:
             if self.closing:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-            self.metrics.in_progress.set(1)
+            self.metrics.in_progress.set(self.in_progress)
             if is_disconnected is not None and await is_disconnected():
                 self.metrics.cancelled.inc()
                 return
-            gen = self.engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
-                                     is_chat=job.is_chat, result=result, prediction=job.prediction)
+            gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
+                                is_chat=job.is_chat, result=result, prediction=job.prediction)
             while True:
                 if self.closing and time.monotonic() >= self.deadline:
                     job.cut = True
@@ -414,7 +430,7 @@ class Worker:
                 if is_disconnected is not None and await is_disconnected():
                     break
                 try:
-                    event = await self.call(_step, gen)
+                    event = await loop.run_in_executor(executor, _step, gen)
                 except WorkerError as e:
                     raise worker_down(e) from None
                 if event is _DONE:
@@ -425,19 +441,24 @@ class Worker:
             if gen is not None:
                 if not finished:
                     self.metrics.cancelled.inc()
-                # on the engine thread, after the step in flight; runs before any later request's steps
+                # on the slot's thread, after the step in flight; runs before the slot's next request
                 try:
-                    self.executor.submit(gen.close)
+                    executor.submit(gen.close)
                 except RuntimeError:  # the executor is already shut down (a cancellation at exit)
                     pass
                 self.metrics.record(result.stats)
-            self.metrics.in_progress.set(0)
-            self.lock.release()
+            self.free.append(slot)
+            self.metrics.in_progress.set(self.in_progress)
+            self.slots.release()
 
     def shutdown(self) -> None:
         self.closing = True
-        self.executor.submit(self.engine.close)
-        self.executor.shutdown(wait=True)
+        for executor in self.executors[1:]:  # the other slots' last steps end before slot 0 frees the models
+            executor.shutdown(wait=True)
+        if self.tokenizer is not self.executors[0]:
+            self.tokenizer.shutdown(wait=True)
+        self.executors[0].submit(self.engine.close)
+        self.executors[0].shutdown(wait=True)
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -488,7 +509,7 @@ def create_app(engine, cfg: ServerConfig):
     from .memory import engine_models
 
     metrics.set_models(engine_models(engine))
-    worker = Worker(engine, metrics, cfg.max_queue)
+    worker = Worker([engine.for_slot(i) for i in range(cfg.parallel)], metrics, cfg.max_queue)
     created = int(time.time())
 
     @asynccontextmanager
@@ -561,7 +582,7 @@ def create_app(engine, cfg: ServerConfig):
     async def health():
         body = {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
                 "draft_model": cfg.draft_id, "queue_depth": worker.waiting,
-                "in_progress": int(worker.lock.locked())}
+                "in_progress": worker.in_progress, "slots": len(worker.engines)}
         workers = getattr(engine.target, "health", None)  # RPC workers of a split target
         if workers is None:
             return body
@@ -726,7 +747,12 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECULANT_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the -m value)")
-    p.add_argument("--max-queue", type=int, default=64, help="requests allowed to wait; more get 503 (default 64)")
+    p.add_argument("-np", "--parallel", type=int, default=None,
+                   help=f"requests decoded at once (default {DEFAULT_PARALLEL}; 1 for the torch backend, --rpc, "
+                        "--self-spec and --draft-vocab), each with its own -c tokens of KV cache: their passes "
+                        "merge into one, and each output is the one it would be alone")
+    p.add_argument("--max-queue", type=int, default=64,
+                   help="requests allowed to wait for a free slot; more get 503 (default 64)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, in-flight requests get about this many seconds to finish before they "
@@ -747,6 +773,15 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
 
 
 LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
+DEFAULT_PARALLEL = 2  # two requests at once cost ~1.2 target steps a pass instead of 2 (BENCHMARKS.md)
+
+
+def serves_parallel(args) -> bool:
+    """Whether these model flags can serve concurrent requests (a local llama.cpp target and draft)."""
+    torch = args.backend == "torch" or os.path.isdir(os.path.expanduser(args.model)) \
+        or (args.model_draft and (args.backend_draft == "torch" or os.path.isdir(os.path.expanduser(args.model_draft))))
+    return not (torch or getattr(args, "rpc", None) or args.self_spec or args.self_spec_exit is not None
+                or args.draft_vocab)
 
 
 def listen(host: str, port: int):
@@ -774,6 +809,11 @@ def cmd_serve(args) -> int:
         raise SpeculantError(f"-n must be >= 1, or -1 for no limit, got {args.n_predict}")
     if args.max_queue < 0 or args.max_body < 1:
         raise SpeculantError("--max-queue must be >= 0 and --max-body >= 1")
+    from .api import check_parallel
+
+    if args.parallel is None:
+        args.parallel = DEFAULT_PARALLEL if serves_parallel(args) else 1
+    check_parallel(args.parallel)
     seed = None if args.seed == -1 else args.seed  # -1: every request without a seed samples randomly
     SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)  # validate the defaults
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
@@ -789,13 +829,14 @@ def cmd_serve(args) -> int:
             engine = engine_from_args(args)
         else:
             engine = load_engine(args.model, args.model_draft, draft_max=args.draft_max,
-                                 draft_p_min=args.draft_p_min, n_ctx=args.ctx_size, threads=args.threads)
+                                 draft_p_min=args.draft_p_min, n_ctx=args.ctx_size, threads=args.threads,
+                                 parallel=args.parallel)
     except BaseException:
         sock.close()
         raise
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
-        max_body_bytes=args.max_body, max_queue=args.max_queue,
+        max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel,
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop),

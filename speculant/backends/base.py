@@ -120,6 +120,20 @@ class Backend(ABC):
     @abstractmethod
     def eos_token(self) -> str: ...
 
+    # -- concurrent requests ------------------------------------------------------------------------------
+    def slot(self, i: int) -> "Backend":
+        """Sequence i of this model, a backend of its own for one more concurrent request (0: this object).
+        Runtimes that serve one request at a time have only slot 0."""
+        if i == 0:
+            return self
+        from ..errors import SettingsError
+
+        raise SettingsError(f"{self.name}: this runtime serves one request at a time (--parallel 1)")
+
+    def busy(self, on: bool, key: Optional[int] = None) -> None:
+        """A request starts (on) or ends on this slot; a runtime that merges concurrent requests' passes
+        waits for busy slots (speculant/batching.py). key: the thread that started it (default: this one)."""
+
     def cost_profile(self) -> Optional[dict[int, float]]:
         """T(n) / T(1) measured on this machine (costprofile.py), the adaptive policy's prior; None: unknown."""
         return None

@@ -21,6 +21,7 @@ by the same kind of pass (see `prefill`). A draft needs no such care: any q is v
 from __future__ import annotations
 
 import collections
+import copy
 import ctypes
 import os
 from pathlib import Path
@@ -28,7 +29,8 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ModelError
+from ..batching import GATHERER, Job
+from ..errors import ModelError, SettingsError
 from ..native import build_info, exactness_problems, invariant_rows, load_backends
 from ..signals import deferred_signals
 from .base import Backend, VocabInfo, common_prefix
@@ -65,17 +67,29 @@ def _last_errors() -> str:
 
 
 class LlamaCppBackend(Backend):
-    """One GGUF model and one llama.cpp context (sequence 0)."""
+    """One GGUF model and one llama.cpp context; this object is its sequence 0, `slot(i)` its sequence i."""
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
                  n_batch: int = 512, repack: bool = True, flash_attn: int = 0, embed=None,
-                 devices: Sequence[int] = (), n_device_layers: int = 0, device_split: Sequence[float] = ()):
+                 devices: Sequence[int] = (), n_device_layers: int = 0, device_split: Sequence[float] = (),
+                 n_seq: int = 1):
         """embed: token ids -> input embeddings [n, n_embd] float32. When given, every pass feeds embeddings
         instead of ids (a draft whose vocabulary was cut still reads every token of the context exactly:
         speculant/vocabcut.py), and ids are not limited to this model's vocabulary.
         devices: ggml devices (RPC workers: speculant/rpc.py) that hold the last n_device_layers repeating
-        layers, split among them in the proportions device_split; the rest stays on this CPU."""
+        layers, split among them in the proportions device_split; the rest stays on this CPU.
+        n_seq: sequences (concurrent requests), each with n_ctx positions of its own KV stream; their
+        passes merge into one (speculant/batching.py) with the bits each would get alone."""
         super().__init__()
+        if not isinstance(n_seq, int) or n_seq < 1:
+            raise SettingsError(f"--parallel must be a positive integer, got {n_seq!r}")
+        if n_seq > 1 and embed is not None:
+            raise SettingsError("a draft with a cut vocabulary (--draft-vocab) serves one request at a time; "
+                                "use --parallel 1 or --draft-vocab 0")
+        self.n_seq = n_seq
+        self._seq = 0  # the llama.cpp sequence id this object reads and writes
+        self._owner = True  # frees the model and context (a slot shares them)
+        self._primary = self
         self.path = Path(path)
         self.embed = embed
         self.repack = repack
@@ -109,9 +123,11 @@ class LlamaCppBackend(Backend):
         threads = n_threads or os.cpu_count() or 1
         cparams = ll.llama_context_default_params()
         n_ctx = n_ctx or self.n_ctx_train  # 0: the model's training context
-        cparams.n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
+        n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
+        cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = cparams.n_ubatch = n_batch
-        cparams.n_seq_max = 1
+        cparams.n_seq_max = n_seq
+        cparams.kv_unified = False  # a KV stream per sequence: its cells sit where they would alone
         cparams.n_threads = cparams.n_threads_batch = threads
         cparams.no_perf = True
         cparams.flash_attn_type = flash_attn
@@ -123,7 +139,8 @@ class LlamaCppBackend(Backend):
             ll.llama_model_free(self._model)
             self._model = None
             raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
-        self.n_ctx = min(cparams.n_ctx, ll.llama_n_ctx(self._ctx))  # llama.cpp pads n_ctx; keep the user's limit
+        self._cells = ll.llama_n_ctx_seq(self._ctx)  # KV cells of each sequence's stream
+        self.n_ctx = min(n_ctx, self._cells)  # llama.cpp pads n_ctx; keep the user's limit
         self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
         self.n_threads = threads
         self._memory = ll.llama_get_memory(self._ctx)
@@ -136,42 +153,122 @@ class LlamaCppBackend(Backend):
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
 
     # -- decode loop --------------------------------------------------------------------------------------
+    def slot(self, i: int) -> "LlamaCppBackend":
+        """Sequence i of this context, as a backend of its own (0: this object). Slots share the model, the
+        context and its passes: a slot's pass merges with the other slots' waiting ones."""
+        if i == 0:
+            return self
+        if not (isinstance(i, int) and 0 < i < self.n_seq):
+            raise SettingsError(f"{self.name}: slot {i!r} does not exist (the context has {self.n_seq} sequences)")
+        s = copy.copy(self)
+        s._seq, s._owner, s.tokens, s._passes = i, False, [], []
+        return s
+
+    def busy(self, on: bool, key: Optional[int] = None) -> None:
+        if self.n_seq > 1:
+            GATHERER.busy(on, key)
+
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
         self._truncate(start)
         n = len(tokens)
         out = np.empty((n_logits, self.n_vocab), dtype=np.float32)
         filled = 0
         for lo in range(0, n, self.n_batch):
-            chunk = tokens[lo : lo + self.n_batch]
-            b = self._batch
-            b.n_tokens = len(chunk)
-            first_logit = n - n_logits  # index (in tokens) of the first position whose logits we return
-            n_out = 0
-            if self.embed is not None:
-                rows = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
-                rows[:len(chunk)] = self.embed(chunk)
-            for i, tok in enumerate(chunk):
-                j = lo + i
-                if self.embed is None:
-                    b.token[i] = tok
-                b.pos[i] = start + j
-                b.n_seq_id[i] = 1
-                b.seq_id[i][0] = 0
-                want = j >= first_logit
-                b.logits[i] = want
-                n_out += want
-            rc = ll.llama_decode(self._ctx, b)
-            if rc != 0:
-                raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors()})")
+            chunk = [int(t) for t in tokens[lo : lo + self.n_batch]]
+            want = max(0, min(len(chunk), lo + len(chunk) - (n - n_logits)))  # logits of its last `want`
+            job = Job(self._primary, self._seq, start + lo, chunk, want)
+            if self.n_seq == 1:
+                self._primary.run_group([job])
+                rows = job.result
+            else:
+                rows = GATHERER.submit(job, self._primary.merge)
             self._passes.extend([self._pass_kind(start + lo, len(chunk))] * len(chunk))
-            if n_out:
-                ptr = ll.llama_get_logits(self._ctx)
-                out[filled : filled + n_out] = np.ctypeslib.as_array(ptr, shape=(n_out, self.n_vocab))
-                filled += n_out
+            if want:
+                out[filled : filled + want] = rows
+                filled += want
         return out
 
+    def merge(self, jobs: list[Job]) -> list[Job]:
+        """Of the waiting passes (jobs[0] the oldest), those to run with jobs[0] as one pass. A merged pass
+        pads every sequence to the longest (run_group), so passes of unlike sizes may cost more merged than
+        apart: the waiting passes, by size, are cut into the groups of least total cost (this machine's
+        pass costs r(n), costprofile.py), each within the batch-invariant kernels (at most invariant_rows
+        tokens) and within every member's KV cells; jobs[0]'s group runs now, the others next."""
+        head = jobs[0]
+        limit = min(self.invariant_rows, self.n_batch)
+        if len(head.tokens) > limit:  # a prompt chunk: llama.cpp's fast kernels, alone
+            return [head]
+        small = sorted((j for j in jobs if len(j.tokens) <= limit), key=lambda j: (len(j.tokens), j.seq))
+        cost = self._pass_cost()
+        # best[i]: least cost of running small[:i]; cut[i]: where its last group starts
+        best, cut = [0.0] + [float("inf")] * len(small), [0] * (len(small) + 1)
+        for i in range(1, len(small) + 1):
+            m = len(small[i - 1].tokens)  # the longest of any group ending at i (sorted by size)
+            for a in range(i - 1, -1, -1):
+                if m * (i - a) > limit or small[a].start + m > self._cells:
+                    break
+                c = best[a] + cost(m * (i - a))
+                if c < best[i]:
+                    best[i], cut[i] = c, a
+        i = len(small)
+        while i > 0:
+            group = small[cut[i]:i]
+            if head in group:
+                return group
+            i = cut[i]
+        return [head]
+
+    def _pass_cost(self):
+        """n -> the cost of one pass over n tokens, in one-token passes (measured r(n), linear beyond it)."""
+        if getattr(self, "_cost", None) is None:
+            from .. import costprofile
+
+            r = costprofile.get(self, measure=False) or {1: 1.0, 2: 1.5}
+            ns, rs = sorted(r), [r[n] for n in sorted(r)]
+            slope = (rs[-1] - rs[0]) / (ns[-1] - 1) if ns[-1] > 1 else 0.5
+            self._cost = lambda n: float(np.interp(n, ns, rs)) if n <= ns[-1] else rs[-1] + slope * (n - ns[-1])
+        return self._cost
+
+    def run_group(self, jobs: list[Job]) -> None:
+        """One llama_decode over the jobs (of different sequences; sequence order). A merged pass needs as
+        many tokens of every sequence (llama.cpp's split KV streams): shorter ones are padded by repeating
+        their last token at the following positions, without logits, and those positions are dropped after."""
+        jobs = sorted(jobs, key=lambda j: j.seq)
+        m = max(len(j.tokens) for j in jobs) if len(jobs) > 1 else len(jobs[0].tokens)
+        b = self._batch
+        b.n_tokens = len(jobs) * m
+        if self.embed is not None:
+            rows = np.ctypeslib.as_array(b.embd, shape=(self.n_batch, self.n_embd))
+            rows[:m] = self.embed(jobs[0].tokens)
+        i = 0
+        for job in jobs:
+            real = len(job.tokens)
+            first_logit = real - job.n_logits
+            for p in range(m):
+                if self.embed is None:
+                    b.token[i] = job.tokens[min(p, real - 1)]
+                b.pos[i] = job.start + p
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = job.seq
+                b.logits[i] = first_logit <= p < real
+                i += 1
+        rc = ll.llama_decode(self._ctx, b)
+        if rc != 0:
+            raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors()})")
+        n_out = sum(j.n_logits for j in jobs)
+        if n_out:
+            logits = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
+            if self.n_seq > 1:  # the next pass overwrites llama.cpp's buffer before a waiting thread reads it
+                logits = logits.copy()
+        o = 0
+        for job in jobs:
+            job.result = logits[o : o + job.n_logits] if job.n_logits else None
+            o += job.n_logits
+            if len(job.tokens) < m:  # the padding
+                ll.llama_memory_seq_rm(self._memory, job.seq, job.start + len(job.tokens), -1)
+
     def _truncate(self, n_kept: int) -> None:
-        ll.llama_memory_seq_rm(self._memory, 0, n_kept, -1)
+        ll.llama_memory_seq_rm(self._memory, self._seq, n_kept, -1)
         del self._passes[n_kept:]
 
     def _pass_kind(self, start: int, n: int):
@@ -283,6 +380,8 @@ class LlamaCppBackend(Backend):
         return VocabInfo(self.n_vocab, kinds.get(ll.llama_vocab_type(v), "other"), texts, special, unused)
 
     def close(self) -> None:
+        if not getattr(self, "_owner", True):  # a slot: the context and model are its primary's
+            return
         if getattr(self, "_ctx", None):
             if getattr(self, "_batch", None) is not None:
                 ll.llama_batch_free(self._batch)

@@ -70,5 +70,10 @@ class Drafter(ABC):
     def end(self, context: Sequence[int]) -> None:
         """The request ended with this context (prompt + output, however it ended); optional."""
 
+    def for_slot(self, i: int) -> "Drafter":
+        """The drafter for concurrent request slot i (backends: Backend.slot): one with no state of a
+        request may serve every slot as itself; others make their own."""
+        return self
+
     def close(self) -> None:
         """Release resources (optional)."""

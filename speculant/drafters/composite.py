@@ -54,6 +54,9 @@ class CompositeDrafter(Drafter):
     def paid(self) -> Optional[str]:
         return next((d.paid for d in reversed(self.drafters) if d.paid), None)
 
+    def for_slot(self, i: int) -> "CompositeDrafter":
+        return self if i == 0 else CompositeDrafter(*(d.for_slot(i) for d in self.drafters))
+
     def prepare(self, context: Sequence[int]) -> None:
         for d in self.drafters:
             d.prepare(context)

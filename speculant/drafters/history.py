@@ -126,6 +126,7 @@ class HistoryDrafter(Drafter):
         if max_tokens < 0:
             raise SettingsError(f"history max_tokens must be >= 0, got {max_tokens}")
         self.trie = SuffixTrie(depth)
+        self.depth = depth
         self.max_tokens = max_tokens
         self.min_match = min_match
         self.window = window  # a request's prompt: only its last `window` tokens are indexed
@@ -137,6 +138,10 @@ class HistoryDrafter(Drafter):
         self.seen = 0  # context tokens indexed (positions in the engine's context)
         self.offset = 0  # context position of doc[0]
         self.open = False
+
+    def for_slot(self, i: int) -> "HistoryDrafter":
+        """Another concurrent slot keeps a history of its own (the trie follows one request at a time)."""
+        return self if i == 0 else HistoryDrafter(self.max_tokens, self.depth, self.min_match, self.window)
 
     # -- request lifecycle ------------------------------------------------------------------------------------
     def begin(self, context: Sequence[int]) -> None:

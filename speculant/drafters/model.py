@@ -24,6 +24,7 @@ class ModelDrafter(Drafter):
         context ids into the draft's ids (an id outside the cut becomes a stand-in); False for a backend
         that reads target ids itself (embeddings of the full vocabulary)."""
         self.backend = backend
+        self.map_inputs = map_inputs
         self.n_vocab_target = n_vocab_target  # the draft's logits are cut or padded to the target's ids
         self.p_min = p_min  # stop drafting once the draft's own probability for its token falls below this
         self.keep = None if keep is None else np.asarray(keep, dtype=np.int64)
@@ -97,6 +98,13 @@ class ModelDrafter(Drafter):
                 break
         return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time,
                      catchup_tokens=behind if catchup_time else 0, keys=keys, steps=steps, paid=self.name)
+
+    def for_slot(self, i: int) -> "ModelDrafter":
+        """The same draft model on sequence i of its context (its own KV cache)."""
+        if i == 0:
+            return self
+        return ModelDrafter(self.backend.slot(i), self.n_vocab_target, p_min=self.p_min, keep=self.keep,
+                            map_inputs=self.map_inputs)
 
     def prepare(self, context: Sequence[int]) -> None:
         self.backend.sync(self._ids(context[:-1]), n_logits=0)  # the prompt, as for the target: part of the prefill
