@@ -123,8 +123,10 @@ class DraftBudget:
     `take(source, key)` for each proposed token (False: stop here, the token is not verified) and `more`
     before paying for another draft step. Without a policy it takes everything up to k (fixed-k drafting)."""
 
-    def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None, k_long: Optional[int] = None):
+    def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None, k_long: Optional[int] = None,
+                 paid: bool = True):
         self.k = k  # upper bound for this step
+        self.paid = paid  # may a paid drafter (a draft model) run this step
         self.k_long = k if k_long is None else k_long  # the bound for drafters that may go long (a prediction)
         self.policy = policy
         self.k_now = k  # the bound granted by the last start()
@@ -137,7 +139,9 @@ class DraftBudget:
         """behind: tokens a paid drafter must process before its first guess (a catch-up prefill); long: a
         free drafter whose drafts may run to k_long (a tracking prediction: the per-token rule cuts it)."""
         k = self.k_long if long and free else self.k
-        if self.policy is not None and not free:
+        if not free and not self.paid:
+            k = 0
+        elif self.policy is not None and not free:
             k = min(self.policy.draft_length(source, behind), k)
             self.explore = self.explore or self.policy.last_was_probe
         self.k_now = k
@@ -176,13 +180,13 @@ class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
-    def budget(self, room: int, long_max: Optional[int] = None) -> DraftBudget:
+    def budget(self, room: int, long_max: Optional[int] = None, shared: bool = False) -> DraftBudget:
         return DraftBudget(min(self.k, room))
 
     def draft_length(self, source: str) -> int:
         return self.k
 
-    def wants_draft_prefill(self, source: Optional[str]) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], shared: bool = False) -> bool:
         return True
 
     def observe(self, *args, **kwargs) -> None:
@@ -357,10 +361,14 @@ class AdaptivePolicy:
         return e.value if e else 0.0
 
     # -- decisions -----------------------------------------------------------------------------------------
-    def budget(self, room: int, long_max: Optional[int] = None) -> DraftBudget:
-        """long_max: the bound for long free drafts (a prediction), max(k_max, long_max) tokens."""
+    def budget(self, room: int, long_max: Optional[int] = None, shared: bool = False) -> DraftBudget:
+        """long_max: the bound for long free drafts (a prediction), max(k_max, long_max) tokens. shared: other
+        requests decode at once on the same model (their passes merge with ours): the draft model then stays
+        idle, free drafters still draft. A merged pass already spends the compute a verify pass would have used
+        for nothing: beside a second request, the draft model's steps and extra verified tokens cost more than
+        they save (measured: 2 requests at once, 16.8 tok/s with the draft model vs 18.1 without)."""
         k = min(self.k_max, room)
-        return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room))
+        return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room), paid=not shared)
 
     def new_request(self, temperature: float = 0.0) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
@@ -375,10 +383,13 @@ class AdaptivePolicy:
         self.regime = regime_of(temperature)
         self.req_alpha, self.req_key_alpha, self.req_first = {}, {}, {}
 
-    def wants_draft_prefill(self, source: Optional[str]) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], shared: bool = False) -> bool:
         """Should the paid drafter process the new prompt? Only if this request may draft: it starts with a
-        probe, or the model says drafting pays. Otherwise the prompt's prefill costs the draft model's share
-        of time to first token for nothing (and later probes in this request find it too far behind)."""
+        probe, or the model says drafting pays, and no other request decodes beside it (shared: see budget).
+        Otherwise the prompt's prefill costs the draft model's share of time to first token for nothing (and
+        later probes in this request find it too far behind)."""
+        if shared:
+            return False
         if source is None or self.probing or 1 not in self.target_cost:
             return True
         return best_draft_length(self.acceptance(source), self.draft_step_cost(source), self.target_time,
@@ -445,17 +456,20 @@ class AdaptivePolicy:
 
     def observe(self, source: str, n_drafted: int, n_accepted: int, draft_time: float, verify_time: float,
                 n_emitted: int, *, keys: Optional[list] = None, paid: Optional[str] = None,
-                draft_steps: Optional[int] = None, catchup_time: float = 0.0, catchup_tokens: int = 0) -> None:
+                draft_steps: Optional[int] = None, catchup_time: float = 0.0, catchup_tokens: int = 0,
+                timed: bool = True) -> None:
         """One step's outcome. source: the drafter whose tokens were verified; keys: their confidence keys;
         paid: the paid drafter that ran (even if it proposed nothing), default `source` when it drafted;
         draft_steps: its forward passes (default n_drafted); catchup_*: its catch-up prefill (not in
-        draft_time)."""
+        draft_time). timed=False: the step's times say nothing of this request's costs (its pass merged with
+        other requests'): only the acceptances count."""
         n = n_drafted + 1
         self.decode_time += draft_time + verify_time + catchup_time
         if catchup_tokens > 0:
             self.catchup_time += catchup_time
             self.catchup_per_token.update(catchup_time / catchup_tokens, self.rate)
-        self.target_cost.setdefault(n, _Ema(verify_time)).update(verify_time, self.rate)
+        if timed:
+            self.target_cost.setdefault(n, _Ema(verify_time)).update(verify_time, self.rate)
         spt = (draft_time + verify_time) / max(n_emitted, 1)
         if paid is None and keys is None and n_drafted:
             paid = source  # the original call form: every drafted step was a paid one
@@ -472,8 +486,10 @@ class AdaptivePolicy:
                 break  # after a rejection nothing is known
             self._update_key(source, key, i < n_accepted)
         if paid is None:
-            if n_drafted == 0:
+            if n_drafted == 0 and timed:
                 self.plain_spt.update(spt, self.rate)
+            return
+        if not timed:
             return
         steps = draft_steps if draft_steps is not None else max(n_drafted, 1)
         self.draft_cost.setdefault(paid, _Ema(0.0)).update(draft_time / max(steps, 1), self.rate)

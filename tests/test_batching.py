@@ -259,3 +259,46 @@ def test_parallel_settings_are_checked():
         load_engine(SMALL, parallel=1000)
     with pytest.raises(SettingsError, match="one request at a time"):
         load_engine(SMALL, backend="torch", parallel=2)
+
+
+def test_beside_other_requests_the_draft_model_rests_and_free_drafters_draft():
+    from speculant.policy import AdaptivePolicy
+
+    policy = AdaptivePolicy(k_max=4, cost_prior={1: 1.0, 2: 1.05, 5: 1.1})
+    policy.observe("draft", 0, 0, 0.0, 0.06, 1)  # a plain step timed: 60 ms
+    alone, shared = policy.budget(8), policy.budget(8, shared=True)
+    assert shared.start("draft", free=False) == 0
+    assert shared.start("lookup", free=True) == 4 and alone.start("lookup", free=True) == 4
+    before, n3 = policy.target_cost[1].value, policy.key_acceptance("lookup", "n3")
+    policy.observe("lookup", 0, 0, 0.0, 0.5, 1, timed=False)  # a merged pass: its time is not ours
+    policy.observe("lookup", 2, 1, 0.0, 0.5, 2, keys=["n3", "n3+"], timed=False)
+    assert policy.target_cost[1].value == before and 3 not in policy.target_cost
+    assert policy.key_acceptance("lookup", "n3") > n3  # the accepted token still counts
+
+
+@pytest.mark.models
+def test_sharing_counts_the_requests_in_progress():
+    b = _backend(SMALL, n_ctx=256, n_seq=2)
+    try:
+        s = b.slot(1)
+        assert b.sharing() == 1
+        b.busy(True)
+        started = threading.Event()
+        release = threading.Event()
+
+        def other():
+            s.busy(True)
+            started.set()
+            release.wait(10)
+            s.busy(False)
+
+        t = threading.Thread(target=other)
+        t.start()
+        started.wait(10)
+        assert b.sharing() == 2 and s.sharing() == 2
+        release.set()
+        t.join(10)
+        assert b.sharing() == 1
+        b.busy(False)
+    finally:
+        b.close()

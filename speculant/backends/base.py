@@ -134,6 +134,10 @@ class Backend(ABC):
         """A request starts (on) or ends on this slot; a runtime that merges concurrent requests' passes
         waits for busy slots (speculant/batching.py). key: the thread that started it (default: this one)."""
 
+    def sharing(self) -> int:
+        """Requests decoding on this model now, this one included (their passes merge: batching.py)."""
+        return 1
+
     def cost_profile(self) -> Optional[dict[int, float]]:
         """T(n) / T(1) measured on this machine (costprofile.py), the adaptive policy's prior; None: unknown."""
         return None

@@ -168,6 +168,9 @@ class LlamaCppBackend(Backend):
         if self.n_seq > 1:
             GATHERER.busy(on, key)
 
+    def sharing(self) -> int:
+        return max(GATHERER.busy_count(), 1) if self.n_seq > 1 else 1
+
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
         self._truncate(start)
         n = len(tokens)
