@@ -1,12 +1,17 @@
 #!/usr/bin/env python
-"""Load test for `speculant serve`: throughput and latency percentiles, with and without speculation.
+"""Load test for `speculant serve`: throughput and latency percentiles, with and without speculation, with
+one or more requests decoded at once (--parallel).
 
-For each mode it starts its own server on 127.0.0.1 (a free port), sends a bounded number of streaming
-chat requests from a bounded number of concurrent clients, and reports requests/s, generated tokens/s,
-latency and time-to-first-token percentiles, and the server's acceptance rate and τ.
+For each mode and slot count it starts its own server on 127.0.0.1 (a free port), sends a bounded number of
+streaming chat requests from a bounded number of concurrent clients, and reports requests/s, generated
+tokens/s, latency and time-to-first-token percentiles, and the server's acceptance rate, τ and requests per
+forward pass. Every server gets the same requests from the same clients (--concurrency), so `-np 1` (one at a
+time, the others queue) and `-np 4` (four at once, passes merged) compare like with like; --rounds repeats
+the whole list in turn (the machine is noisy) and the table gives medians and the ratio to the first server.
+Greedy outputs are compared across servers: concurrency must not change a single token.
 
     .venv/bin/python scripts/load_test.py -m smollm2-135m-instruct -md smollm2-135m-instruct \
-        --requests 16 --concurrency 4 -n 32 -t 1
+        --requests 16 --concurrency 4 -n 32 -t 1 --parallel 1,4
 
 Or against a server you started yourself (loopback only): --url http://127.0.0.1:8080 (one mode).
 Bounded: at most --requests requests per mode (<= 1000) and --max-seconds of wall time per mode; requests
@@ -49,10 +54,10 @@ def _loopback(url: str) -> bool:
         return False
 
 
-def start_server(args, draft: bool):
+def start_server(args, draft: bool, parallel: int):
     from speculant.server import spawn_local
 
-    cmd = ["-m", args.model, "-c", str(args.ctx_size)]
+    cmd = ["-m", args.model, "-c", str(args.ctx_size), "--parallel", str(parallel)]
     if draft:
         cmd += ["-md", args.model_draft, "--draft-max", str(args.draft_max)]
     if args.threads:
@@ -91,6 +96,7 @@ async def one_request(client, url, model, prompt, args, headers):
             "temperature": args.temp, "stream": True, "stream_options": {"include_usage": True}}
     if args.temp > 0:
         body["seed"] = 0
+    text = ""
     async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
         if r.status_code != 200:
             return {"ok": False, "error": f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"}
@@ -100,12 +106,14 @@ async def one_request(client, url, model, prompt, args, headers):
             obj = json.loads(line[6:])
             if "error" in obj:
                 return {"ok": False, "error": obj["error"]["message"]}
-            if ttft is None and obj.get("choices") and obj["choices"][0]["delta"].get("content"):
-                ttft = time.perf_counter() - t0
+            if obj.get("choices") and obj["choices"][0]["delta"].get("content"):
+                text += obj["choices"][0]["delta"]["content"]
+                if ttft is None:
+                    ttft = time.perf_counter() - t0
             if obj.get("usage"):
                 usage = obj["usage"]
     return {"ok": True, "latency": time.perf_counter() - t0, "ttft": ttft if ttft is not None else float("nan"),
-            "tokens": usage["completion_tokens"] if usage else 0}
+            "tokens": usage["completion_tokens"] if usage else 0, "text": text}
 
 
 async def run_load(url, args, headers):
@@ -122,11 +130,13 @@ async def run_load(url, args, headers):
                     skipped += 1
                     return
                 try:
-                    results.append(await asyncio.wait_for(
-                        one_request(client, url, model, PROMPTS[i % len(PROMPTS)], args, headers),
-                        timeout=max(0.1, deadline - time.monotonic())))
+                    r = await asyncio.wait_for(one_request(client, url, model, args.prompts[i % len(args.prompts)],
+                                                           args, headers),
+                                               timeout=max(0.1, deadline - time.monotonic()))
                 except (asyncio.TimeoutError, httpx.HTTPError) as e:
-                    results.append({"ok": False, "error": f"{type(e).__name__}: {e}"})
+                    r = {"ok": False, "error": f"{type(e).__name__}: {e}"}
+                r["index"] = i
+                results.append(r)
 
         t0 = time.perf_counter()
         await asyncio.gather(*(worker(i) for i in range(args.requests)))
@@ -137,9 +147,11 @@ async def run_load(url, args, headers):
     tokens = sum(r["tokens"] for r in ok)
     metrics = {}
     for line in httpx.get(url + "/metrics").text.splitlines():
-        if line.startswith(("speculant_acceptance_rate ", "speculant_mean_accepted_length ")):
+        if line.startswith(("speculant_acceptance_rate ", "speculant_mean_accepted_length ",
+                            "speculant_batched_pass")):
             name, value = line.split()
             metrics[name] = float(value)
+    passes = metrics.get("speculant_batched_passes")
     return {
         "requests": args.requests, "ok": len(ok), "failed": len(results) - len(ok), "skipped": skipped,
         "errors": sorted({r["error"] for r in results if not r["ok"]})[:5],
@@ -149,6 +161,8 @@ async def run_load(url, args, headers):
         "ttft_s": {f"p{p}": round(_pct(ttft, p), 3) for p in (50, 90, 99)},
         "acceptance_rate": metrics.get("speculant_acceptance_rate"),
         "tau": metrics.get("speculant_mean_accepted_length"),
+        "requests_per_pass": round(metrics["speculant_batched_pass_sequences"] / passes, 2) if passes else None,
+        "texts": {r["index"]: r["text"] for r in ok},
     }
 
 
@@ -166,6 +180,11 @@ def main() -> int:
     p.add_argument("--url", default=None, help="use this running server (loopback only) instead of starting one")
     p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"))
     p.add_argument("--modes", default="plain,speculative", help="comma list of plain,speculative")
+    p.add_argument("--parallel", default="1", help="comma list of --parallel values: a server each (default 1)")
+    p.add_argument("--rounds", type=int, default=1, help="times the whole list of servers runs, in turn (default 1)")
+    p.add_argument("--out", default=None, help="also write the report (JSON) here")
+    p.add_argument("--suite", default=None, help="prompts from a bench suite (a built-in name such as default, or a "
+                                                 "file), in an order that mixes its categories; default: 8 short ones")
     p.add_argument("--requests", type=int, default=16, help="requests per mode (1..1000, default 16)")
     p.add_argument("--concurrency", type=int, default=4, help="concurrent clients (1..64, default 4)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="max_tokens per request (default 32)")
@@ -178,32 +197,61 @@ def main() -> int:
     if args.url and not _loopback(args.url):
         p.error("--url must be a loopback address (127.0.0.1, ::1 or localhost)")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    args.prompts = PROMPTS
+    if args.suite:
+        from speculant.bench.suite import read_suite
+
+        by_cat: dict[str, list] = {}
+        for q in read_suite(args.suite):
+            by_cat.setdefault(q.category, []).append(q.text)
+        args.prompts = [t for row in zip(*by_cat.values()) for t in row]  # category by category, in turn
 
     report = {}
     if args.url:
         report["server"] = asyncio.run(run_load(args.url.rstrip("/"), args, headers))
     else:
-        for mode in [m.strip() for m in args.modes.split(",") if m.strip()]:
-            if mode not in ("plain", "speculative"):
-                p.error(f"unknown mode {mode!r}")
-            proc, url = start_server(args, draft=(mode == "speculative"))
-            try:
-                report[mode] = asyncio.run(run_load(url, args, {}))
-            finally:
-                stop_server(proc)
+        modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+        if any(m not in ("plain", "speculative") for m in modes):
+            p.error(f"--modes: choose from plain, speculative (got {args.modes!r})")
+        try:
+            slots = [int(x) for x in args.parallel.split(",") if x.strip()]
+        except ValueError:
+            p.error(f"--parallel must be a comma list of integers, got {args.parallel!r}")
+        runs: dict[str, list] = {}
+        for _ in range(max(1, args.rounds)):
+            for mode in modes:
+                for n in slots:
+                    proc, url = start_server(args, draft=(mode == "speculative"), parallel=n)
+                    try:
+                        runs.setdefault(f"{mode} -np {n}", []).append(asyncio.run(run_load(url, args, {})))
+                    finally:
+                        stop_server(proc)
+        for name, rs in runs.items():  # the round with the median throughput stands for the server
+            r = dict(sorted(rs, key=lambda r: r["tokens_per_s"])[len(rs) // 2])
+            r["tokens_per_s_rounds"] = [x["tokens_per_s"] for x in rs]
+            report[name] = r
+    first = next(iter(report.values()))
+    for r in report.values():
+        r["vs_first"] = round(r["tokens_per_s"] / first["tokens_per_s"], 3) if first["tokens_per_s"] else None
+        shared = set(r["texts"]) & set(first["texts"])
+        r["same_text_as_first"] = f"{sum(r['texts'][i] == first['texts'][i] for i in shared)}/{len(shared)}"
+    if args.out:
+        Path(args.out).write_text(json.dumps(report, indent=2))
     if args.json:
         print(json.dumps(report, indent=2))
         return 0
-    print(f"{args.requests} requests/mode, concurrency {args.concurrency}, max_tokens {args.n_predict}, "
-          f"temperature {args.temp}")
-    print(f"{'mode':12s} {'ok':>4s} {'fail':>4s} {'req/s':>7s} {'tok/s':>7s} {'p50 s':>7s} {'p90 s':>7s} "
-          f"{'p99 s':>7s} {'ttft50':>7s} {'ttft90':>7s} {'accept':>7s} {'tau':>5s}")
-    for mode, r in report.items():
-        acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] is not None else "-"
-        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
-        print(f"{mode:12s} {r['ok']:4d} {r['failed'] + r['skipped']:4d} {r['requests_per_s']:7.3f} "
-              f"{r['tokens_per_s']:7.2f} {r['latency_s']['p50']:7.2f} {r['latency_s']['p90']:7.2f} "
-              f"{r['latency_s']['p99']:7.2f} {r['ttft_s']['p50']:7.2f} {r['ttft_s']['p90']:7.2f} {acc:>7s} {tau:>5s}")
+    print(f"{args.requests} requests/server, concurrency {args.concurrency}, max_tokens {args.n_predict}, "
+          f"temperature {args.temp}, {max(1, args.rounds)} round(s)")
+    print(f"{'server':20s} {'ok':>4s} {'fail':>4s} {'req/s':>7s} {'tok/s':>7s} {'ratio':>6s} {'p50 s':>7s} "
+          f"{'p90 s':>7s} {'ttft50':>7s} {'ttft90':>7s} {'accept':>7s} {'tau':>5s} {'req/pass':>8s} same text")
+    for name, r in report.items():
+        acc = f"{r['acceptance_rate']:.1%}" if r["acceptance_rate"] else "-"
+        tau = f"{r['tau']:.2f}" if r["tau"] else "-"
+        rpp = f"{r['requests_per_pass']:.2f}" if r["requests_per_pass"] else "-"
+        print(f"{name:20s} {r['ok']:4d} {r['failed'] + r['skipped']:4d} {r['requests_per_s']:7.3f} "
+              f"{r['tokens_per_s']:7.2f} {r['vs_first']:6.2f} {r['latency_s']['p50']:7.2f} "
+              f"{r['latency_s']['p90']:7.2f} {r['ttft_s']['p50']:7.2f} {r['ttft_s']['p90']:7.2f} {acc:>7s} {tau:>5s} "
+              f"{rpp:>8s} {r['same_text_as_first']}")
         for e in r["errors"]:
             print(f"  error: {e}")
     return 0 if all(r["failed"] == 0 for r in report.values()) else 1

@@ -298,8 +298,15 @@ class Metrics:
         self.acceptance = Gauge("speculant_acceptance_rate", "accepted / drafted since start", registry=r)
         self.tau = Gauge("speculant_mean_accepted_length", "tau: tokens produced per target pass since start, "
                          "counting the target's own token (as usage.speculative.mean_accepted_length)", registry=r)
-        self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for the engine", registry=r)
-        self.in_progress = Gauge("speculant_requests_in_progress", "requests generating now (0 or 1)", registry=r)
+        self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for a free slot", registry=r)
+        self.in_progress = Gauge("speculant_requests_in_progress", "requests generating now (at most --parallel)",
+                                 registry=r)
+        from .batching import GATHERER
+
+        Gauge("speculant_batched_passes", "forward passes run for concurrent request slots (--parallel > 1), "
+              "merged or alone", registry=r).set_function(lambda: GATHERER.passes)
+        Gauge("speculant_batched_pass_sequences", "sequences those passes computed (divided by "
+              "speculant_batched_passes: requests per pass)", registry=r).set_function(lambda: GATHERER.jobs)
         self.tps = Histogram("speculant_tokens_per_second", "decode speed per request", registry=r,
                              buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
         self.latency = Histogram("speculant_request_duration_seconds", "request latency, queueing included",

@@ -218,6 +218,28 @@ def test_concurrent_clients_get_their_own_answers(server, client):
     ok = 'speculant_requests_total{endpoint="/v1/completions",status="200"}'
     assert after[ok] - before[ok] == 16
     assert after["speculant_queue_depth"] == 0 and after["speculant_requests_in_progress"] == 0
+    # two slots (the default --parallel): requests decoded together, in passes that computed both
+    passes = after["speculant_batched_passes"] - before["speculant_batched_passes"]
+    sequences = after["speculant_batched_pass_sequences"] - before["speculant_batched_pass_sequences"]
+    assert passes > 0 and sequences >= passes + 10, (passes, sequences)
+    assert httpx.get(server + "/health").json()["slots"] == 2
+
+
+def test_concurrent_sampled_requests_get_their_seeds_output(server, client):
+    """A seeded sampled request gives the same text alone and beside others (a fixed draft length here: the
+    adaptive policy's choices, which depend on timing, decide how much of the random stream drafting uses)."""
+    asks = [("Once upon a time", s) for s in range(3)] + [("def fibonacci(n):", s) for s in range(3)]
+
+    def ask(a):
+        p, seed = a
+        return client.completions.create(model=MODEL, prompt=p, max_tokens=24, temperature=0.9, seed=seed,
+                                         top_p=0.95).choices[0].text
+
+    alone = [ask(a) for a in asks]
+    with ThreadPoolExecutor(6) as pool:
+        together = list(pool.map(ask, asks))
+    assert together == alone
+    assert len(set(alone)) > 2  # the seeds matter: this is sampling
 
 
 def test_metrics(server, client):
