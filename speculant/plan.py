@@ -84,13 +84,15 @@ class Plan:
     models: list[ModelMemory]
     runtime: int = RUNTIME_BASE
     n_prompt: Optional[int] = None  # None: a prompt that fills the context
+    parallel: int = 1  # request slots (serve -np): a KV cache of n_ctx each
 
     @property
     def total(self) -> int:
         return self.runtime + sum(m.total for m in self.models)
 
     def to_dict(self) -> dict:
-        return {"n_ctx": self.n_ctx, "prompt_tokens": self.n_prompt or self.n_ctx, "runtime_mb": _mb(self.runtime),
+        return {"n_ctx": self.n_ctx, "parallel": self.parallel, "prompt_tokens": self.n_prompt or self.n_ctx,
+                "runtime_mb": _mb(self.runtime),
                 "total_mb": _mb(self.total),
                 "models": [{**{k: v for k, v in asdict(m).items() if k != "types"},
                             **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "loaded", "repacked", "kv", "compute",
@@ -202,9 +204,10 @@ def _padded(n_ctx: int) -> int:
 
 
 def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
-               as_type: Optional[str] = None) -> ModelMemory:
+               as_type: Optional[str] = None, parallel: int = 1) -> ModelMemory:
     """One model's plan. as_type: estimate the same model quantized to that type (EST_BPW) instead of the
-    file as it is (what `speculant quantize` would make)."""
+    file as it is (what `speculant quantize` would make). parallel: request slots, each with a KV stream of
+    n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64)."""
     if models.spec_of(model) is not None and not models.cached_path(model).exists():
         raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
     path = Path(model) if Path(model).is_file() else models.resolve(model)
@@ -227,8 +230,8 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     file_bytes = f["file_bytes"] - f["data_bytes"] + sum(types.values())
     data_bytes = sum(types.values())
     kv_per_token = f["n_layer"] * f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES
-    n_kv = _padded(n_ctx)
-    outputs = verify_positions if role == "target" else 1
+    n_kv = _padded(n_ctx) * parallel
+    outputs = min(64, (verify_positions if role == "target" else 1) * parallel)
     return ModelMemory(
         name=model, role=role, path=str(path), file_type=f"{as_type} (estimated)" if as_type else f["file_type"],
         file_bytes=file_bytes, mapped=0 if repack else file_bytes, repacked=repacked,
@@ -240,18 +243,21 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
 
 
 def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,
-         n_prompt: Optional[int] = None, target_type: Optional[str] = None, draft_type: Optional[str] = None) -> Plan:
+         n_prompt: Optional[int] = None, target_type: Optional[str] = None, draft_type: Optional[str] = None,
+         parallel: int = 1) -> Plan:
     """The memory plan of a target (and a draft model) at a context of n_ctx tokens, at its peak: once a
-    prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed."""
+    prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed.
+    parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache."""
+    api.check_parallel(parallel)
     if not isinstance(n_ctx, int) or n_ctx < 16:
         raise SettingsError(f"--ctx-size must be an integer >= 16, got {n_ctx!r}")
     if n_prompt is not None and not (isinstance(n_prompt, int) and 1 <= n_prompt <= n_ctx):
         raise SettingsError(f"--prompt-tokens must be an integer in [1, --ctx-size], got {n_prompt!r}")
     out = [plan_model(target, "target", n_ctx, verify_positions=draft_max + 1, n_prompt=n_prompt,
-                      as_type=target_type)]
+                      as_type=target_type, parallel=parallel)]
     if draft:
-        out.append(plan_model(draft, "draft", n_ctx, n_prompt=n_prompt, as_type=draft_type))
-    return Plan(n_ctx, out, n_prompt=n_prompt)
+        out.append(plan_model(draft, "draft", n_ctx, n_prompt=n_prompt, as_type=draft_type, parallel=parallel))
+    return Plan(n_ctx, out, n_prompt=n_prompt, parallel=parallel)
 
 
 # -- measuring (tests and `plan --measure`) ---------------------------------------------------------------
@@ -262,11 +268,12 @@ MARK = "SPECULANT_PLAN "
 
 
 def measure(target: str, draft: Optional[str], n_ctx: int, *, n_prompt: Optional[int] = None, n_tokens: int = 4,
-            timeout: float = 900) -> dict:
-    """Peak RSS (VmHWM) of a fresh child process that loads the pair the way `speculant generate` does and
-    generates n_tokens after a prompt of n_prompt tokens (default: one that fills the rest of the context, the
-    plan's worst case)."""
-    spec = json.dumps({"target": target, "draft": draft, "n_ctx": n_ctx, "n_tokens": n_tokens, "n_prompt": n_prompt})
+            timeout: float = 900, parallel: int = 1) -> dict:
+    """Peak RSS (VmHWM) of a fresh child process that loads the pair the way `speculant generate` does (with
+    `parallel` slots, as `serve -np` does: every slot's KV cache is resident once made) and generates n_tokens
+    after a prompt of n_prompt tokens (default: one that fills the rest of the context, the plan's worst case)."""
+    spec = json.dumps({"target": target, "draft": draft, "n_ctx": n_ctx, "n_tokens": n_tokens, "n_prompt": n_prompt,
+                       "parallel": parallel})
     proc = subprocess.run([sys.executable, "-m", "speculant.plan", spec], capture_output=True, text=True,
                           timeout=timeout)
     for line in reversed(proc.stdout.splitlines()):
@@ -282,7 +289,8 @@ def _child(spec: dict) -> dict:
     from .verify import SamplingParams
 
     start = _mb_status()
-    engine = load_engine(spec["target"], spec["draft"], n_ctx=spec["n_ctx"], draft_max=4, adaptive=False)
+    engine = load_engine(spec["target"], spec["draft"], n_ctx=spec["n_ctx"], draft_max=4, adaptive=False,
+                         parallel=spec.get("parallel", 1))
     try:
         n_prompt = min(spec.get("n_prompt") or engine.target.n_ctx, engine.target.n_ctx - spec["n_tokens"] - 8)
         prompt = engine.target.tokenize(MEASURE_TEXT * (n_prompt // 50 + 1))[:n_prompt]
@@ -311,7 +319,8 @@ CTX_STEPS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 OTHER_TYPES = ("Q8_0", "Q4_0")  # besides each file's own type, what `plan --mem` considers
 
 
-def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = None, draft_max: int = 4) -> list[dict]:
+def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = None, draft_max: int = 4,
+         parallel: int = 1) -> list[dict]:
     """For each (target type, draft type): the largest context (of CTX_STEPS, or n_ctx when given) whose plan
     fits in mem bytes, or why none does. Types other than the files' own are estimates (EST_BPW) of what
     `speculant quantize` would make."""
@@ -325,7 +334,7 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
         for dt in d_types + ([NO_DRAFT] if draft else []):
             pair = None if dt == NO_DRAFT else draft
             plans = [plan(target, pair, n_ctx=c, draft_max=draft_max, target_type=tt,
-                          draft_type=None if dt == NO_DRAFT else dt) for c in steps]
+                          draft_type=None if dt == NO_DRAFT else dt, parallel=parallel) for c in steps]
             ok = [p for p in plans if p.total <= mem]
             smallest = plans[0]
             row = {"target_type": smallest.models[0].file_type,
@@ -348,8 +357,9 @@ def table(p: Plan) -> str:
     cols = [("weights mmapped", "mapped"), ("weights read", "loaded"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
             ("output", "output"), ("vocab tables", "vocab_tables"), ("total", "total")]
     head = "| model | type | " + " | ".join(c for c, _ in cols) + " |"
-    lines = [f"memory plan at n_ctx {p.n_ctx} (MiB; resident at peak, after a prompt of {p.n_prompt or p.n_ctx} "
-             "tokens)", "",
+    slots = f" x {p.parallel} request slots (-np)" if p.parallel > 1 else ""
+    lines = [f"memory plan at n_ctx {p.n_ctx}{slots} (MiB; resident at peak, after a prompt of "
+             f"{p.n_prompt or p.n_ctx} tokens)", "",
              head, "|" + "---|" * (len(cols) + 2)]
     for m in p.models:
         lines.append(f"| {m.role}: {m.name} | {m.file_type} | " +
@@ -381,6 +391,9 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                    help="plan the peak after a prompt this long (default: one that fills the context)")
     p.add_argument("--mem", default=None, help="memory budget, e.g. 4G or 1500M: what fits in it")
     p.add_argument("--draft-max", type=int, default=4, help="tokens drafted per step (verify logits; default 4)")
+    p.add_argument("-np", "--parallel", type=int, default=1,
+                   help="request slots, as `serve -np N` (serve's default is 2): a KV cache of -c tokens each "
+                        "(default 1, as generate)")
     p.add_argument("--backend", default="llama.cpp", help="backend (llama.cpp; the only one planned)")
     p.add_argument("--measure", action="store_true",
                    help="also load the models in a child process and report its measured peak RSS")
@@ -398,13 +411,15 @@ def cmd_plan(args) -> int:
         models.check_draft(args.model_draft, args.model)
     mem = parse_size(args.mem) if args.mem is not None else None
     p = plan(args.model, args.model_draft, n_ctx=args.ctx or 4096, draft_max=args.draft_max,
-             n_prompt=args.prompt_tokens)
+             n_prompt=args.prompt_tokens, parallel=args.parallel)
     out = p.to_dict()
     if mem is not None:
         out["mem_mb"] = _mb(mem)
-        out["fits"] = fits(args.model, args.model_draft, mem, n_ctx=args.ctx, draft_max=args.draft_max)
+        out["fits"] = fits(args.model, args.model_draft, mem, n_ctx=args.ctx, draft_max=args.draft_max,
+                           parallel=args.parallel)
     if args.measure:
-        out["measured"] = measure(args.model, args.model_draft, p.n_ctx, n_prompt=args.prompt_tokens)
+        out["measured"] = measure(args.model, args.model_draft, p.n_ctx, n_prompt=args.prompt_tokens,
+                                  parallel=args.parallel)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0

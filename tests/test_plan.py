@@ -20,12 +20,13 @@ def need(*names):
 
 
 # the real pair at two context sizes, each in a fresh child process: the whole context filled at 1024, a
-# 600-token prompt at 4096 (KV cache resident in full, attention buffers for the prompt only)
-@pytest.mark.parametrize("n_ctx, n_prompt", [(1024, None), (4096, 600)])
-def test_plan_within_10_percent_of_measured_peak_rss(n_ctx, n_prompt):
+# 600-token prompt at 4096 (KV cache resident in full, attention buffers for the prompt only); and four
+# request slots (serve -np 4), a KV cache each
+@pytest.mark.parametrize("n_ctx, n_prompt, parallel", [(1024, None, 1), (4096, 600, 1), (2048, 600, 4)])
+def test_plan_within_10_percent_of_measured_peak_rss(n_ctx, n_prompt, parallel):
     need(TARGET, DRAFT)
-    p = plan.plan(TARGET, DRAFT, n_ctx=n_ctx, n_prompt=n_prompt)
-    measured = plan.measure(TARGET, DRAFT, n_ctx, n_prompt=n_prompt)
+    p = plan.plan(TARGET, DRAFT, n_ctx=n_ctx, n_prompt=n_prompt, parallel=parallel)
+    measured = plan.measure(TARGET, DRAFT, n_ctx, n_prompt=n_prompt, parallel=parallel)
     assert measured["prompt_tokens"] >= min(n_prompt or n_ctx, n_ctx - 12)
     planned_mb = p.total / 2 ** 20
     assert abs(planned_mb / measured["peak_rss_mb"] - 1) < 0.10, (planned_mb, measured)
@@ -78,6 +79,7 @@ def test_kv_per_token_from_metadata(monkeypatch):
     # Qwen2.5-1.5B: 28 layers x 2 KV heads x (128 + 128) x 2 bytes; 0.5B: 24 layers x 2 x (64 + 64) x 2
     assert t.kv_per_token == 28 * 2 * 256 * 2 and d.kv_per_token == 24 * 2 * 128 * 2
     assert t.kv == t.kv_per_token * 4096
+    assert plan.plan_model(TARGET, "target", 4096, parallel=3).kv == 3 * t.kv  # a KV cache per request slot
     monkeypatch.setenv("SPECULANT_REPACK", "0")
     assert plan.plan_model(TARGET, "target", 4096).mapped == models.cached_path(TARGET).stat().st_size
     size = models.cached_path(TARGET).stat().st_size
@@ -113,6 +115,7 @@ def test_cli_json_and_mem():
     (["--prompt-tokens", "9000", "-c", "4096"], "--prompt-tokens must be"),
     (["--backend", "torch"], "plan covers the llama.cpp backend"),
     (["-md", SMALL], "cannot draft for target"),
+    (["-np", "0"], "--parallel must be"),
 ])
 def test_cli_bad_input(args, needle):
     proc = run("plan", *args)
