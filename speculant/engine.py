@@ -181,7 +181,7 @@ class Engine:
         if drafter:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt
-            if policy.wants_draft_prefill(drafter.paid, target.sharing() > 1):  # not if it will not draft
+            if policy.wants_draft_prefill(drafter.paid, target.sharing()):  # not if it will not draft
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
@@ -195,8 +195,8 @@ class Engine:
                     return
                 # draft
                 t = time.perf_counter()
-                shared = target.sharing() > 1  # other requests' passes merge with ours (batching.py)
-                budget = policy.budget(room - 1, self.long_max, shared) if drafter else None
+                sharing = target.sharing()  # requests whose passes merge with ours, this one included (batching.py)
+                budget = policy.budget(room - 1, self.long_max, sharing) if drafter else None
                 draft = drafter.propose(context, budget.k, params, rng, budget) if budget and budget.k > 0 else EMPTY
                 draft_time = time.perf_counter() - t
                 # verify: one target pass over [last token, drafts...] -> logits for k+1 positions
@@ -226,7 +226,7 @@ class Engine:
                     policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
                                    verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
                                    draft_steps=draft.steps, catchup_time=draft.catchup_time,
-                                   catchup_tokens=draft.catchup_tokens, timed=not shared)
+                                   catchup_tokens=draft.catchup_tokens, timed=sharing == 1)
                     if n_accepted == len(draft):  # the position after the draft was reached: were they right?
                         for shadow in draft.shadows:
                             policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)

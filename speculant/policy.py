@@ -124,9 +124,10 @@ class DraftBudget:
     before paying for another draft step. Without a policy it takes everything up to k (fixed-k drafting)."""
 
     def __init__(self, k: int, policy: Optional["AdaptivePolicy"] = None, k_long: Optional[int] = None,
-                 paid: bool = True):
+                 sharing: int = 1):
         self.k = k  # upper bound for this step
-        self.paid = paid  # may a paid drafter (a draft model) run this step
+        self.sharing = sharing  # requests whose passes merge with this one's (batching.py), this one included
+        self.paid = sharing == 1  # may a paid drafter (a draft model) run this step
         self.k_long = k if k_long is None else k_long  # the bound for drafters that may go long (a prediction)
         self.policy = policy
         self.k_now = k  # the bound granted by the last start()
@@ -152,7 +153,7 @@ class DraftBudget:
             return False
         if self.policy is not None:
             p = self.p_all * self.policy.key_acceptance(source, key)
-            if not self.explore and p < self.policy.verify_price(self.taken + 1):
+            if not self.explore and p < self.policy.verify_price(self.taken + 1, self.sharing):
                 return False
             self.p_all = p
         self.taken += 1
@@ -166,7 +167,7 @@ class DraftBudget:
         if self.policy is None or self.explore:
             return True
         pol = self.policy
-        price = pol.draft_step_cost(source) / pol.target_time(1) + pol.verify_price(self.taken + 1)
+        price = pol.draft_step_cost(source) / pol.target_time(1) + pol.verify_price(self.taken + 1, self.sharing)
         # the next token's odds: those of the last one's bucket (confidence runs in stretches), else the average
         nxt = pol.key_acceptance(source, self.last_key) if self.last_key else pol.acceptance(source)
         return self.p_all * nxt >= price
@@ -180,13 +181,13 @@ class FixedPolicy:
     def __init__(self, k: int):
         self.k = k
 
-    def budget(self, room: int, long_max: Optional[int] = None, shared: bool = False) -> DraftBudget:
+    def budget(self, room: int, long_max: Optional[int] = None, sharing: int = 1) -> DraftBudget:
         return DraftBudget(min(self.k, room))
 
     def draft_length(self, source: str) -> int:
         return self.k
 
-    def wants_draft_prefill(self, source: Optional[str], shared: bool = False) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1) -> bool:
         return True
 
     def observe(self, *args, **kwargs) -> None:
@@ -312,9 +313,12 @@ class AdaptivePolicy:
             return e.value
         return (e.weight * e.value + self.prior_cost_weight * prior) / (e.weight + self.prior_cost_weight)
 
-    def verify_price(self, i: int) -> float:
-        """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1)."""
-        return max(self.target_time(i + 1) - self.target_time(i), 0.0) / self.target_time(1)
+    def verify_price(self, i: int, sharing: int = 1) -> float:
+        """What verifying an i-th draft token adds to the target pass, in plain steps: (T(i+1) - T(i)) / T(1).
+        In a pass merged with s - 1 other requests' (sharing = s), every sequence is padded to the longest, so
+        the token adds s tokens to a pass that yields s plain tokens: s (T(s(i+1)) - T(si)) / T(s)."""
+        s = max(sharing, 1)
+        return s * max(self.target_time(s * (i + 1)) - self.target_time(s * i), 0.0) / self.target_time(s)
 
     def _src(self, source: str) -> str:
         """Acceptance is kept per sampling regime: greedy and sampled requests accept differently."""
@@ -361,14 +365,15 @@ class AdaptivePolicy:
         return e.value if e else 0.0
 
     # -- decisions -----------------------------------------------------------------------------------------
-    def budget(self, room: int, long_max: Optional[int] = None, shared: bool = False) -> DraftBudget:
-        """long_max: the bound for long free drafts (a prediction), max(k_max, long_max) tokens. shared: other
-        requests decode at once on the same model (their passes merge with ours): the draft model then stays
-        idle, free drafters still draft. A merged pass already spends the compute a verify pass would have used
-        for nothing: beside a second request, the draft model's steps and extra verified tokens cost more than
-        they save (measured: 2 requests at once, 16.8 tok/s with the draft model vs 18.1 without)."""
+    def budget(self, room: int, long_max: Optional[int] = None, sharing: int = 1) -> DraftBudget:
+        """long_max: the bound for long free drafts (a prediction), max(k_max, long_max) tokens. sharing: the
+        requests decoding at once on this model, this one included (their passes merge: batching.py). Beside
+        others the draft model stays idle: a merged pass already spends the compute a verify pass would have
+        used for nothing, and its steps and extra tokens cost more than they save (measured: 2 requests at
+        once, 16.8 tok/s with the draft model vs 18.1 without). Free drafters still draft, at the price a
+        token costs in a merged pass (verify_price)."""
         k = min(self.k_max, room)
-        return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room), paid=not shared)
+        return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room), sharing=sharing)
 
     def new_request(self, temperature: float = 0.0) -> None:
         """A new prompt: the draft model has just processed it (no catch-up), and this prompt's text may suit
@@ -383,12 +388,12 @@ class AdaptivePolicy:
         self.regime = regime_of(temperature)
         self.req_alpha, self.req_key_alpha, self.req_first = {}, {}, {}
 
-    def wants_draft_prefill(self, source: Optional[str], shared: bool = False) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1) -> bool:
         """Should the paid drafter process the new prompt? Only if this request may draft: it starts with a
-        probe, or the model says drafting pays, and no other request decodes beside it (shared: see budget).
+        probe, or the model says drafting pays, and no other request decodes beside it (sharing: see budget).
         Otherwise the prompt's prefill costs the draft model's share of time to first token for nothing (and
         later probes in this request find it too far behind)."""
-        if shared:
+        if sharing > 1:
             return False
         if source is None or self.probing or 1 not in self.target_cost:
             return True

@@ -266,9 +266,12 @@ def test_beside_other_requests_the_draft_model_rests_and_free_drafters_draft():
 
     policy = AdaptivePolicy(k_max=4, cost_prior={1: 1.0, 2: 1.05, 5: 1.1})
     policy.observe("draft", 0, 0, 0.0, 0.06, 1)  # a plain step timed: 60 ms
-    alone, shared = policy.budget(8), policy.budget(8, shared=True)
+    alone, shared = policy.budget(8), policy.budget(8, sharing=2)
     assert shared.start("draft", free=False) == 0
     assert shared.start("lookup", free=True) == 4 and alone.start("lookup", free=True) == 4
+    # a token verified beside 3 other requests pads all 4 sequences: it must be likelier to pay
+    assert policy.verify_price(1, 4) > policy.verify_price(1, 2) > policy.verify_price(1)
+    assert not policy.wants_draft_prefill("draft", 2)
     before, n3 = policy.target_cost[1].value, policy.key_acceptance("lookup", "n3")
     policy.observe("lookup", 0, 0, 0.0, 0.5, 1, timed=False)  # a merged pass: its time is not ours
     policy.observe("lookup", 2, 1, 0.0, 0.5, 2, keys=["n3", "n3+"], timed=False)

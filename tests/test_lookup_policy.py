@@ -244,7 +244,7 @@ class _EagerPolicy(AdaptivePolicy):
         self.last_was_probe = False
         return self.k_max
 
-    def verify_price(self, i):
+    def verify_price(self, i, sharing=1):
         return 0.35
 
     def key_acceptance(self, source, key):
