@@ -53,6 +53,8 @@ def _ggml() -> ctypes.CDLL:
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
+    lib.ggml_backend_load.restype = ctypes.c_void_p
+    lib.ggml_backend_load.argtypes = [ctypes.c_char_p]
     lib.ggml_backend_reg_get.restype = ctypes.c_void_p
     lib.ggml_backend_reg_get.argtypes = [ctypes.c_size_t]
     lib.ggml_backend_reg_name.restype = ctypes.c_char_p
@@ -66,8 +68,23 @@ def backend_names() -> list[str]:
 
 
 def load_backends() -> None:
-    """Register the best CPU variant (and RPC) of a GGML_BACKEND_DL build; a no-op for a linked-in build."""
+    """Register the best CPU variant (and RPC) of a GGML_BACKEND_DL build; a no-op for a linked-in build.
+    SPECULANT_CPU_VARIANT=<name> (haswell, skylakex, icelake, zen4, x64) loads that variant instead, where this
+    CPU runs it: e.g. the AVX2 kernels on an AVX-512 machine, as an AVX2-only machine would run them."""
     if any(name.upper() == "CPU" for name in backend_names()):
+        return
+    forced = os.environ.get("SPECULANT_CPU_VARIANT", "")
+    if forced:
+        path = lib_dir() / f"libggml-cpu-{forced}.so"
+        variants = sorted(p.name[len("libggml-cpu-"):-3] for p in lib_dir().glob("libggml-cpu-*.so"))
+        if not path.exists():
+            raise ModelError(f"SPECULANT_CPU_VARIANT={forced}: no such variant in {lib_dir()} "
+                             f"(there are: {', '.join(variants) or 'none'})")
+        if not _ggml().ggml_backend_load(str(path).encode()):
+            raise ModelError(f"SPECULANT_CPU_VARIANT={forced}: this CPU ({cpu_model()}) cannot run that variant")
+        rpc = lib_dir() / "libggml-rpc.so"
+        if rpc.exists():
+            _ggml().ggml_backend_load(str(rpc).encode())
         return
     _ggml().ggml_backend_load_all_from_path(str(lib_dir()).encode())
     if not any(name.upper() == "CPU" for name in backend_names()):
