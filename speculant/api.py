@@ -217,16 +217,23 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
-             history: bool = False) -> Result:
+             history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
+             repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
+             logprobs: Optional[int] = None) -> Result:
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`.
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
-    result.stats.accepted_by_source["prediction"] counts the tokens it supplied."""
-    params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+    result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
+    logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N
+    fills result.logprobs with each token's log-probability and N alternatives."""
+    params = SamplingParams(temperature, top_k, top_p, min_p, seed,
+                            logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
+                            presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
+                            repetition_penalty=repetition_penalty)
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
                          adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history)
     try:
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat,
-                               prediction=prediction)
+                               prediction=prediction, logprobs=logprobs)
     finally:
         engine.close()

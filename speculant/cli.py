@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import secrets
 import signal
 import sys
-from typing import Optional
+from typing import Optional, Sequence
 
 from . import models
 from .api import FREE_DRAFTERS, LOOKUP
@@ -104,6 +106,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=128,
                    help="tokens to generate (default 128; -1: until the end of generation or a full context)")
     p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--repeat-penalty", type=float, default=1.0,
+                   help="divide positive logits (multiply negative ones) of tokens in the prompt or output by this "
+                        "(1 = off, the default; as vLLM's repetition_penalty: the whole prompt and output, not "
+                        "llama.cpp's last 64 tokens)")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="subtract this from the logit of every token the output holds, in [-2, 2] (default 0)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="subtract this times a token's count in the output from its logit, in [-2, 2] (default 0)")
+    p.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
+                   help="add BIAS to the logit of TOKEN_ID, as llama.cpp: 15043+1, 15043-1, 15043-inf bans it "
+                        "(repeatable; |BIAS| <= 100)")
 
 
 def check_model_flags(args) -> None:
@@ -174,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, finish_reason, message, seed, stats}")
+    g.add_argument("--logprobs", type=int, default=None, metavar="N",
+                   help="with --json: also each token's log-probability under the target and its N most likely "
+                        "alternatives (0..20), as \"logprobs\": [{token, logprob, top: [[token, logprob], ...]}]")
     g.add_argument("--prediction", metavar="FILE", default=None,
                    help="predicted output (e.g. the file being edited): drafted first wherever the output follows "
                         "it; lossless ('-' for stdin)")
@@ -261,6 +277,29 @@ def rpc_kwargs(args) -> dict:
     return {"rpc": endpoints, "tensor_split": args.tensor_split}
 
 
+def parse_logit_bias(items: Sequence[str]) -> tuple[tuple[int, float], ...]:
+    """-l TOKEN_ID(+/-)BIAS values -> SamplingParams.logit_bias (a later value for a token replaces an earlier)."""
+    out: dict[int, float] = {}
+    for item in items:
+        m = re.fullmatch(r"\s*(\d+)\s*([+-])\s*(inf|[0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*", item)
+        if not m:
+            raise SettingsError(f"--logit-bias {item!r}: expected TOKEN_ID(+/-)BIAS, e.g. 15043+1 or 15043-inf")
+        bias = float(m.group(3)) * (1 if m.group(2) == "+" else -1)
+        if bias == math.inf:
+            raise SettingsError(f"--logit-bias {item!r}: +inf would force one token forever; use a finite bias")
+        out[int(m.group(1))] = bias
+    return tuple(out.items())
+
+
+def sampling_params(args, seed: Optional[int]):
+    """SamplingParams from the sampling flags (validated there)."""
+    from .verify import SamplingParams
+
+    return SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
+                          logit_bias=parse_logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
+                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repeat_penalty)
+
+
 def sampling_seed(seed: int) -> int:
     """-s/--seed: -1 (the default) draws a random seed, which is then reported."""
     if seed == -1:
@@ -288,7 +327,6 @@ def cmd_generate(args) -> int:
     from .engine import Result
     from .native import one_request_pages
     from .stats import SpecStats
-    from .verify import SamplingParams
 
     one_request_pages()
     if args.conversation:
@@ -296,8 +334,10 @@ def cmd_generate(args) -> int:
                             "use --chat for one chat turn, or `speculant serve` with an OpenAI chat client")
     if args.n_predict < 1 and args.n_predict != -1:
         raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
+    if args.logprobs is not None and not args.json:
+        raise SettingsError("--logprobs prints with --json: add --json")
     seed = sampling_seed(args.seed)
-    params = SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)
+    params = sampling_params(args, seed)
     prediction = _read_prediction(args.prediction)
     prompt = _read_prompt(args)
     if not prompt.strip():
@@ -309,7 +349,7 @@ def cmd_generate(args) -> int:
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
         for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
-                                   result=result, prediction=prediction):
+                                   result=result, prediction=prediction, logprobs=args.logprobs):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

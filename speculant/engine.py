@@ -6,6 +6,7 @@ baseline and the speculative path on one code path, so greedy identity compares 
 
 from __future__ import annotations
 
+import bisect
 import codecs
 import threading
 import time
@@ -22,10 +23,12 @@ from .drafters.prediction import PredictionDrafter
 from .errors import ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
-from .verify import SamplingParams, probs_from_logits, verify_greedy, verify_sampled
+from .verify import (SamplingParams, TokenLogprob, adjust_logits, probs_from_logits, token_logprobs,
+                     verify_greedy, verify_sampled)
 
 MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
 LONG_MAX = 16  # default bound of long free drafts (a tracking prediction, a history match): the policy picks k
+MAX_TOP_LOGPROBS = 20  # alternatives per token with logprobs (OpenAI's bound)
 
 
 @dataclass
@@ -37,6 +40,9 @@ class TokenEvent:
     text: str
     from_draft: bool
     source: str = ""  # the drafter that proposed it ("prediction", "history", "lookup", "draft"), "" if the target's
+    # with logprobs: the entries of the tokens whose text began in what was handed out so far, not given before
+    # (with this event's text; a stop string can still drop the tokens of text held back)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
 
 @dataclass
@@ -48,10 +54,15 @@ class Result:
     message: str = ""  # a note for the user, e.g. that the context window filled up (finish_reason "length")
     from_draft: list[bool] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # [i] the drafter that proposed token i, "" for the target's
+    logprobs: Optional[list[TokenLogprob]] = None  # [i] token i's logprob and alternatives, when asked for
 
     def to_dict(self) -> dict:
-        return {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
-                "message": self.message, "stats": self.stats.to_dict()}
+        out = {"text": self.text, "tokens": self.tokens, "finish_reason": self.finish_reason,
+               "message": self.message, "stats": self.stats.to_dict()}
+        if self.logprobs is not None:
+            out["logprobs"] = [{"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                               for e in self.logprobs]
+        return out
 
 
 class Engine:
@@ -147,16 +158,26 @@ class Engine:
     def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
-               prediction: Optional[str | Sequence[int]] = None) -> Iterator[TokenEvent]:
+               prediction: Optional[str | Sequence[int]] = None,
+               logprobs: Optional[int] = None) -> Iterator[TokenEvent]:
         """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes.
         prediction: text (or token ids) the output is expected to mostly repeat ("Predicted Outputs"): it is
-        drafted first, from wherever the output is aligned with it (drafters/prediction.py); lossless."""
+        drafted first, from wherever the output is aligned with it (drafters/prediction.py); lossless.
+        logprobs: also give each token's log-probability under the target and this many alternatives
+        (0..MAX_TOP_LOGPROBS) in result.logprobs and the events; they are the same bits as plain decoding's."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
+        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
+        if bad:
+            raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         stop = [s for s in stop if s]
         context = self.tokenize_prompt(prompt, is_chat=is_chat)
         drafter, policy = self._with_prediction(prediction, len(context))
         result = result if result is not None else Result("", [], SpecStats())
+        if logprobs is not None:
+            result.logprobs = []
         stats = result.stats
         stats.prompt_tokens = len(context)
         stats.exact_numerics = getattr(self.target, "exact_numerics", True)
@@ -164,17 +185,22 @@ class Engine:
         text = _TextTracker(target, stop)
 
         verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
+        if logprobs is not None or params.adjusts:  # these need the logits on the host
+            verify_step = None
         thread = threading.get_ident()
         target.busy(True)  # concurrent requests' passes wait for this one's (batching.py)
         try:
-            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step)
+            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs)
         finally:
             target.busy(False, thread)
 
     def _loop(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,
-              max_tokens: int, result: Result, text: "_TextTracker", verify_step) -> Iterator[TokenEvent]:
+              max_tokens: int, result: Result, text: "_TextTracker", verify_step,
+              n_top: Optional[int]) -> Iterator[TokenEvent]:
         """The decode loop of `stream`: prefill, then draft -> verify -> accept -> rewind until done."""
         stats, target = result.stats, self.target
+        n_prompt = len(context)
+        lp_given = 0  # result.logprobs handed out with events
         rng = np.random.default_rng(params.seed)
         t0 = time.perf_counter()
         target.prefill(context[:-1])  # everything but the last token, which each step feeds
@@ -207,15 +233,18 @@ class Engine:
                     n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
+                    adjusted = adjust_logits(logits, params, candidate, n_prompt)  # bias, penalties: [k+1, V]
                     if params.greedy:
-                        n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), logits.argmax(axis=-1))
+                        n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1))
                     else:
                         n_accepted, next_token = verify_sampled(
                             np.asarray(draft.tokens, dtype=np.int64), draft.probs,
-                            probs_from_logits(logits, params), rng)
+                            probs_from_logits(adjusted, params), rng)
                 verify_time = time.perf_counter() - t
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
+                if n_top is not None:  # rows 0..n_accepted predicted the new tokens
+                    new_logprobs = token_logprobs(logits[:n_accepted + 1], new_tokens, n_top)
                 context += new_tokens
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
@@ -240,12 +269,21 @@ class Engine:
                     result.from_draft.append(i < n_accepted)
                     source = draft.source if i < n_accepted else ""
                     result.sources.append(source)
+                    if n_top is not None:
+                        result.logprobs.append(new_logprobs[i])
                     piece, stopped = text.add(token)
                     if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
                         del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
                             result.sources[text.n_tokens_kept:]
+                        if n_top is not None:
+                            del result.logprobs[text.n_tokens_kept:]
                     stats.decode_time = time.perf_counter() - t_decode
-                    yield TokenEvent(token, piece, i < n_accepted, source)
+                    event = TokenEvent(token, piece, i < n_accepted, source)
+                    if n_top is not None:
+                        n_out = text.n_tokens_out()
+                        event.logprobs = result.logprobs[lp_given:n_out]
+                        lp_given = max(lp_given, n_out)
+                    yield event
                     if stopped:
                         result.finish_reason = "stop"
                         return
@@ -303,6 +341,12 @@ class _TextTracker:
         piece = self.text[self.emitted:upto] if upto > self.emitted else ""
         self.emitted = max(self.emitted, upto)
         return piece
+
+    def n_tokens_out(self) -> int:
+        """Tokens whose text begins in what was handed out (all kept ones once stopped)."""
+        if self.stopped:
+            return self.n_tokens_kept
+        return bisect.bisect_left(self.starts, self.emitted)  # starts never decrease
 
     def finish(self) -> str:
         if not self.stopped:  # flush a trailing partial UTF-8 sequence

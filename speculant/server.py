@@ -45,6 +45,7 @@ from .rpc import WorkerError
 _LOG = logging.getLogger("speculant.server")
 
 MAX_STOP = 4
+MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 _DONE = object()
 
 
@@ -88,6 +89,11 @@ class ServerConfig:
     min_p: float = 0.0
     seed: Optional[int] = None
     stop: list[str] = field(default_factory=list)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple = ()  # (token, bias) pairs; a request's own logit_bias replaces them
+    n_vocab: Optional[int] = None  # the target's vocabulary (logit_bias ids are checked against it)
 
 
 @dataclass
@@ -103,6 +109,7 @@ class Job:
     include_usage: bool
     tokens: list[int] = field(default_factory=list)  # the tokenized prompt, filled before generation
     prediction: Optional[str] = None  # the predicted output ("Predicted Outputs"), drafted first
+    logprobs: Optional[int] = None  # alternatives per token when logprobs were asked for (0: the token's only)
     cut: bool = False  # generation stopped early because the server is shutting down
 
 
@@ -201,9 +208,10 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         raise _bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
     if body.get("best_of") not in (None, 1):
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "logit_bias"):
+    for name in ("echo", "suffix", "tools", "functions"):
         if body.get(name) not in (None, False, {}, []):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+    logprobs = _get_logprobs(body, chat)
 
     if chat:
         messages = body.get("messages")
@@ -268,12 +276,94 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     if opts is not None and not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
     include_usage = bool(opts and opts.get("include_usage") is True)
+    presence = _get_num(body, "presence_penalty", cfg.presence_penalty, -2.0, 2.0)
+    frequency = _get_num(body, "frequency_penalty", cfg.frequency_penalty, -2.0, 2.0)
+    repetition = _get_num(body, "repetition_penalty", cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
+    logit_bias = _get_logit_bias(body, cfg)
     try:
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed)
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
+                                presence_penalty=presence, frequency_penalty=frequency,
+                                repetition_penalty=repetition)
     except SpeculantError as e:
         raise _bad(str(e)) from None
     return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
-               prediction=prediction)
+               prediction=prediction, logprobs=logprobs)
+
+
+def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
+    """Chat: logprobs (bool) and top_logprobs (0..20, only with logprobs); completions: logprobs (0..20)
+    -> the number of alternatives per token, or None when logprobs are not wanted."""
+    from .engine import MAX_TOP_LOGPROBS
+
+    if not chat:
+        return _get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    wanted = _get_bool(body, "logprobs", False)
+    top = _get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    if top is not None and not wanted:
+        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+    return (top or 0) if wanted else None
+
+
+def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
+    """OpenAI's logit_bias {"token id": bias in [-100, 100]} -> ((id, bias), ...); the server default if absent."""
+    bias = body.get("logit_bias")
+    if bias is None:
+        return cfg.logit_bias
+    if not isinstance(bias, dict):
+        raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias", "invalid_type")
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
+    out = []
+    for key, value in bias.items():
+        if not (isinstance(key, str) and key.strip().isdigit()):
+            raise _bad(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias", "invalid_type")
+        token = int(key)
+        if cfg.n_vocab is not None and token >= cfg.n_vocab:
+            raise _bad(f"logit_bias: token id {token} is outside the vocabulary (0..{cfg.n_vocab - 1})", "logit_bias")
+        if not _is_num(value) or not -100 <= value <= 100:
+            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {json.dumps(value)[:50]}",
+                       "logit_bias")
+        out.append((token, float(value)))
+    return tuple(out)
+
+
+class LogprobsFormat:
+    """TokenLogprob entries -> OpenAI's logprobs objects (chat: {"content": [...]}; completions: tokens,
+    token_logprobs, top_logprobs, text_offset), keeping the text offset across stream chunks."""
+
+    def __init__(self, backend, chat: bool):
+        self.backend, self.chat = backend, chat
+        self.offset = 0  # completions' text_offset of the next token
+
+    def _token(self, token: int) -> tuple[str, list[int]]:
+        raw = self.backend.token_bytes(token)
+        return raw.decode("utf-8", errors="replace"), list(raw)
+
+    def __call__(self, entries) -> Optional[dict]:
+        if entries is None:
+            return None
+        if self.chat:
+            content = []
+            for e in entries:
+                text, raw = self._token(e.token)
+                top = []
+                for t, lp in e.top:
+                    t_text, t_raw = self._token(t)
+                    top.append({"token": t_text, "logprob": lp, "bytes": t_raw})
+                content.append({"token": text, "logprob": e.logprob, "bytes": raw, "top_logprobs": top})
+            return {"content": content, "refusal": None}
+        out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        for e in entries:
+            text, _ = self._token(e.token)
+            out["tokens"].append(text)
+            out["token_logprobs"].append(e.logprob)
+            # as OpenAI's: the top alternatives, and the chosen token's own logprob beside them
+            top = {self._token(t)[0]: lp for t, lp in e.top}
+            top.setdefault(text, e.logprob)
+            out["top_logprobs"].append(top)
+            out["text_offset"].append(self.offset)
+            self.offset += len(text)
+        return out
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -429,7 +519,8 @@ class Worker:
                 self.metrics.cancelled.inc()
                 return
             gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
-                                is_chat=job.is_chat, result=result, prediction=job.prediction)
+                                is_chat=job.is_chat, result=result, prediction=job.prediction,
+                                logprobs=job.logprobs)
             while True:
                 if self.closing and time.monotonic() >= self.deadline:
                     job.cut = True
@@ -514,6 +605,9 @@ def create_app(engine, cfg: ServerConfig):
 
     metrics = Metrics()
     from .memory import engine_models
+
+    if cfg.n_vocab is None:
+        cfg.n_vocab = engine.target.n_vocab
 
     metrics.set_models(engine_models(engine))
     worker = Worker([engine.for_slot(i) for i in range(cfg.parallel)], metrics, cfg.max_queue)
@@ -634,13 +728,16 @@ def create_app(engine, cfg: ServerConfig):
         kind = "chat.completion" if chat else "text_completion"
         result = Result("", [], SpecStats())
 
-        def choice(text: Optional[str], finish: Optional[str], first: bool = False) -> dict:
+        logprobs_format = LogprobsFormat(engine.target, chat) if job.logprobs is not None else (lambda e: None)
+
+        def choice(text: Optional[str], finish: Optional[str], first: bool = False, logprobs=None) -> dict:
+            lp = logprobs_format(logprobs) if logprobs else None
             if chat:
                 delta = {} if text is None else {"content": text}
                 if first:
                     delta = {"role": "assistant", "content": text or ""}
-                return {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         def chunk(choices: list, usage: Optional[dict] = None, **extra) -> str:
             """One SSE event. As OpenAI's: with include_usage every chunk has "usage": null but the last,
@@ -664,6 +761,8 @@ def create_app(engine, cfg: ServerConfig):
 
             async def sse():
                 sent = 0
+                given_logprobs = 0  # entries the events carried
+                pending_logprobs: list = []  # of those, the ones not sent yet (their event had no text)
                 first_token = True
                 status = "200"
                 try:
@@ -674,9 +773,12 @@ def create_app(engine, cfg: ServerConfig):
                             if first_token:
                                 metrics.ttft.observe(time.perf_counter() - t0)
                                 first_token = False
+                            pending_logprobs += event.logprobs
+                            given_logprobs += len(event.logprobs)
                             if event.text:
                                 sent += len(event.text)
-                                yield chunk([choice(event.text, None)])
+                                yield chunk([choice(event.text, None, logprobs=pending_logprobs)])
+                                pending_logprobs = []
                     if job.cut:
                         status = "503"
                         err = APIError(503, "the server shut down before this generation finished",
@@ -684,8 +786,10 @@ def create_app(engine, cfg: ServerConfig):
                         yield f"data: {json.dumps(err.body())}\n\n"
                         return
                     rest = result.text[sent:]
-                    if rest:
-                        yield chunk([choice(rest, None)])
+                    if result.logprobs is not None:  # the tokens of text held back to the end
+                        pending_logprobs += result.logprobs[given_logprobs:]
+                    if rest or pending_logprobs:
+                        yield chunk([choice(rest, None, logprobs=pending_logprobs)])
                     yield chunk([choice(None, result.finish_reason)], **_message(result))
                     if job.include_usage:
                         yield chunk([], _usage(result))
@@ -721,11 +825,13 @@ def create_app(engine, cfg: ServerConfig):
             raise APIError(503, "the server shut down before this generation finished", type="server_error",
                            code="shutting_down")
         done_metrics("200")
+        logprobs = logprobs_format(result.logprobs) if result.logprobs is not None else None
         if chat:
             choices = [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                        "logprobs": None, "finish_reason": result.finish_reason}]
+                        "logprobs": logprobs, "finish_reason": result.finish_reason}]
         else:
-            choices = [{"index": 0, "text": result.text, "logprobs": None, "finish_reason": result.finish_reason}]
+            choices = [{"index": 0, "text": result.text, "logprobs": logprobs,
+                        "finish_reason": result.finish_reason}]
         return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
                 "system_fingerprint": None, "choices": choices, "usage": _usage(result), **_message(result)}
 
@@ -774,7 +880,8 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     for action in p._actions:
         if action.dest in request_defaults:
             action.help = request_defaults[action.dest]
-        elif action.dest in ("temp", "top_k", "top_p", "min_p", "stop"):
+        elif action.dest in ("temp", "top_k", "top_p", "min_p", "stop", "repeat_penalty", "presence_penalty",
+                             "frequency_penalty", "logit_bias"):
             action.help = f"default for requests that leave it out; {action.help}"
     p.set_defaults(handler=cmd_serve)
 
@@ -808,7 +915,6 @@ def cmd_serve(args) -> int:
     import uvicorn
 
     from .api import load_engine
-    from .verify import SamplingParams
 
     if not (0 < args.port < 65536):
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
@@ -822,7 +928,9 @@ def cmd_serve(args) -> int:
         args.parallel = DEFAULT_PARALLEL if serves_parallel(args) else 1
     check_parallel(args.parallel)
     seed = None if args.seed == -1 else args.seed  # -1: every request without a seed samples randomly
-    SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed)  # validate the defaults
+    from .cli import sampling_params
+
+    defaults = sampling_params(args, seed)  # validates them
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
@@ -841,12 +949,20 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
+    bad = [t for t, _ in defaults.logit_bias if t >= engine.target.n_vocab]
+    if bad:
+        engine.close()
+        sock.close()
+        raise SpeculantError(f"--logit-bias: token id {bad[0]} is outside the vocabulary "
+                             f"(0..{engine.target.n_vocab - 1})")
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel,
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
-        stop=list(args.stop),
+        stop=list(args.stop), presence_penalty=defaults.presence_penalty,
+        frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,
+        logit_bias=defaults.logit_bias, n_vocab=engine.target.n_vocab,
     )
     app = create_app(engine, cfg)
     _setup_logging(args.log_level)

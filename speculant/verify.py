@@ -9,14 +9,16 @@ Vocabulary (as in vLLM's rejection sampler, after Leviathan et al. 2023 / Chen e
 - the *bonus* token, sampled from p_{k+1} when all k drafts were accepted.
 Output = accepted + (recovered or bonus): always at least one token, exactly distributed as the target's.
 
-Sampling settings (temperature, top-k, top-p, min-p) are applied by `probs_from_logits` to target and
-draft logits alike, so p and q are the distributions the user asked for.
+Sampling settings are applied to target and draft logits alike, so p and q are the distributions the user
+asked for: first `adjust_logits` (logit bias, then repetition, frequency and presence penalties: these depend on
+the tokens before each position, which in a verify pass include the drafts before it), then `probs_from_logits`
+(temperature, top-k, top-p, min-p). Greedy decoding takes the argmax of the adjusted logits.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -32,6 +34,11 @@ class SamplingParams:
     top_p: float = 1.0  # 1 = off
     min_p: float = 0.0  # 0 = off
     seed: Optional[int] = None
+    # logit adjustments, as OpenAI's and vLLM's request fields (adjust_logits)
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit), e.g. -100 bans a token
+    presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds; [-2, 2]
+    frequency_penalty: float = 0.0  # times the token's count in the output; [-2, 2]
+    repetition_penalty: float = 1.0  # > 1 discourages tokens of prompt or output: logits > 0 / r, < 0 * r
 
     def __post_init__(self):
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -44,10 +51,112 @@ class SamplingParams:
             raise SettingsError(f"min-p must be in [0, 1), got {self.min_p}")
         if self.seed is not None and not (0 <= self.seed < 2**64):
             raise SettingsError(f"seed must be an integer in [0, 2^64), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not (np.isfinite(v) and -2.0 <= v <= 2.0):
+                raise SettingsError(f"{name.replace('_', ' ')} must be in [-2, 2], got {v}")
+        if not (np.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
+            raise SettingsError(f"repetition penalty must be in (0, 10] (1 disables it), got {self.repetition_penalty}")
+        for token, bias in self.logit_bias:
+            if not isinstance(token, (int, np.integer)) or token < 0:
+                raise SettingsError(f"logit bias: token ids must be integers >= 0, got {token!r}")
+            if not (-100.0 <= bias <= 100.0 or bias == -np.inf):  # -inf bans the token outright
+                raise SettingsError(f"logit bias of token {token} must be in [-100, 100] (or -inf), got {bias}")
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def adjusts(self) -> bool:
+        """Whether adjust_logits changes anything."""
+        return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
+            or self.repetition_penalty != 1.0
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether the adjustment depends on the tokens before a position."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# logit adjustments
+
+
+def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], n_prompt: int) -> np.ndarray:
+    """Logit bias and penalties for the last n positions of a pass; the input is left as it is.
+
+    logits: [n, V] (or [V]): row i predicts the token after tokens[:len(tokens) - n + 1 + i], so in a verify
+    pass over [last token, drafts...] row i sees the drafts before it. tokens[:n_prompt] is the prompt, the rest
+    the output so far. Returns float32 (or the input's float type) of the same shape.
+    As vLLM: repetition (tokens of prompt or output: positive logits / r, negative * r), then frequency
+    (count in the output) and presence (in the output at all) subtracted; the bias is added first.
+    """
+    if not params.adjusts:
+        return logits
+    x = np.array(logits, dtype=np.result_type(logits.dtype, np.float32), copy=True)
+    squeeze = x.ndim == 1
+    x = np.atleast_2d(x)
+    n, v = x.shape
+    for token, bias in params.logit_bias:
+        if token < v:
+            x[:, token] += bias
+    if not params.penalizes:
+        return x[0] if squeeze else x
+    tokens = np.asarray(tokens, dtype=np.int64)
+    base = len(tokens) - n + 1  # row 0 sees tokens[:base]
+    if base < n_prompt:
+        raise ValueError(f"a pass row before the end of the prompt ({base} < {n_prompt})")
+    out_ids, out_counts = np.unique(tokens[n_prompt:base], return_counts=True)
+    seen_prompt = np.unique(tokens[:n_prompt]) if params.repetition_penalty != 1.0 else None
+    for i in range(n):
+        if i:  # the drafts before row i join the output
+            out_ids, out_counts = _count_one(out_ids, out_counts, int(tokens[base + i - 1]))
+        row = x[i]
+        if seen_prompt is not None:
+            seen = np.union1d(seen_prompt, out_ids)
+            seen = seen[seen < v]
+            vals = row[seen]
+            row[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+        ids, counts = out_ids[out_ids < v], out_counts[out_ids < v]
+        row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+    return x[0] if squeeze else x
+
+
+def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
+    """(sorted ids, counts) with one more `token`."""
+    at = int(np.searchsorted(ids, token))
+    if at < len(ids) and ids[at] == token:
+        counts = counts.copy()
+        counts[at] += 1
+        return ids, counts
+    return np.insert(ids, at, token), np.insert(counts, at, 1)
+
+
+class TokenLogprob(NamedTuple):
+    """The model's log-probability of an emitted token, and the most likely alternatives at its position."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
+
+
+def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
+    """log_softmax of the model's own logits (before any sampling setting, as OpenAI's and vLLM's default),
+    at each of the positions: logits [n, V], tokens [n] the token emitted at each."""
+    x = np.asarray(logits, dtype=np.float64)
+    x = x - x.max(axis=-1, keepdims=True)
+    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))  # [n, V]
+    out = []
+    for row, token in zip(logp, tokens):
+        top: tuple = ()
+        if n_top > 0:
+            m = min(n_top, row.shape[0])
+            head = np.argpartition(-row, m - 1)[:m]
+            head = head[np.lexsort((head, -row[head]))]  # most likely first, ties by id
+            top = tuple((int(t), float(row[t])) for t in head)
+        out.append(TokenLogprob(int(token), float(row[token]), top))
+    return out
 
 
 # ---------------------------------------------------------------------------------------------------------

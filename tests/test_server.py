@@ -186,6 +186,61 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in chunks) == want
 
 
+def test_logprobs_chat_and_completions(server, client):
+    """OpenAI's logprobs objects, from the target's verify passes: one entry per token, the token's bytes spell
+    the text, alternatives most likely first; streamed chunks carry the same entries as the whole answer."""
+    messages = [{"role": "user", "content": "Name three colors."}]
+    r = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0, logprobs=True,
+                                       top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens == 20
+    assert b"".join(bytes(e.bytes) for e in content).decode() == r.choices[0].message.content
+    for e in content:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert [t.logprob for t in e.top_logprobs] == sorted((t.logprob for t in e.top_logprobs), reverse=True)
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == e.logprob  # greedy: the top one
+    assert r.usage.model_extra["speculative"]["accepted"] > 0  # most of them came from verify passes
+    stream = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                 logprobs=True, top_logprobs=3, stream=True))
+    streamed = [e for c in stream if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    assert plain.choices[0].logprobs is None and plain.choices[0].message.content == r.choices[0].message.content
+
+    c = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    lp = c.choices[0].logprobs
+    assert "".join(lp.tokens) == c.choices[0].text and len(lp.token_logprobs) == 16
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(16)]
+    assert all(len(top) in (2, 3) and top[tok] == tl for top, tok, tl in zip(lp.top_logprobs, lp.tokens,
+                                                                           lp.token_logprobs))
+    # with a stop string the entries end with the text's tokens; streamed the same
+    cut = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+                                    stop=c.choices[0].text[8:12])
+    assert "".join(cut.choices[0].logprobs.tokens).startswith(cut.choices[0].text)
+    assert cut.choices[0].logprobs.token_logprobs == lp.token_logprobs[:len(cut.choices[0].logprobs.tokens)]
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2,
+                                            stop=c.choices[0].text[8:12], stream=True))
+    assert [t for ch in chunks if ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] == \
+        cut.choices[0].logprobs.tokens
+
+
+def test_logit_bias_and_penalties_as_the_cli(client):
+    """The request fields do what the CLI flags do (the CLI decodes with the same drafts), and they change the
+    answer."""
+    base = _cli("-p", PROMPT, "-n", "24")
+    first = base["tokens"][0]
+    for fields, flags in (({"logit_bias": {str(first): -100}}, ["-l", f"{first}-100"]),
+                          ({"frequency_penalty": 1.5, "presence_penalty": 0.5},
+                           ["--frequency-penalty", "1.5", "--presence-penalty", "0.5"]),
+                          ({"extra_body": {"repetition_penalty": 1.8}}, ["--repeat-penalty", "1.8"])):
+        extra = fields.pop("extra_body", {})
+        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=24, temperature=0, extra_body=extra,
+                                      **fields)
+        cli = _cli("-p", PROMPT, "-n", "24", *flags)
+        assert r.choices[0].text == cli["text"] != base["text"], flags
+    assert first not in _cli("-p", PROMPT, "-n", "24", "-l", f"{first}-inf")["tokens"]
+
+
 def test_seed_reproducibility(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
@@ -281,6 +336,22 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
                               "max_tokens": -5}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                              "top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
+     400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": "1"}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "repetition_penalty": 0}, 400, "repetition_penalty"),
 ]
 
 

@@ -10,7 +10,7 @@ import numpy as np
 from ..backends.base import Backend
 from ..errors import SettingsError
 from ..policy import DraftBudget, confidence_key
-from ..verify import SamplingParams, probs_from_logits, sample
+from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
 from .base import Draft, Drafter
 
 
@@ -37,6 +37,7 @@ class ModelDrafter(Drafter):
             # an id outside the cut is fed as draft id 0: the draft sees a stand-in, it only proposes worse
             self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
             self.to_draft[self.keep] = np.arange(len(self.keep))
+        self.n_prompt: Optional[int] = None  # the request's prompt length (begin): where its penalties count from
 
     def _ids(self, tokens: Sequence[int]) -> Sequence[int]:
         """Target ids -> the draft's ids (the same sequence, not a copy, when they are the same ids)."""
@@ -68,7 +69,11 @@ class ModelDrafter(Drafter):
         if k <= 0:
             return Draft(tokens, None, self.name)
         t0 = time.perf_counter()
-        logits = self._fit(self.backend.sync(self._ids(context))[0])  # [V]
+        # the request's logit bias and penalties, as the target's (verify.adjust_logits): q then follows p
+        n_prompt = min(self.n_prompt or len(context), len(context))
+        fit = (lambda x: adjust_logits(self._fit(x), params, list(context) + tokens, n_prompt)) if params.adjusts \
+            else self._fit
+        logits = fit(self.backend.sync(self._ids(context))[0])  # [V]
         steps = 1
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
         catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
@@ -92,12 +97,15 @@ class ModelDrafter(Drafter):
             tokens.append(token)
             keys.append(key)
             if i + 1 < k and budget.more(self.name):
-                logits = self._fit(self.backend.eval(self._ids([token]))[0])
+                logits = fit(self.backend.eval(self._ids([token]))[0])
                 steps += 1
             else:
                 break
         return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time,
                      catchup_tokens=behind if catchup_time else 0, keys=keys, steps=steps, paid=self.name)
+
+    def begin(self, context: Sequence[int]) -> None:
+        self.n_prompt = len(context)
 
     def for_slot(self, i: int) -> "ModelDrafter":
         """The same draft model on sequence i of its context (its own KV cache)."""
