@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, finish_reason, message, seed, stats}")
+    gram = g.add_mutually_exclusive_group()
+    gram.add_argument("--grammar", default=None, metavar="GBNF",
+                      help="the output follows this GBNF grammar (llama.cpp's format), exactly under speculation")
+    gram.add_argument("--grammar-file", default=None, metavar="FILE", help="read the GBNF grammar from FILE")
+    gram.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
+                      help="the output is JSON following this JSON schema ('{}': any JSON value)")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: also each token's log-probability under the target and its N most likely "
                         "alternatives (0..20), as \"logprobs\": [{token, logprob, top: [[token, logprob], ...]}]")
@@ -309,6 +315,22 @@ def sampling_seed(seed: int) -> int:
     return seed
 
 
+def _read_grammar(args) -> Optional[str]:
+    """--grammar, --grammar-file or -j/--json-schema -> GBNF text, or None."""
+    from .constraint import json_grammar
+
+    if args.json_schema is not None:
+        return json_grammar(args.json_schema)
+    if args.grammar_file is not None:
+        try:
+            with open(args.grammar_file, encoding="utf-8") as f:
+                return f.read()
+        except (OSError, UnicodeDecodeError) as e:
+            raise SettingsError(f"--grammar-file {args.grammar_file}: {e.strerror if isinstance(e, OSError) else e}") \
+                from None
+    return args.grammar
+
+
 def _read_prediction(path: Optional[str]) -> Optional[str]:
     if path is None:
         return None
@@ -342,14 +364,17 @@ def cmd_generate(args) -> int:
     prompt = _read_prompt(args)
     if not prompt.strip():
         raise SettingsError("the prompt is empty")
+    gbnf = _read_grammar(args)
     engine = engine_from_args(args)
     try:
+        constraint = engine.target.grammar(gbnf) if gbnf is not None else None
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
         for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
-                                   result=result, prediction=prediction, logprobs=args.logprobs):
+                                   result=result, prediction=prediction, logprobs=args.logprobs,
+                                   constraint=constraint):
             if not args.json and event.text:
                 sys.stdout.write(event.text)
                 sys.stdout.flush()

@@ -17,6 +17,7 @@ import numpy as np
 
 from . import chat, memory
 from .backends.base import Backend
+from .constraint import Constraint, constrain_rows
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
 from .drafters.prediction import PredictionDrafter
@@ -159,12 +160,14 @@ class Engine:
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
                prediction: Optional[str | Sequence[int]] = None,
-               logprobs: Optional[int] = None) -> Iterator[TokenEvent]:
+               logprobs: Optional[int] = None, constraint: Optional[Constraint] = None) -> Iterator[TokenEvent]:
         """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes.
         prediction: text (or token ids) the output is expected to mostly repeat ("Predicted Outputs"): it is
         drafted first, from wherever the output is aligned with it (drafters/prediction.py); lossless.
         logprobs: also give each token's log-probability under the target and this many alternatives
-        (0..MAX_TOP_LOGPROBS) in result.logprobs and the events; they are the same bits as plain decoding's."""
+        (0..MAX_TOP_LOGPROBS) in result.logprobs and the events; they are the same bits as plain decoding's.
+        constraint: a grammar the output must follow (constraint.py; e.g. target.grammar(gbnf)); it is
+        advanced as tokens are emitted, so it serves one generation."""
         if not isinstance(max_tokens, int) or max_tokens < 1:
             raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
@@ -185,18 +188,19 @@ class Engine:
         text = _TextTracker(target, stop)
 
         verify_step = getattr(target, "verify_step", None)  # a GPU backend verifies where its logits are
-        if logprobs is not None or params.adjusts:  # these need the logits on the host
+        if logprobs is not None or params.adjusts or constraint is not None:  # these need the logits on the host
             verify_step = None
         thread = threading.get_ident()
         target.busy(True)  # concurrent requests' passes wait for this one's (batching.py)
         try:
-            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs)
+            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs,
+                                  constraint)
         finally:
             target.busy(False, thread)
 
     def _loop(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,
               max_tokens: int, result: Result, text: "_TextTracker", verify_step,
-              n_top: Optional[int]) -> Iterator[TokenEvent]:
+              n_top: Optional[int], constraint: Optional[Constraint]) -> Iterator[TokenEvent]:
         """The decode loop of `stream`: prefill, then draft -> verify -> accept -> rewind until done."""
         stats, target = result.stats, self.target
         n_prompt = len(context)
@@ -207,6 +211,7 @@ class Engine:
         if drafter:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt
+            drafter.constrain(constraint)
             if policy.wants_draft_prefill(drafter.paid, target.sharing()):  # not if it will not draft
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
@@ -234,6 +239,8 @@ class Engine:
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
                     adjusted = adjust_logits(logits, params, candidate, n_prompt)  # bias, penalties: [k+1, V]
+                    if constraint is not None:  # row i masked by the grammar advanced by the drafts before it
+                        adjusted = constrain_rows(adjusted, constraint, params, draft.tokens)
                     if params.greedy:
                         n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1))
                     else:
@@ -246,6 +253,11 @@ class Engine:
                 if n_top is not None:  # rows 0..n_accepted predicted the new tokens
                     new_logprobs = token_logprobs(logits[:n_accepted + 1], new_tokens, n_top)
                 context += new_tokens
+                if constraint is not None:
+                    for token in new_tokens:
+                        if target.is_eog(token):  # the generation ends there (below)
+                            break
+                        constraint.accept(token)
                 target.rewind(len(context) - 1)  # the cache keeps context[:-1]; rejected drafts are gone
                 stats.record_step(draft.source, len(draft), n_accepted, draft_time, verify_time, keys=draft.keys)
                 if self.trace is not None:  # what `speculant replay` re-runs (speculant/replay.py)
@@ -294,6 +306,7 @@ class Engine:
             stats.decode_time = time.perf_counter() - t_decode
             if drafter:
                 drafter.end(context)  # e.g. history keeps the output for later requests
+                drafter.constrain(None)
             result.text = text.finish()
             stats.peak_rss_mb = memory.peak_rss_mb()
             stats.model_memory_mb = memory.engine_models(self)

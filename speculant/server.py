@@ -110,6 +110,9 @@ class Job:
     tokens: list[int] = field(default_factory=list)  # the tokenized prompt, filled before generation
     prediction: Optional[str] = None  # the predicted output ("Predicted Outputs"), drafted first
     logprobs: Optional[int] = None  # alternatives per token when logprobs were asked for (0: the token's only)
+    grammar: Optional[str] = None  # GBNF the output must follow (response_format JSON, or `grammar`)
+    constraint: Any = None  # its constraint.Constraint, made when the prompt is tokenized
+    grammar_param: str = "grammar"  # the request field it came from
     cut: bool = False  # generation stopped early because the server is shutting down
 
 
@@ -212,6 +215,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         if body.get(name) not in (None, False, {}, []):
             raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
     logprobs = _get_logprobs(body, chat)
+    grammar = _get_grammar(body)
+    grammar_param = "grammar" if body.get("grammar") is not None else "response_format"
 
     if chat:
         messages = body.get("messages")
@@ -287,7 +292,41 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     except SpeculantError as e:
         raise _bad(str(e)) from None
     return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
-               prediction=prediction, logprobs=logprobs)
+               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param)
+
+
+def _get_grammar(body: dict) -> Optional[str]:
+    """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema":
+    ...}}) or llama-server's `grammar` (GBNF text) -> the GBNF the output must follow, or None."""
+    from .constraint import json_grammar
+
+    fmt, gbnf = body.get("response_format"), body.get("grammar")
+    if gbnf is not None:
+        if fmt not in (None, {"type": "text"}):
+            raise _bad("give 'response_format' or 'grammar', not both", "grammar")
+        if not isinstance(gbnf, str) or not gbnf.strip():
+            raise _bad("'grammar' must be a non-empty GBNF string", "grammar", "invalid_type")
+        return gbnf
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or not isinstance(fmt.get("type"), str):
+        raise _bad("'response_format' must be an object with a 'type'", "response_format", "invalid_type")
+    kind = fmt["type"]
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return json_grammar()
+    if kind == "json_schema":
+        spec = fmt.get("json_schema")
+        if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+            raise _bad("response_format.json_schema must be an object with a 'schema' object", "response_format",
+                       "invalid_type")
+        try:
+            return json_grammar(spec.get("schema", {}))
+        except SpeculantError as e:
+            raise _bad(str(e), "response_format") from None
+    raise _bad(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
+               "response_format", "unsupported_value")
 
 
 def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
@@ -487,8 +526,13 @@ class Worker:
         self.closing = True
 
     async def tokenize(self, job: Job) -> None:
-        job.tokens = await asyncio.get_running_loop().run_in_executor(
-            self.tokenizer, lambda: self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat))
+        """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
+        def work():
+            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat)
+            if job.grammar is not None:
+                job.constraint = self.engine.target.grammar(job.grammar)
+
+        await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
 
     async def run(self, job: Job, result, is_disconnected=None) -> AsyncIterator:
         """Yield TokenEvents of one generation; `result` is filled when this ends. Closing this iterator
@@ -520,7 +564,7 @@ class Worker:
                 return
             gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
                                 is_chat=job.is_chat, result=result, prediction=job.prediction,
-                                logprobs=job.logprobs)
+                                logprobs=job.logprobs, constraint=job.constraint)
             while True:
                 if self.closing and time.monotonic() >= self.deadline:
                     job.cut = True
@@ -713,6 +757,7 @@ def create_app(engine, cfg: ServerConfig):
         t0 = request.state.t0 = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
+        job = None
         try:
             job = parse_job(body, cfg, chat=chat, render_chat=engine.chat_prompt)
             await worker.tokenize(job)
@@ -722,7 +767,8 @@ def create_app(engine, cfg: ServerConfig):
         except WorkerError as e:
             raise worker_down(e) from None
         except SpeculantError as e:
-            raise _bad(str(e)) from None
+            grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
+            raise _bad(str(e), job.grammar_param if grammar_error else None) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created_at = int(time.time())
         kind = "chat.completion" if chat else "text_completion"

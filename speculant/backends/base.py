@@ -121,6 +121,12 @@ class Backend(ABC):
     def eos_token(self) -> str: ...
 
     # -- concurrent requests ------------------------------------------------------------------------------
+    def grammar(self, gbnf: str, root: str = "root"):
+        """A constraint.Constraint for this GBNF grammar over this model's vocabulary."""
+        from ..errors import SettingsError
+
+        raise SettingsError(f"{self.name}: grammars (and JSON mode) need the llama.cpp backend")
+
     def slot(self, i: int) -> "Backend":
         """Sequence i of this model, a backend of its own for one more concurrent request (0: this object).
         Runtimes that serve one request at a time have only slot 0."""

@@ -331,6 +331,11 @@ class LlamaCppBackend(Backend):
             piece = self._piece_cache[token] = buf.raw[:n]
         return piece
 
+    def grammar(self, gbnf: str, root: str = "root"):
+        from ..constraint import GrammarConstraint
+
+        return GrammarConstraint.from_gbnf(self._vocab, self.n_vocab, frozenset(self._eog), gbnf, root, log=_LOG)
+
     def is_eog(self, token: int) -> bool:
         return token in self._eog
 

@@ -70,6 +70,10 @@ class Drafter(ABC):
     def end(self, context: Sequence[int]) -> None:
         """The request ended with this context (prompt + output, however it ended); optional."""
 
+    def constrain(self, constraint) -> None:
+        """The request's constraint (constraint.Constraint, live: the engine advances it by every emitted
+        token), or None. A drafter that samples may follow it; drafts it forbids are rejected anyway."""
+
     def for_slot(self, i: int) -> "Drafter":
         """The drafter for concurrent request slot i (backends: Backend.slot): one with no state of a
         request may serve every slot as itself; others make their own."""

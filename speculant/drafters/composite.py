@@ -69,6 +69,10 @@ class CompositeDrafter(Drafter):
         for d in self.drafters:
             d.end(context)
 
+    def constrain(self, constraint) -> None:
+        for d in self.drafters:
+            d.constrain(constraint)
+
     def close(self) -> None:
         for d in self.drafters:
             d.close()

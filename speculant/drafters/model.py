@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Optional, Sequence
 
@@ -9,6 +10,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import SettingsError
+from ..constraint import FIRST_CHECK, constrain_row
 from ..policy import DraftBudget, confidence_key
 from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
 from .base import Draft, Drafter
@@ -38,6 +40,7 @@ class ModelDrafter(Drafter):
             self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
             self.to_draft[self.keep] = np.arange(len(self.keep))
         self.n_prompt: Optional[int] = None  # the request's prompt length (begin): where its penalties count from
+        self.constraint = None  # the request's grammar (constrain): drafts follow it
 
     def _ids(self, tokens: Sequence[int]) -> Sequence[int]:
         """Target ids -> the draft's ids (the same sequence, not a copy, when they are the same ids)."""
@@ -75,16 +78,22 @@ class ModelDrafter(Drafter):
             else self._fit
         logits = fit(self.backend.sync(self._ids(context))[0])  # [V]
         steps = 1
+        state = self.constraint.fork() if self.constraint is not None else None
+        # any q is verified exactly: under a grammar, sampling without top-k draws from the likeliest allowed
+        masking = params if params.greedy or params.top_k else dataclasses.replace(params, top_k=FIRST_CHECK)
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
         catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
         for i in range(k):
             # the draft's confidence is its max probability, never a property of the sampled token: which
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
+            allowed = constrain_row(logits, state, masking) if state is not None else logits  # [V]
+            if state is not None and not np.isfinite(allowed).any():  # a cut vocabulary lacks what is allowed
+                break
             if params.greedy:
-                token = int(np.argmax(logits))
-                confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax max; sum >= 1
+                token = int(np.argmax(allowed))
+                confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax of the token; sum >= 1
             else:
-                q = probs_from_logits(logits, params)
+                q = probs_from_logits(allowed, params)
                 confidence = float(q.max())
             if confidence < self.p_min:
                 break
@@ -96,6 +105,10 @@ class ModelDrafter(Drafter):
                 probs.append(q)
             tokens.append(token)
             keys.append(key)
+            if state is not None:
+                if token in state.eog:  # the grammar is complete: nothing follows
+                    break
+                state.accept(token)
             if i + 1 < k and budget.more(self.name):
                 logits = fit(self.backend.eval(self._ids([token]))[0])
                 steps += 1
@@ -106,6 +119,9 @@ class ModelDrafter(Drafter):
 
     def begin(self, context: Sequence[int]) -> None:
         self.n_prompt = len(context)
+
+    def constrain(self, constraint) -> None:
+        self.constraint = constraint
 
     def for_slot(self, i: int) -> "ModelDrafter":
         """The same draft model on sequence i of its context (its own KV cache)."""

@@ -1,0 +1,234 @@
+"""Constrained decoding (grammars, JSON): exact under speculation.
+
+On synthetic models with a small automaton as the constraint: the law of whole sampled sequences equals the
+exact masked law (and the same test fails when verify rows are masked with the state before the pass), greedy
+output equals plain decoding. constrain_row's lazy search equals masking the whole vocabulary. On the real Qwen
+pair with llama.cpp's GBNF grammars: JSON mode and a JSON schema give valid JSON, token for token plain
+decoding's."""
+
+import itertools
+import json
+
+import numpy as np
+import pytest
+
+import speculant.engine as engine_mod
+from speculant.constraint import Constraint, constrain_row, constrain_rows, json_grammar
+from speculant.drafters.lookup import LookupDrafter
+from speculant.drafters.model import ModelDrafter
+from speculant.engine import Engine
+from speculant.errors import SettingsError
+from speculant.verify import SamplingParams, probs_from_logits
+
+from synthetic import TableBackend
+from test_engine_synthetic import pvalue
+
+V = 8
+PROMPT = [1, 2, 3]
+
+
+class Automaton(Constraint):
+    """t may follow s only if (s + t) % 3 != 0; token 0 never after token 5 has appeared."""
+
+    def __init__(self, last=PROMPT[-1], seen5=False, log=None):
+        self.last, self.seen5 = last, seen5
+        self.log = log  # every accepted token, to check nothing forbidden is ever accepted
+
+    def _ok(self, t):
+        return (self.last + t) % 3 != 0 and not (t == 0 and self.seen5)
+
+    def allowed(self, tokens):
+        return np.array([self._ok(int(t)) for t in tokens], dtype=bool)
+
+    def accept(self, token):
+        assert self._ok(token), f"accepted a forbidden token {token} after {self.last}"
+        if self.log is not None:
+            self.log.append(token)
+        self.last, self.seen5 = token, self.seen5 or token == 5
+
+    def fork(self):
+        return Automaton(self.last, self.seen5)
+
+
+def full_mask_reference(logits, constraint, params):
+    x = np.where(constraint.allowed(np.arange(len(logits))), logits, -np.inf)
+    if params.greedy:
+        out = np.full_like(x, -np.inf)
+        out[np.argmax(x)] = x[np.argmax(x)]
+        return out
+    return x
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_constrain_row_gives_the_law_of_masking_everything(seed):
+    rng = np.random.default_rng(seed)
+    v = 3000
+    logits = rng.standard_normal(v).astype(np.float32) * 4
+    logits[rng.integers(0, v, 50)] = logits[int(rng.integers(v))]  # ties
+    allowed_ids = rng.random(v) < rng.choice([0.001, 0.01, 0.3, 0.9])
+    allowed_ids[int(rng.integers(v))] = True
+
+    class Some(Constraint):
+        calls = 0
+
+        def allowed(self, tokens):
+            Some.calls += len(tokens)
+            return allowed_ids[np.asarray(tokens)]
+
+        def accept(self, token):
+            pass
+
+        def fork(self):
+            return self
+
+    for params in (SamplingParams(0.0), SamplingParams(0.9, top_k=40), SamplingParams(1.0, top_k=7, top_p=0.8,
+                                                                                        min_p=0.05),
+                   SamplingParams(1.0)):
+        Some.calls = 0
+        got = constrain_row(logits, Some(), params)
+        asked = Some.calls
+        ref = full_mask_reference(logits, Some(), params)
+        if params.greedy:
+            assert np.argmax(got) == np.argmax(ref)
+        else:
+            np.testing.assert_array_equal(probs_from_logits(got, params), probs_from_logits(ref, params))
+        if allowed_ids.mean() > 0.2 and params.top_k:
+            assert asked < v // 4  # only the head of the distribution was asked about
+
+
+def test_nothing_allowed_is_a_clear_error():
+    class Nothing(Constraint):
+        def allowed(self, tokens):
+            return np.zeros(len(tokens), dtype=bool)
+
+        def accept(self, token):
+            pass
+
+        def fork(self):
+            return self
+
+    for params in (SamplingParams(0.0), SamplingParams(1.0, top_k=3), SamplingParams(1.0)):
+        with pytest.raises(SettingsError, match="allows no token"):
+            constrain_row(np.zeros(10, dtype=np.float32), Nothing(), params)
+
+
+def exact_joint(params, n=3):
+    target = TableBackend(V, seed=0)
+    probs = np.zeros((V,) * n)
+    for seq in itertools.product(range(V), repeat=n):
+        pr, hist, state = 1.0, list(PROMPT), Automaton()
+        for t in seq:
+            row = np.where(state.allowed(np.arange(V)), target.logits_after(hist), -np.inf)
+            p = probs_from_logits(row, params)[t]
+            pr *= p
+            if p == 0:
+                break
+            state.accept(t)
+            hist.append(t)
+        probs[seq] = pr
+    return probs.ravel()
+
+
+def sampled_joint(params, n_runs, n=3, k=3):
+    eng = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=k)
+    counts = np.zeros(V ** n, dtype=np.int64)
+    drafted = 0
+    for i in range(n_runs):
+        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=params.seed + i)
+        log = []
+        r = eng.generate(PROMPT, max_tokens=n, params=p, constraint=Automaton(log=log))
+        assert log == r.tokens[:len(log)]
+        drafted += r.stats.drafted
+        counts[np.ravel_multi_index(r.tokens, (V,) * n)] += 1
+    assert drafted > n_runs  # it speculated
+    return counts
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=60_000), SamplingParams(0.8, top_k=3, seed=70_000)],
+                         ids=["T1", "T0.8-topk3"])
+def test_sampled_sequences_under_a_constraint_follow_the_target(params):
+    probs = exact_joint(params)
+    counts = sampled_joint(params, 20_000)
+    assert pvalue(counts, probs) > 1e-4
+    assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
+
+
+def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):
+    def stale(logits, constraint, params, draft_tokens):  # every row masked as row 0
+        return np.stack([constrain_row(row, constraint, params) for row in logits])
+
+    monkeypatch.setattr(engine_mod, "constrain_rows", stale)
+    params = SamplingParams(1.0, seed=60_000)
+    with pytest.raises(AssertionError):  # it accepts forbidden tokens, or its law is wrong
+        assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) > 1e-6
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_under_a_constraint_equals_plain_decoding(k):
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, constraint=Automaton())
+    spec = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=k)
+    out = spec.generate(PROMPT, max_tokens=60, constraint=Automaton())
+    assert out.tokens == plain.tokens and out.stats.accepted > 0
+    assert plain.tokens != Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60).tokens
+    check = Automaton()
+    for t in out.tokens:
+        check.accept(t)  # every token was allowed where it stands
+    # a deterministic drafter proposes forbidden tokens too: the masked rows reject them
+    lookup = Engine(TableBackend(V, seed=0), LookupDrafter(), draft_max=k)
+    assert lookup.generate(PROMPT * 4, max_tokens=60, constraint=Automaton()).tokens == \
+        Engine(TableBackend(V, seed=0)).generate(PROMPT * 4, max_tokens=60, constraint=Automaton()).tokens
+
+
+def test_constrain_rows_stop_at_a_forbidden_draft():
+    rows = np.random.default_rng(0).standard_normal((4, V)).astype(np.float32)
+    state = Automaton(last=1)  # 2 and 5 are forbidden after 1 (1 + 2 = 3, 1 + 5 = 6)
+    out = constrain_rows(rows, state, SamplingParams(1.0), [4, 2, 7])  # 4 is fine, 2 after 4 is fine, ...
+    assert state.last == 1  # the live state is not advanced by drafts
+    assert np.isneginf(out[0][[2, 5]]).all() and np.isfinite(out[0][4])
+    out = constrain_rows(rows, Automaton(last=1), SamplingParams(1.0), [2, 4, 4])  # 2 is forbidden at once
+    assert np.isneginf(out[0][2]) and (out[1:] == out[0]).all()
+
+
+def test_grammars_need_the_llama_cpp_backend():
+    with pytest.raises(SettingsError, match="llama.cpp backend"):
+        TableBackend(V).grammar('root ::= "a"')
+
+
+# -- the real models (llama.cpp grammars) ---------------------------------------------------------------------
+
+SCHEMA = {"type": "object", "properties": {"planets": {"type": "array", "items": {
+    "type": "object", "properties": {"name": {"type": "string"}, "moons": {"type": "integer"}},
+    "required": ["name", "moons"]}}}, "required": ["planets"]}
+
+
+@pytest.mark.models
+def test_json_mode_and_schema_on_the_real_pair(qwen_target, qwen_draft):
+    plain = Engine(qwen_target)
+    spec = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=4)
+    prompt = plain.chat_prompt([{"role": "user", "content": "Give Earth and Mars with their number of moons as JSON."}])
+    for gbnf in (json_grammar(), json_grammar(SCHEMA)):
+        a = plain.generate(prompt, max_tokens=120, is_chat=True, constraint=qwen_target.grammar(gbnf))
+        b = spec.generate(prompt, max_tokens=120, is_chat=True, constraint=qwen_target.grammar(gbnf))
+        assert b.tokens == a.tokens and b.stats.accepted > 10
+        assert a.finish_reason == "stop", a.text  # the grammar completed, then the end of generation
+        value = json.loads(a.text)
+        assert isinstance(value, dict)
+    assert isinstance(value["planets"], list) and all(set(p) >= {"name", "moons"} for p in value["planets"])
+    assert all(isinstance(p["moons"], int) for p in value["planets"])
+    # sampled (top-k: only the head is checked): valid JSON still
+    r = spec.generate(prompt, max_tokens=120, is_chat=True, params=SamplingParams(0.8, top_k=40, seed=1),
+                      constraint=qwen_target.grammar(json_grammar(SCHEMA)))
+    assert r.finish_reason == "stop" and "planets" in json.loads(r.text)
+
+
+@pytest.mark.models
+def test_bad_grammars_are_clear_errors(small_target):
+    with pytest.raises(SettingsError, match="invalid grammar"):
+        small_target.grammar('root ::= "yes')
+    with pytest.raises(SettingsError, match="empty"):
+        small_target.grammar("  ")
+    with pytest.raises(SettingsError, match="not valid JSON"):
+        json_grammar("{bad")
+    g = small_target.grammar('root ::= "yes" | "no"')
+    r = Engine(small_target).generate(small_target.tokenize("Is the sky blue?"), max_tokens=10, constraint=g)
+    assert r.text in ("yes", "no") and r.finish_reason == "stop"
