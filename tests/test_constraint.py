@@ -189,6 +189,20 @@ def test_constrain_rows_stop_at_a_forbidden_draft():
     assert np.isneginf(out[0][2]) and (out[1:] == out[0]).all()
 
 
+def test_free_drafts_stop_before_a_forbidden_token_and_slots_keep_their_own_grammar():
+    lookup = LookupDrafter(ngram_max=2, ngram_min=1)
+    context = [1, 2, 4, 2, 5, 1, 2]  # lookup continues with 4, 2, 5, 1, 2 (after the earlier "1 2")
+    assert lookup.propose(context, 5).tokens == [4, 2, 5, 1, 2]
+    lookup.constrain(Automaton(last=2))  # after 2, 4 is forbidden (2 + 4 = 6)
+    assert lookup.propose(context, 5).tokens == []
+    lookup.constrain(Automaton(last=1))  # 1 + 4 = 5 fine, 4 + 2 = 6 forbidden
+    assert lookup.propose(context, 5).tokens == [4]
+    other = lookup.for_slot(1)
+    other.constrain(None)
+    assert other is not lookup and lookup.constraint is not None
+    assert other.propose(context, 5).tokens == [4, 2, 5, 1, 2]
+
+
 def test_grammars_need_the_llama_cpp_backend():
     with pytest.raises(SettingsError, match="llama.cpp backend"):
         TableBackend(V).grammar('root ::= "a"')

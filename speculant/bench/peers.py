@@ -95,11 +95,16 @@ def run_llamacpp(cfg, prompts, rendered: dict, model_path: str, draft_path: Opti
         for pi, p in enumerate(prompts):
             pf = Path(tmp) / f"{pi}.txt"
             pf.write_text(rendered[p.id], encoding="utf-8")
+            grammar = []
+            if p.grammar is not None:  # llama.cpp decodes under the same grammar
+                gf = Path(tmp) / f"{pi}.gbnf"
+                gf.write_text(p.grammar, encoding="utf-8")
+                grammar = ["--grammar-file", str(gf)]
             for temp in cfg.temps:
                 shift = pi % len(variants)
                 for label, cmd in variants[shift:] + variants[:shift]:
                     full = cmd + ["-m", model_path, "-f", str(pf), "-n", str(cfg.n_predict), "-c", str(cfg.n_ctx),
-                                  "--temp", str(temp), "--seed", str(cfg.seed + pi), "-ngl", "0"]
+                                  "--temp", str(temp), "--seed", str(cfg.seed + pi), "-ngl", "0", *grammar]
                     if threads:
                         full += ["-t", str(threads), "-tb", str(threads)]
                     proc = subprocess.run(full, capture_output=True, text=True, errors="replace", timeout=3600)
@@ -151,6 +156,11 @@ def run_hf(cfg, prompts, rendered: dict, model_path: str, draft_path: Optional[s
             shift = pi % len(variants)
             for label, extra in variants[shift:] + variants[:shift]:
                 row = {"peer": "hf", "variant": label, "prompt_id": p.id, "category": p.category, "temp": temp}
+                if p.grammar is not None:  # an unconstrained answer would not be the same task
+                    row["error"] = "transformers' generate takes no grammar"
+                    rows.append(row)
+                    bar.update(1)
+                    continue
                 try:
                     with torch.inference_mode():
                         torch.manual_seed(cfg.seed + pi)

@@ -243,7 +243,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         for v in order:
                             engines[v.label].trace = [] if cfg.trace else None
                         runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
-                                             p.prediction)
+                                             p.prediction, p.grammar)
                         for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
@@ -306,16 +306,20 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
 
 
 def _generate_all(engines: dict, order: list[Variant], prompt: str, n_predict: int, params: SamplingParams,
-                  interleave: str, prediction: Optional[str] = None) -> list:
+                  interleave: str, prediction: Optional[str] = None, grammar: Optional[str] = None) -> list:
     """One prompt under every variant in `order`; returns their Results in that order. "prompt": one
     generation after another. "step": round robin, one decoding step of each in turn; a variant's decode
     time is then the time spent inside its own steps (its stream's own clock would also count the others').
-    prediction: the prompt's predicted output, given to the methods that use one."""
+    prediction: the prompt's predicted output, given to the methods that use one; grammar: the GBNF every
+    method decodes under (a constraint of its own each)."""
     from ..engine import Result
     from ..stats import SpecStats
 
     def pred(v: Variant) -> dict:
-        return {"prediction": prediction} if prediction is not None and v.method.uses_prediction else {}
+        out = {"prediction": prediction} if prediction is not None and v.method.uses_prediction else {}
+        if grammar is not None:
+            out["constraint"] = engines[v.label].target.grammar(grammar)
+        return out
 
     if interleave == "prompt":
         return [engines[v.label].generate(prompt, max_tokens=n_predict, params=params, is_chat=True, **pred(v))

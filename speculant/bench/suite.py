@@ -7,7 +7,11 @@ to the suite file); "{prediction}" in the turn is replaced by it (an edit task q
 
 Built-in suites, by name (`--suite NAME`): default (9 task types), code_edit_predicted (24 edits of
 original code files under data/code/, each file its own prediction), repeated (the same two kinds of
-request, JSON extraction and tool-call formatting, asked 8 times each: history drafting learns them)."""
+request, JSON extraction and tool-call formatting, asked 8 times each: history drafting learns them),
+structured (12 JSON answers, each under its JSON schema: extraction, tool calls, orders).
+
+A prompt may constrain its answer: "json_schema" (an object: the answer is JSON following it), "grammar" (GBNF
+text) or "response_format": "json_object" (any JSON object); every method then decodes under it."""
 
 from __future__ import annotations
 
@@ -21,7 +25,7 @@ from ..errors import SettingsError
 DATA = Path(__file__).resolve().parent.parent / "data"
 BUILTIN_SUITE = DATA / "suite.jsonl"
 BUILTIN_SUITES = {"default": BUILTIN_SUITE, "code_edit_predicted": DATA / "code_edit_predicted.jsonl",
-                  "repeated": DATA / "repeated.jsonl"}
+                  "repeated": DATA / "repeated.jsonl", "structured": DATA / "structured.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -30,6 +34,7 @@ class Prompt:
     category: str
     text: str
     prediction: Optional[str] = None  # the predicted output, for methods that use one
+    grammar: Optional[str] = None  # GBNF the answer must follow (from json_schema, grammar or response_format)
 
 
 def read_suite(path: str | Path | None = None) -> list[Prompt]:
@@ -71,10 +76,36 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
         if prediction is not None and not isinstance(prediction, str):
             raise SettingsError(f"{path}:{no}: 'prediction' must be a string")
         text = turns[0].replace("{prediction}", prediction) if prediction is not None else turns[0]
-        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction))
+        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction,
+                              _grammar(obj, f"{path}:{no}")))
     if not prompts:
         raise SettingsError(f"suite {path} holds no prompts")
     return prompts
+
+
+def _grammar(obj: dict, where: str) -> Optional[str]:
+    from ..constraint import json_grammar
+
+    given = [k for k in ("json_schema", "grammar", "response_format") if obj.get(k) is not None]
+    if len(given) > 1:
+        raise SettingsError(f"{where}: give one of json_schema, grammar, response_format")
+    if not given:
+        return None
+    value = obj[given[0]]
+    if given[0] == "json_schema":
+        if not isinstance(value, dict):
+            raise SettingsError(f"{where}: 'json_schema' must be an object")
+        try:
+            return json_grammar(value)
+        except SettingsError as e:
+            raise SettingsError(f"{where}: {e}") from None
+    if given[0] == "grammar":
+        if not isinstance(value, str) or not value.strip():
+            raise SettingsError(f"{where}: 'grammar' must be GBNF text")
+        return value
+    if value != "json_object":
+        raise SettingsError(f"{where}: 'response_format' may only be \"json_object\"")
+    return json_grammar()
 
 
 def select(prompts: Sequence[Prompt], categories: Optional[Sequence[str]] = None,

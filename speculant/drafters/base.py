@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -70,14 +71,30 @@ class Drafter(ABC):
     def end(self, context: Sequence[int]) -> None:
         """The request ended with this context (prompt + output, however it ended); optional."""
 
+    constraint = None  # the request's grammar (constraint.Constraint), when it has one
+
     def constrain(self, constraint) -> None:
         """The request's constraint (constraint.Constraint, live: the engine advances it by every emitted
-        token), or None. A drafter that samples may follow it; drafts it forbids are rejected anyway."""
+        token), or None. Drafters follow it: a draft it forbids would only be rejected."""
+        self.constraint = constraint
+
+    def allowed_prefix(self, tokens: Sequence[int]) -> int:
+        """How many of these proposed tokens the request's grammar allows in a row (all without one)."""
+        if self.constraint is None or not len(tokens):
+            return len(tokens)
+        state = self.constraint.fork()
+        for i, token in enumerate(tokens):
+            if not state.allowed([token])[0]:
+                return i
+            if token in state.eog:
+                return i + 1
+            state.accept(int(token))
+        return len(tokens)
 
     def for_slot(self, i: int) -> "Drafter":
-        """The drafter for concurrent request slot i (backends: Backend.slot): one with no state of a
-        request may serve every slot as itself; others make their own."""
-        return self
+        """The drafter for concurrent request slot i (backends: Backend.slot): a copy of its own (a request's
+        constraint is per slot); drafters with models or caches make theirs."""
+        return self if i == 0 else copy.copy(self)
 
     def close(self) -> None:
         """Release resources (optional)."""

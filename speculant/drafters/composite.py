@@ -70,6 +70,7 @@ class CompositeDrafter(Drafter):
             d.end(context)
 
     def constrain(self, constraint) -> None:
+        self.constraint = constraint
         for d in self.drafters:
             d.constrain(constraint)
 

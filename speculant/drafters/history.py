@@ -218,6 +218,8 @@ class HistoryDrafter(Drafter):
             self.begin(context)
         self._ingest(context)
         tokens, keys = self.continuation(budget.start(self.name, free=True, long=True))
+        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
+        tokens, keys = tokens[:cut], keys[:cut]
         for i, key in enumerate(keys):
             if not budget.take(self.name, key):
                 return Draft(tokens[:i], None, self.name, keys=keys[:i],

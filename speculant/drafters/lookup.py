@@ -36,6 +36,8 @@ class LookupDrafter(Drafter):
         k = budget.start(self.name, free=True)
         tokens, n = self.match(context, k)
         keys = [ngram_key(n, i == 0) for i in range(len(tokens))]
+        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
+        tokens, keys = tokens[:cut], keys[:cut]
         for i, key in enumerate(keys):
             if not budget.take(self.name, key):
                 return Draft(tokens[:i], None, self.name, keys=keys[:i],

@@ -40,7 +40,6 @@ class ModelDrafter(Drafter):
             self.to_draft = np.zeros(n_vocab_target, dtype=np.int64)
             self.to_draft[self.keep] = np.arange(len(self.keep))
         self.n_prompt: Optional[int] = None  # the request's prompt length (begin): where its penalties count from
-        self.constraint = None  # the request's grammar (constrain): drafts follow it
 
     def _ids(self, tokens: Sequence[int]) -> Sequence[int]:
         """Target ids -> the draft's ids (the same sequence, not a copy, when they are the same ids)."""
@@ -119,9 +118,6 @@ class ModelDrafter(Drafter):
 
     def begin(self, context: Sequence[int]) -> None:
         self.n_prompt = len(context)
-
-    def constrain(self, constraint) -> None:
-        self.constraint = constraint
 
     def for_slot(self, i: int) -> "ModelDrafter":
         """The same draft model on sequence i of its context (its own KV cache)."""

@@ -103,6 +103,8 @@ class PredictionDrafter(Drafter):
         if self.j is None or self.j >= len(self.pred):
             return Draft([], None, self.name)
         tokens, keys = self.proposal(budget.start(self.name, free=True, long=True))
+        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
+        tokens, keys = tokens[:cut], keys[:cut]
         for i, key in enumerate(keys):
             if not budget.take(self.name, key):
                 return Draft(tokens[:i], None, self.name, keys=keys[:i],
