@@ -16,6 +16,7 @@ Each gives the same masked row, after the sampling settings, as masking everythi
 from __future__ import annotations
 
 import ctypes
+import time
 import weakref
 from abc import ABC, abstractmethod
 from typing import Optional, Sequence
@@ -26,6 +27,7 @@ from .errors import SettingsError
 from .verify import SamplingParams
 
 FIRST_CHECK = 64  # candidates asked about at once; each miss asks 8x more
+DRAFT_CHECK = 512  # a drafter asks about at most this many of its likeliest tokens
 
 
 class Constraint(ABC):
@@ -46,12 +48,20 @@ class Constraint(ABC):
         """An independent copy of the current state."""
 
 
-def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingParams) -> np.ndarray:
+def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
+                  limit: Optional[int] = None) -> np.ndarray:
     """logits [V] -> a copy with -inf wherever the token is not allowed or, as settled above, cannot be picked
-    under `params` once the disallowed tokens are gone. Raises SettingsError when nothing is allowed."""
+    under `params` once the disallowed tokens are gone. Raises SettingsError when nothing is allowed.
+    limit: ask about at most this many of the likeliest tokens (a drafter's shortcut: any q is verified
+    exactly); what is found among them is kept, possibly nothing (all -inf)."""
     v = logits.shape[-1]
     want = 1 if params.greedy else (params.top_k if 0 < params.top_k < v else v)
     out = np.full(v, -np.inf, dtype=logits.dtype)
+    if limit is not None:
+        head = _head(logits, min(limit, v))
+        ok = head[constraint.allowed(head)][:want]
+        out[ok] = logits[ok]
+        return out
     if want >= v:
         ok = constraint.allowed(np.arange(v))
         if not ok.any():
@@ -88,22 +98,32 @@ def _head(logits: np.ndarray, m: int) -> np.ndarray:
     return head[np.lexsort((head, -logits[head]))]
 
 
-def constrain_rows(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
-                   draft_tokens: Sequence[int]) -> np.ndarray:
-    """The rows of a verify pass over [last token, x_1..x_k] (logits [k+1, V]), row i masked with the
-    constraint advanced by x_1..x_i. Rows after the first draft that its row rules out are copies of that row:
-    verification rejects there (p = 0), so they are never read."""
-    out = np.empty_like(logits)
-    state = constraint.fork() if len(draft_tokens) else constraint
-    for i in range(len(logits)):
-        out[i] = constrain_row(logits[i], state, params)
-        if i < len(draft_tokens):
-            x = int(draft_tokens[i])
-            if not np.isfinite(out[i][x]):
-                out[i + 1:] = out[i]
-                break
-            state.accept(x)
-    return out
+class MaskedRows:
+    """The rows of a verify pass over [last token, x_1..x_k] under a constraint, masked on demand: row i with
+    the constraint advanced by x_1..x_i. Verification reads rows only up to its first rejection (verify.*_lazy),
+    so a step masks as many rows as it emits tokens, drafting or not. `seconds`: time spent masking."""
+
+    def __init__(self, logits: np.ndarray, constraint: Constraint, params: SamplingParams,
+                 draft_tokens: Sequence[int]):
+        self.logits, self.params, self.drafts = logits, params, list(draft_tokens)  # logits [k+1, V]
+        self.state = constraint.fork() if self.drafts else constraint  # never advanced past the live state
+        self.done = 0  # rows masked so far; the state is advanced by drafts[:done]
+        self.rows: list[np.ndarray] = []
+        self.seconds = 0.0
+
+    def row(self, i: int) -> np.ndarray:
+        """Masked logits of row i [V]. Rows are read in order; reading row i means x_1..x_i were accepted."""
+        t = time.perf_counter()
+        while self.done <= i:
+            if self.done:
+                self.state.accept(self.drafts[self.done - 1])  # accepted, so allowed
+            self.rows.append(constrain_row(self.logits[self.done], self.state, self.params))
+            self.done += 1
+        self.seconds += time.perf_counter() - t
+        return self.rows[i]
+
+    def argmax(self, i: int) -> int:
+        return int(np.argmax(self.row(i)))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import numpy as np
 
 from . import chat, memory
 from .backends.base import Backend
-from .constraint import Constraint, constrain_rows
+from .constraint import Constraint, MaskedRows
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
 from .drafters.prediction import PredictionDrafter
@@ -25,7 +25,7 @@ from .errors import ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import (SamplingParams, TokenLogprob, adjust_logits, probs_from_logits, token_logprobs,
-                     verify_greedy, verify_sampled)
+                     verify_greedy, verify_greedy_lazy, verify_sampled, verify_sampled_lazy)
 
 MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
 LONG_MAX = 16  # default bound of long free drafts (a tracking prediction, a history match): the policy picks k
@@ -234,20 +234,28 @@ class Engine:
                 t = time.perf_counter()
                 candidate = context + draft.tokens
                 n_pass = target.behind(candidate) if self.trace is not None else 0
+                masking_time = 0.0  # grammar masking (constraint.MaskedRows)
                 if verify_step is not None:
                     n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
                     adjusted = adjust_logits(logits, params, candidate, n_prompt)  # bias, penalties: [k+1, V]
-                    if constraint is not None:  # row i masked by the grammar advanced by the drafts before it
-                        adjusted = constrain_rows(adjusted, constraint, params, draft.tokens)
-                    if params.greedy:
+                    if constraint is not None:  # row i masked by the grammar advanced by the drafts before it,
+                        rows = MaskedRows(adjusted, constraint, params, draft.tokens)  # up to the first rejection
+                        if params.greedy:
+                            n_accepted, next_token = verify_greedy_lazy(draft.tokens, rows.argmax)
+                        else:
+                            n_accepted, next_token = verify_sampled_lazy(
+                                draft.tokens, draft.probs, lambda i: probs_from_logits(rows.row(i), params), rng)
+                        masking_time = rows.seconds
+                    elif params.greedy:
                         n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1))
                     else:
                         n_accepted, next_token = verify_sampled(
                             np.asarray(draft.tokens, dtype=np.int64), draft.probs,
                             probs_from_logits(adjusted, params), rng)
-                verify_time = time.perf_counter() - t
+                # masking costs per emitted token, drafting or not: kept out of what the policy weighs
+                verify_time = time.perf_counter() - t - masking_time
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
                 if n_top is not None:  # rows 0..n_accepted predicted the new tokens

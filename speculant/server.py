@@ -46,6 +46,7 @@ _LOG = logging.getLogger("speculant.server")
 
 MAX_STOP = 4
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
+MAX_N = 16  # choices one request may ask for
 _DONE = object()
 
 
@@ -113,6 +114,7 @@ class Job:
     grammar: Optional[str] = None  # GBNF the output must follow (response_format JSON, or `grammar`)
     constraint: Any = None  # its constraint.Constraint, made when the prompt is tokenized
     grammar_param: str = "grammar"  # the request field it came from
+    n: int = 1  # choices: generations of the same prompt, each on a slot of its own (they decode at once)
     cut: bool = False  # generation stopped early because the server is shutting down
 
 
@@ -206,9 +208,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     if model is not None and model not in (cfg.model_id, ""):
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{cfg.model_id}'",
                        param="model", code="model_not_found")
-    n = _get_int(body, "n", 1)
-    if n != 1:
-        raise _bad(f"only n=1 is supported, got n={n}", "n", "unsupported_value")
+    n = _get_int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, 1):
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
     for name in ("echo", "suffix", "tools", "functions"):
@@ -292,7 +292,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     except SpeculantError as e:
         raise _bad(str(e)) from None
     return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
-               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param)
+               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n)
 
 
 def _get_grammar(body: dict) -> Optional[str]:
@@ -364,6 +364,16 @@ def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
                        "logit_bias")
         out.append((token, float(value)))
     return tuple(out)
+
+
+def _choice_job(job: Job, i: int, engine) -> Job:
+    """Choice i of a request with n > 1: the same prompt, its own seed (the request's + i) and grammar state."""
+    import dataclasses
+
+    seed = job.params.seed
+    params = dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % (1 << 64))
+    constraint = engine.target.grammar(job.grammar) if job.grammar is not None else None
+    return dataclasses.replace(job, params=params, constraint=constraint, cut=False)
 
 
 class LogprobsFormat:
@@ -625,16 +635,35 @@ def log_request(request, status: str, t0: float, stats=None, max_tokens: Optiona
     _LOG.info("%s%s", line, f" client={client.host}" if client else "")
 
 
-def _usage(result) -> dict:
-    s = result.stats
-    accepted = s.accepted_by_source.get("prediction", 0)
-    return {"prompt_tokens": s.prompt_tokens, "completion_tokens": s.generated_tokens,
-            "total_tokens": s.prompt_tokens + s.generated_tokens,
+def _usage(results) -> dict:
+    """OpenAI's usage of one request (its choices: the prompt counted once), and `speculative`: the stats of
+    its generation (as `generate --json`), a list of one per choice when n > 1."""
+    if not isinstance(results, list):
+        results = [results]
+    stats = [r.stats for r in results]
+    prompt = stats[0].prompt_tokens
+    completion = sum(s.generated_tokens for s in stats)
+    accepted = sum(s.accepted_by_source.get("prediction", 0) for s in stats)
+    drafted = sum(s.drafted_by_source.get("prediction", 0) for s in stats)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
                                           "accepted_prediction_tokens": accepted,
-                                          "rejected_prediction_tokens": s.drafted_by_source.get("prediction", 0)
-                                          - accepted},
-            "speculative": s.to_dict()}
+                                          "rejected_prediction_tokens": drafted - accepted},
+            "speculative": stats[0].to_dict() if len(stats) == 1 else [s.to_dict() for s in stats]}
+
+
+async def _run_all(coros: list) -> None:
+    """Run the coroutines as tasks until all end; the first to fail cancels the others, and its error is raised."""
+    tasks = [asyncio.ensure_future(c) for c in coros]
+    try:
+        done, pending = await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+        for t in tasks:
+            if t.done() and not t.cancelled() and t.exception() is not None:
+                raise t.exception()
+    finally:
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def create_app(engine, cfg: ServerConfig):
@@ -772,18 +801,18 @@ def create_app(engine, cfg: ServerConfig):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created_at = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        result = Result("", [], SpecStats())
+        jobs = [job] + [_choice_job(job, i, engine) for i in range(1, job.n)]
+        results = [Result("", [], SpecStats()) for _ in jobs]
+        formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
 
-        logprobs_format = LogprobsFormat(engine.target, chat) if job.logprobs is not None else (lambda e: None)
-
-        def choice(text: Optional[str], finish: Optional[str], first: bool = False, logprobs=None) -> dict:
-            lp = logprobs_format(logprobs) if logprobs else None
+        def choice(i: int, text: Optional[str], finish: Optional[str], first: bool = False, logprobs=None) -> dict:
+            lp = formats[i](logprobs) if logprobs and formats[i] is not None else None
             if chat:
                 delta = {} if text is None else {"content": text}
                 if first:
                     delta = {"role": "assistant", "content": text or ""}
-                return {"index": 0, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            return {"index": 0, "text": text or "", "logprobs": lp, "finish_reason": finish}
+                return {"index": i, "delta": delta, "logprobs": lp, "finish_reason": finish}
+            return {"index": i, "text": text or "", "logprobs": lp, "finish_reason": finish}
 
         def chunk(choices: list, usage: Optional[dict] = None, **extra) -> str:
             """One SSE event. As OpenAI's: with include_usage every chunk has "usage": null but the last,
@@ -794,51 +823,80 @@ def create_app(engine, cfg: ServerConfig):
                 obj["usage"] = usage
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
+        first_token = [True]
+
+        def on_token() -> None:
+            if first_token[0]:
+                metrics.ttft.observe(time.perf_counter() - t0)
+                first_token[0] = False
+
         def done_metrics(status: str) -> None:
             metrics.requests.labels(endpoint, status).inc()
             metrics.latency.observe(time.perf_counter() - t0)
-            log_request(request, status, t0, result.stats, job.max_tokens)
+            log_request(request, status, t0, results[0].stats, job.max_tokens)
+
+        def cut_error() -> APIError:
+            return APIError(503, "the server shut down before this generation finished", type="server_error",
+                            code="shutting_down")
 
         if job.stream:
             # fail early (before the 200 starts) when the queue is full or the server is closing
-            if worker.closing or worker.waiting >= worker.max_queue:
+            if worker.closing or worker.waiting + len(jobs) > worker.max_queue + len(worker.free):
                 raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
                                code="server_overloaded")
 
             async def sse():
-                sent = 0
-                given_logprobs = 0  # entries the events carried
-                pending_logprobs: list = []  # of those, the ones not sent yet (their event had no text)
-                first_token = True
+                sent = [0] * len(jobs)
+                given = [0] * len(jobs)  # logprobs entries the events carried
+                pending: list[list] = [[] for _ in jobs]  # of those, the ones not sent yet (no text came with them)
+                queue: asyncio.Queue = asyncio.Queue()
+
+                async def produce(i: int) -> None:  # choice i's events into the queue; None when it ends
+                    try:
+                        async with aclosing(worker.run(jobs[i], results[i])) as events:
+                            async for event in events:
+                                await queue.put((i, event))
+                        await queue.put((i, None))
+                    except Exception as e:
+                        await queue.put((i, e))
+
                 status = "200"
+                tasks = []
                 try:
                     if chat:
-                        yield chunk([choice("", None, first=True)])
-                    async with aclosing(worker.run(job, result)) as events:
-                        async for event in events:
-                            if first_token:
-                                metrics.ttft.observe(time.perf_counter() - t0)
-                                first_token = False
-                            pending_logprobs += event.logprobs
-                            given_logprobs += len(event.logprobs)
-                            if event.text:
-                                sent += len(event.text)
-                                yield chunk([choice(event.text, None, logprobs=pending_logprobs)])
-                                pending_logprobs = []
-                    if job.cut:
+                        for i in range(len(jobs)):
+                            yield chunk([choice(i, "", None, first=True)])
+                    tasks = [asyncio.ensure_future(produce(i)) for i in range(len(jobs))]
+                    running = len(jobs)
+                    while running:
+                        i, event = await queue.get()
+                        if isinstance(event, Exception):
+                            raise event
+                        if event is None:  # choice i ended: what it held back, then its finish reason
+                            running -= 1
+                            if jobs[i].cut:
+                                continue
+                            result = results[i]
+                            rest = result.text[sent[i]:]
+                            if result.logprobs is not None:
+                                pending[i] += result.logprobs[given[i]:]
+                            if rest or pending[i]:
+                                yield chunk([choice(i, rest, None, logprobs=pending[i])])
+                            yield chunk([choice(i, None, result.finish_reason)], **_message(result))
+                            continue
+                        on_token()
+                        pending[i] += event.logprobs
+                        given[i] += len(event.logprobs)
+                        if event.text:
+                            sent[i] += len(event.text)
+                            yield chunk([choice(i, event.text, None, logprobs=pending[i])])
+                            pending[i] = []
+                    if any(j.cut for j in jobs):
                         status = "503"
-                        err = APIError(503, "the server shut down before this generation finished",
-                                       type="server_error", code="shutting_down")
-                        yield f"data: {json.dumps(err.body())}\n\n"
+                        yield f"data: {json.dumps(cut_error().body())}\n\n"
                         return
-                    rest = result.text[sent:]
-                    if result.logprobs is not None:  # the tokens of text held back to the end
-                        pending_logprobs += result.logprobs[given_logprobs:]
-                    if rest or pending_logprobs:
-                        yield chunk([choice(rest, None, logprobs=pending_logprobs)])
-                    yield chunk([choice(None, result.finish_reason)], **_message(result))
                     if job.include_usage:
-                        yield chunk([], _usage(result))
+                        yield chunk([], _usage(results))
                     yield "data: [DONE]\n\n"
                 except APIError as e:
                     status = str(e.status)
@@ -856,30 +914,36 @@ def create_app(engine, cfg: ServerConfig):
                                    code="internal_error")
                     yield f"data: {json.dumps(err.body())}\n\n"
                 finally:
+                    for t in tasks:  # a client gone: each choice stops after its step in flight
+                        t.cancel()
+                    if tasks:
+                        await asyncio.gather(*tasks, return_exceptions=True)
                     done_metrics(status)
 
             return StreamingResponse(sse(), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
-        first_token = True
-        async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
-            async for _ in events:
-                if first_token:
-                    metrics.ttft.observe(time.perf_counter() - t0)
-                    first_token = False
-        if job.cut:
-            raise APIError(503, "the server shut down before this generation finished", type="server_error",
-                           code="shutting_down")
+        async def consume(i: int) -> None:
+            async with aclosing(worker.run(jobs[i], results[i], request.is_disconnected)) as events:
+                async for _ in events:
+                    on_token()
+
+        await _run_all([consume(i) for i in range(len(jobs))])
+        if any(j.cut for j in jobs):
+            raise cut_error()
         done_metrics("200")
-        logprobs = logprobs_format(result.logprobs) if result.logprobs is not None else None
-        if chat:
-            choices = [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                        "logprobs": logprobs, "finish_reason": result.finish_reason}]
-        else:
-            choices = [{"index": 0, "text": result.text, "logprobs": logprobs,
-                        "finish_reason": result.finish_reason}]
+        choices = []
+        for i, result in enumerate(results):
+            logprobs = formats[i](result.logprobs) if result.logprobs is not None else None
+            if chat:
+                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
+                                "logprobs": logprobs, "finish_reason": result.finish_reason})
+            else:
+                choices.append({"index": i, "text": result.text, "logprobs": logprobs,
+                                "finish_reason": result.finish_reason})
+        message = next((_message(r) for r in results if r.message), {})
         return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(result), **_message(result)}
+                "system_fingerprint": None, "choices": choices, "usage": _usage(results), **message}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

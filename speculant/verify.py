@@ -18,7 +18,7 @@ the tokens before each position, which in a verify pass include the drafts befor
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple, Optional, Sequence
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import numpy as np
 
@@ -247,6 +247,29 @@ def verify_sampled(
         return k, sample(target_probs[k], rng)
     j = int(rejected[0])
     return j, sample(residual(target_probs[j], None if draft_probs is None else draft_probs[j], draft_tokens[j]), rng)
+
+
+def verify_greedy_lazy(draft_tokens: Sequence[int], argmax: Callable[[int], int]) -> tuple[int, int]:
+    """verify_greedy with row i's argmax computed on demand (argmax(i)), only up to the first mismatch."""
+    for i, x in enumerate(draft_tokens):
+        top = argmax(i)
+        if top != x:
+            return i, top
+    return len(draft_tokens), argmax(len(draft_tokens))
+
+
+def verify_sampled_lazy(draft_tokens: Sequence[int], draft_probs: Optional[np.ndarray],
+                        target_row: Callable[[int], np.ndarray], rng: np.random.Generator) -> tuple[int, int]:
+    """verify_sampled with row i of p computed on demand (target_row(i) -> [V]), only up to the first rejection.
+    The same draws in the same order, so the same result as verify_sampled over the same rows."""
+    k = len(draft_tokens)
+    u = rng.random(k)  # [k]
+    for i, x in enumerate(draft_tokens):
+        p = target_row(i)
+        q_x = 1.0 if draft_probs is None else draft_probs[i, x]
+        if u[i] * q_x >= p[x]:
+            return i, sample(residual(p, None if draft_probs is None else draft_probs[i], x), rng)
+    return k, sample(target_row(k), rng)
 
 
 def residual(p: np.ndarray, q: Optional[np.ndarray], draft_token: int) -> np.ndarray:

@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 
 import speculant.engine as engine_mod
-from speculant.constraint import Constraint, constrain_row, constrain_rows, json_grammar
+from speculant.constraint import Constraint, MaskedRows, constrain_row, json_grammar
 from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import SettingsError
-from speculant.verify import SamplingParams, probs_from_logits
+from speculant.verify import (SamplingParams, probs_from_logits, verify_greedy, verify_greedy_lazy,
+                              verify_sampled, verify_sampled_lazy)
 
 from synthetic import TableBackend
 from test_engine_synthetic import pvalue
@@ -154,10 +155,11 @@ def test_sampled_sequences_under_a_constraint_follow_the_target(params):
 
 
 def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):
-    def stale(logits, constraint, params, draft_tokens):  # every row masked as row 0
-        return np.stack([constrain_row(row, constraint, params) for row in logits])
+    class Stale(MaskedRows):  # every row masked as row 0: the drafts before it are forgotten
+        def row(self, i):
+            return constrain_row(self.logits[i], self.state, self.params)
 
-    monkeypatch.setattr(engine_mod, "constrain_rows", stale)
+    monkeypatch.setattr(engine_mod, "MaskedRows", Stale)
     params = SamplingParams(1.0, seed=60_000)
     with pytest.raises(AssertionError):  # it accepts forbidden tokens, or its law is wrong
         assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) > 1e-6
@@ -179,14 +181,37 @@ def test_greedy_under_a_constraint_equals_plain_decoding(k):
         Engine(TableBackend(V, seed=0)).generate(PROMPT * 4, max_tokens=60, constraint=Automaton()).tokens
 
 
-def test_constrain_rows_stop_at_a_forbidden_draft():
+def test_lazy_verification_is_the_eager_one():
+    """Rows computed on demand, only up to the first rejection, give the eager verifiers' results draw for
+    draw (the same random numbers in the same order)."""
+    rng = np.random.default_rng(0)
+    for trial in range(300):
+        k, v = int(rng.integers(0, 6)), 6
+        p = rng.dirichlet(np.ones(v) * 0.5, size=k + 1)
+        q = rng.dirichlet(np.ones(v) * 0.5, size=k) if trial % 2 else None
+        drafts = [int(rng.choice(v, p=q[i])) if q is not None else int(rng.integers(v)) for i in range(k)]
+        read = []
+
+        def row(i):
+            read.append(i)
+            return p[i]
+
+        eager = verify_sampled(np.asarray(drafts, dtype=np.int64), q, p, np.random.default_rng(trial))
+        lazy = verify_sampled_lazy(drafts, q, row, np.random.default_rng(trial))
+        assert lazy == eager and max(read, default=0) <= eager[0]
+        argmax = p.argmax(axis=-1)
+        assert verify_greedy_lazy(drafts, lambda i: int(argmax[i])) == verify_greedy(np.asarray(drafts), argmax)
+
+
+def test_masked_rows_advance_a_fork_only_by_accepted_drafts():
     rows = np.random.default_rng(0).standard_normal((4, V)).astype(np.float32)
-    state = Automaton(last=1)  # 2 and 5 are forbidden after 1 (1 + 2 = 3, 1 + 5 = 6)
-    out = constrain_rows(rows, state, SamplingParams(1.0), [4, 2, 7])  # 4 is fine, 2 after 4 is fine, ...
-    assert state.last == 1  # the live state is not advanced by drafts
-    assert np.isneginf(out[0][[2, 5]]).all() and np.isfinite(out[0][4])
-    out = constrain_rows(rows, Automaton(last=1), SamplingParams(1.0), [2, 4, 4])  # 2 is forbidden at once
-    assert np.isneginf(out[0][2]) and (out[1:] == out[0]).all()
+    live = Automaton(last=1)  # after 1: 2 and 5 are forbidden (1 + 2 = 3, 1 + 5 = 6)
+    masked = MaskedRows(rows, live, SamplingParams(1.0), [4, 1, 7])
+    assert np.isneginf(masked.row(0)[[2, 5]]).all() and np.isfinite(masked.row(0)[4])
+    assert np.isneginf(masked.row(1)[[2, 5]]).all()  # after 4: 2 (4 + 2 = 6) and 5 (9) are forbidden
+    assert masked.done == 2 and live.last == 1  # the live state is the engine's: not advanced by drafts
+    assert np.isneginf(masked.row(3)[[2, 5]]).all() and masked.state.last == 7  # reading row 3 accepted 1, 7
+    assert masked.seconds > 0
 
 
 def test_free_drafts_stop_before_a_forbidden_token_and_slots_keep_their_own_grammar():

@@ -271,6 +271,35 @@ def test_json_mode_schema_and_grammar(server, client):
     assert g["choices"][0]["text"] in (" yes", " no") and g["choices"][0]["finish_reason"] == "stop"
 
 
+def test_n_choices_are_the_answers_of_their_seeds(server, client):
+    """n > 1: choice i samples with the request's seed + i, on a slot of its own (they decode at once, their
+    passes merged), and is exactly what a lone request with that seed answers; streamed alike, by index."""
+    def ask(**kw):
+        return client.completions.create(model=MODEL, prompt="Once upon a time", temperature=1.0, top_p=0.95,
+                                         **{"max_tokens": 16, **kw})
+
+    r = ask(seed=40, n=3, logprobs=1)
+    assert [c.index for c in r.choices] == [0, 1, 2]
+    assert [c.text for c in r.choices] == [ask(seed=40 + i).choices[0].text for i in range(3)]
+    assert len({c.text for c in r.choices}) > 1  # different samples
+    assert r.usage.completion_tokens == sum(len(c.logprobs.tokens) for c in r.choices)
+    assert r.usage.prompt_tokens == ask(seed=1, max_tokens=1).usage.prompt_tokens  # counted once
+    spec = r.usage.model_extra["speculative"]
+    assert isinstance(spec, list) and len(spec) == 3 and sum(s["generated_tokens"] for s in spec) == \
+        r.usage.completion_tokens
+    texts = {}
+    finish = {}
+    for c in ask(seed=40, n=3, stream=True):
+        for ch in c.choices:
+            texts[ch.index] = texts.get(ch.index, "") + (ch.text or "")
+            finish[ch.index] = ch.finish_reason or finish.get(ch.index)
+    assert [texts[i] for i in range(3)] == [c.text for c in r.choices]
+    assert all(finish[i] for i in range(3))
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Name a color."}],
+                                          max_tokens=8, temperature=0, n=2)
+    assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
+
+
 def test_seed_reproducibility(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
@@ -354,7 +383,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": "x"}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "prompt": ""}, 400, "prompt"),
     ("/v1/completions", {"model": "gpt-4", "prompt": "hi"}, 404, "model"),
@@ -413,8 +443,8 @@ def test_bad_input_through_the_client(client):
         client.completions.create(model="no-such-model", prompt="hi", max_tokens=2)
     with pytest.raises(openai.BadRequestError, match="context"):
         client.completions.create(model=MODEL, prompt="word " * 2000, max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="n=1"):
-        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=3)
+    with pytest.raises(openai.BadRequestError, match="'n' must be <= 16"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], n=30)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 

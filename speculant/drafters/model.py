@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Optional, Sequence
 
@@ -10,7 +9,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import SettingsError
-from ..constraint import FIRST_CHECK, constrain_row
+from ..constraint import DRAFT_CHECK, constrain_row
 from ..policy import DraftBudget, confidence_key
 from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
 from .base import Draft, Drafter
@@ -77,15 +76,14 @@ class ModelDrafter(Drafter):
             else self._fit
         logits = fit(self.backend.sync(self._ids(context))[0])  # [V]
         steps = 1
-        state = self.constraint.fork() if self.constraint is not None else None
-        # any q is verified exactly: under a grammar, sampling without top-k draws from the likeliest allowed
-        masking = params if params.greedy or params.top_k else dataclasses.replace(params, top_k=FIRST_CHECK)
+        state = self.constraint.fork() if self.constraint is not None else None  # under a grammar, q is over the
+        # allowed ones among the DRAFT_CHECK likeliest tokens (any q is verified exactly): a full scan costs ms
         # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
         catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
         for i in range(k):
             # the draft's confidence is its max probability, never a property of the sampled token: which
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
-            allowed = constrain_row(logits, state, masking) if state is not None else logits  # [V]
+            allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) if state is not None else logits
             if state is not None and not np.isfinite(allowed).any():  # a cut vocabulary lacks what is allowed
                 break
             if params.greedy:
