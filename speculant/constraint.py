@@ -1,16 +1,18 @@
 """Constrained decoding (grammars, JSON mode, JSON schemas), exact under speculation.
 
-A constraint says which tokens may come next; the distribution decoded is the target's with every other token
-masked out *before* temperature, top-k, top-p and min-p (as vLLM's structured outputs). Speculation stays exact:
-row i of a verify pass is masked with the constraint advanced by the drafts before it, so a draft token the
-grammar forbids has p = 0 there and is rejected, and the recovered / bonus token comes from the masked row.
-
-Masking the whole vocabulary is slow (llama.cpp's grammar checks ~150k token texts: 20-50 ms a row on Qwen),
-so `constrain_row` asks the constraint only about the tokens that can matter, most likely first:
+A constraint says which tokens may come next. The distribution decoded is the target's conditioned on it:
 - greedy: the most likely allowed token;
-- sampling with top-k: the k most likely allowed tokens (top-p and min-p then act within them);
-- sampling without top-k: every token (exact, and as slow as it sounds; set top-k).
-Each gives the same masked row, after the sampling settings, as masking everything would.
+- sampling: the sampler's distribution (temperature, top-k, top-p, min-p) restricted to the allowed tokens and
+  renormalised, as if it drew until an allowed token came up; when none of the tokens it keeps is allowed, the
+  mask comes first and the settings act on the allowed tokens (as vLLM's structured outputs always do).
+Speculation stays exact: row i of a verify pass is masked with the constraint advanced by the drafts before
+it, so a draft the grammar forbids has p = 0 there and is rejected, and the recovered / bonus token comes from
+the masked row. Rows are masked on demand, up to the first rejection (MaskedRows).
+
+Masking the whole vocabulary is slow (llama.cpp's grammar checks ~150k token texts: 20-50 ms a row on Qwen), so
+only the tokens that can matter are asked about, most likely first: greedy, the likeliest until one is allowed;
+sampling, the tokens the settings keep (a handful with top-k, top-p or min-p). Only sampling with no truncation
+at all, or a row where the mask must come first without top-k, checks every token (exact, and slow).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import SettingsError
-from .verify import SamplingParams
+from .verify import SamplingParams, probs_from_logits
 
 FIRST_CHECK = 64  # candidates asked about at once; each miss asks 8x more
 DRAFT_CHECK = 512  # a drafter asks about at most this many of its likeliest tokens
@@ -92,6 +94,24 @@ def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingPa
     return out
 
 
+def masked_probs(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
+                 limit: Optional[int] = None) -> Optional[np.ndarray]:
+    """Sampling (T > 0): logits [V] -> the row's distribution under the constraint [V] float64 (see the module
+    docstring). limit: as constrain_row's (a drafter's); then None when nothing allowed was found."""
+    probs = probs_from_logits(logits, params)  # the sampler's own distribution
+    support = np.flatnonzero(probs)
+    if len(support) < len(probs):  # it truncates: condition what it keeps on the constraint
+        keep = support[constraint.allowed(support)]
+        if len(keep):
+            out = np.zeros_like(probs)
+            out[keep] = probs[keep]
+            return out / out.sum()
+    masked = constrain_row(logits, constraint, params, limit)  # the mask first, then the settings
+    if not np.isfinite(masked).any():
+        return None
+    return probs_from_logits(masked, params)
+
+
 def _head(logits: np.ndarray, m: int) -> np.ndarray:
     """Ids of the m largest logits, largest first, ties by id (the order of a stable argsort of -logits)."""
     head = np.argpartition(-logits, m - 1)[:m] if m < len(logits) else np.arange(len(logits))
@@ -111,19 +131,24 @@ class MaskedRows:
         self.rows: list[np.ndarray] = []
         self.seconds = 0.0
 
-    def row(self, i: int) -> np.ndarray:
-        """Masked logits of row i [V]. Rows are read in order; reading row i means x_1..x_i were accepted."""
+    def _masked(self, i: int, mask) -> np.ndarray:
+        """Row i through mask(logits row, state); reading row i means x_1..x_i were accepted."""
         t = time.perf_counter()
         while self.done <= i:
             if self.done:
                 self.state.accept(self.drafts[self.done - 1])  # accepted, so allowed
-            self.rows.append(constrain_row(self.logits[self.done], self.state, self.params))
+            self.rows.append(mask(self.logits[self.done], self.state))
             self.done += 1
         self.seconds += time.perf_counter() - t
         return self.rows[i]
 
     def argmax(self, i: int) -> int:
-        return int(np.argmax(self.row(i)))
+        """Greedy: the likeliest allowed token of row i."""
+        return int(np.argmax(self._masked(i, lambda row, state: constrain_row(row, state, self.params))))
+
+    def probs(self, i: int) -> np.ndarray:
+        """Sampling: row i's distribution under the constraint [V] (masked_probs)."""
+        return self._masked(i, lambda row, state: masked_probs(row, state, self.params))
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -245,8 +245,7 @@ class Engine:
                         if params.greedy:
                             n_accepted, next_token = verify_greedy_lazy(draft.tokens, rows.argmax)
                         else:
-                            n_accepted, next_token = verify_sampled_lazy(
-                                draft.tokens, draft.probs, lambda i: probs_from_logits(rows.row(i), params), rng)
+                            n_accepted, next_token = verify_sampled_lazy(draft.tokens, draft.probs, rows.probs, rng)
                         masking_time = rows.seconds
                     elif params.greedy:
                         n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1))

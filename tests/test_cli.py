@@ -67,9 +67,34 @@ def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     (["-n", "0"], "token limit"),
     (["--draft-min", "5", "--draft-max", "2", "-md", "lookup"], "--draft-min"),
     (["-c", "4"], "--ctx-size"),
+    (["--presence-penalty", "3"], "presence penalty"),
+    (["--repeat-penalty", "0"], "repetition penalty"),
+    (["-l", "12*3"], "--logit-bias"),
+    (["-l", "99999999-1"], "outside the vocabulary"),
+    (["--logprobs", "3"], "--json"),
+    (["--json", "--logprobs", "30"], "logprobs"),
+    (["--grammar", 'root ::= "a'], "invalid grammar"),
+    (["--grammar-file", "/no/such/file.gbnf"], "No such file"),
+    (["-j", "{not json"], "not valid JSON"),
 ])
 def test_bad_settings_get_a_clear_error(small, args, fragment):
     assert_clean_error(run("generate", "-m", small, "-p", "hi", *args), fragment)
+
+
+def test_grammar_json_schema_and_logprobs(small, tmp_path):
+    schema = '{"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}'
+    base = ["generate", "-m", small, "--chat", "-p", "Name a primary color as JSON.", "-n", "20", "--json"]
+    plain = run(*base, "-j", schema, "--logprobs", "2")
+    spec = run(*base, "-j", schema, "--logprobs", "2", "-md", small, "--no-adapt")
+    assert plain.returncode == 0 and spec.returncode == 0, plain.stderr + spec.stderr
+    p, s = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert json.loads(p["text"])["color"] in ("red", "green", "blue") and p["finish_reason"] == "stop"
+    assert s["tokens"] == p["tokens"] and s["logprobs"] == p["logprobs"] and s["stats"]["accepted"] > 0
+    assert [e["token"] for e in p["logprobs"]] == p["tokens"] and all(len(e["top"]) == 2 for e in p["logprobs"])
+    g = tmp_path / "yn.gbnf"
+    g.write_text('root ::= " yes" | " no"\n')
+    yn = run("generate", "-m", small, "-p", "Is the sky blue? Answer:", "-n", "5", "--grammar-file", str(g), "--json")
+    assert json.loads(yn.stdout)["text"] in (" yes", " no")
 
 
 def test_empty_prompt_and_prompt_over_the_context(small):

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import speculant.engine as engine_mod
-from speculant.constraint import Constraint, MaskedRows, constrain_row, json_grammar
+from speculant.constraint import Constraint, MaskedRows, constrain_row, json_grammar, masked_probs
 from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
@@ -51,13 +51,14 @@ class Automaton(Constraint):
         return Automaton(self.last, self.seen5)
 
 
-def full_mask_reference(logits, constraint, params):
-    x = np.where(constraint.allowed(np.arange(len(logits))), logits, -np.inf)
-    if params.greedy:
-        out = np.full_like(x, -np.inf)
-        out[np.argmax(x)] = x[np.argmax(x)]
-        return out
-    return x
+def reference_probs(logits, allowed, params):
+    """The law under a constraint, from the whole mask: the sampler's distribution conditioned on the allowed
+    tokens; the mask first when the sampler keeps no allowed token (or truncates nothing)."""
+    p = probs_from_logits(logits, params)
+    keep = (p > 0) & allowed
+    if (p > 0).all() or not keep.any():
+        return probs_from_logits(np.where(allowed, logits, -np.inf), params)
+    return np.where(keep, p, 0.0) / np.where(keep, p, 0.0).sum()
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -84,17 +85,18 @@ def test_constrain_row_gives_the_law_of_masking_everything(seed):
 
     for params in (SamplingParams(0.0), SamplingParams(0.9, top_k=40), SamplingParams(1.0, top_k=7, top_p=0.8,
                                                                                         min_p=0.05),
-                   SamplingParams(1.0)):
+                   SamplingParams(1.0, top_p=0.5), SamplingParams(1.0)):
         Some.calls = 0
-        got = constrain_row(logits, Some(), params)
-        asked = Some.calls
-        ref = full_mask_reference(logits, Some(), params)
         if params.greedy:
-            assert np.argmax(got) == np.argmax(ref)
+            got = constrain_row(logits, Some(), params)
+            assert np.argmax(got) == np.argmax(np.where(allowed_ids, logits, -np.inf))
         else:
-            np.testing.assert_array_equal(probs_from_logits(got, params), probs_from_logits(ref, params))
-        if allowed_ids.mean() > 0.2 and params.top_k:
-            assert asked < v // 4  # only the head of the distribution was asked about
+            got = masked_probs(logits, Some(), params)
+            np.testing.assert_allclose(got, reference_probs(logits, allowed_ids, params), rtol=1e-9, atol=1e-15)
+        kept = probs_from_logits(logits, params) > 0 if not params.greedy else None
+        conditioned = not params.greedy and not kept.all() and (kept & allowed_ids).any()
+        if allowed_ids.mean() > 0.2 and (params.top_k or params.greedy) or conditioned:
+            assert Some.calls < v // 4, params  # only the head of the distribution was asked about
 
 
 def test_nothing_allowed_is_a_clear_error():
@@ -119,8 +121,7 @@ def exact_joint(params, n=3):
     for seq in itertools.product(range(V), repeat=n):
         pr, hist, state = 1.0, list(PROMPT), Automaton()
         for t in seq:
-            row = np.where(state.allowed(np.arange(V)), target.logits_after(hist), -np.inf)
-            p = probs_from_logits(row, params)[t]
+            p = reference_probs(target.logits_after(hist), state.allowed(np.arange(V)), params)[t]
             pr *= p
             if p == 0:
                 break
@@ -145,8 +146,8 @@ def sampled_joint(params, n_runs, n=3, k=3):
     return counts
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=60_000), SamplingParams(0.8, top_k=3, seed=70_000)],
-                         ids=["T1", "T0.8-topk3"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=60_000), SamplingParams(0.8, top_k=3, seed=70_000),
+                                    SamplingParams(1.2, top_p=0.6, seed=80_000)], ids=["T1", "T0.8-topk3", "T1.2-topp"])
 def test_sampled_sequences_under_a_constraint_follow_the_target(params):
     probs = exact_joint(params)
     counts = sampled_joint(params, 20_000)
@@ -156,8 +157,8 @@ def test_sampled_sequences_under_a_constraint_follow_the_target(params):
 
 def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):
     class Stale(MaskedRows):  # every row masked as row 0: the drafts before it are forgotten
-        def row(self, i):
-            return constrain_row(self.logits[i], self.state, self.params)
+        def probs(self, i):
+            return masked_probs(self.logits[i], self.state, self.params)
 
     monkeypatch.setattr(engine_mod, "MaskedRows", Stale)
     params = SamplingParams(1.0, seed=60_000)
@@ -207,10 +208,10 @@ def test_masked_rows_advance_a_fork_only_by_accepted_drafts():
     rows = np.random.default_rng(0).standard_normal((4, V)).astype(np.float32)
     live = Automaton(last=1)  # after 1: 2 and 5 are forbidden (1 + 2 = 3, 1 + 5 = 6)
     masked = MaskedRows(rows, live, SamplingParams(1.0), [4, 1, 7])
-    assert np.isneginf(masked.row(0)[[2, 5]]).all() and np.isfinite(masked.row(0)[4])
-    assert np.isneginf(masked.row(1)[[2, 5]]).all()  # after 4: 2 (4 + 2 = 6) and 5 (9) are forbidden
+    assert (masked.probs(0)[[2, 5]] == 0).all() and masked.probs(0)[4] > 0
+    assert (masked.probs(1)[[2, 5]] == 0).all()  # after 4: 2 (4 + 2 = 6) and 5 (9) are forbidden
     assert masked.done == 2 and live.last == 1  # the live state is the engine's: not advanced by drafts
-    assert np.isneginf(masked.row(3)[[2, 5]]).all() and masked.state.last == 7  # reading row 3 accepted 1, 7
+    assert (masked.probs(3)[[2, 5]] == 0).all() and masked.state.last == 7  # reading row 3 accepted 1 and 7
     assert masked.seconds > 0
 
 

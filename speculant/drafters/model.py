@@ -9,7 +9,7 @@ import numpy as np
 
 from ..backends.base import Backend
 from ..errors import SettingsError
-from ..constraint import DRAFT_CHECK, constrain_row
+from ..constraint import DRAFT_CHECK, constrain_row, masked_probs
 from ..policy import DraftBudget, confidence_key
 from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
 from .base import Draft, Drafter
@@ -83,14 +83,17 @@ class ModelDrafter(Drafter):
         for i in range(k):
             # the draft's confidence is its max probability, never a property of the sampled token: which
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
-            allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) if state is not None else logits
-            if state is not None and not np.isfinite(allowed).any():  # a cut vocabulary lacks what is allowed
-                break
             if params.greedy:
+                allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) if state is not None else logits
+                if state is not None and not np.isfinite(allowed).any():  # none allowed among the likeliest
+                    break
                 token = int(np.argmax(allowed))
                 confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax of the token; sum >= 1
             else:
-                q = probs_from_logits(allowed, params)
+                q = masked_probs(logits, state, params, limit=DRAFT_CHECK) if state is not None \
+                    else probs_from_logits(logits, params)
+                if q is None:
+                    break
                 confidence = float(q.max())
             if confidence < self.p_min:
                 break
