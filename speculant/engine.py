@@ -239,20 +239,8 @@ class Engine:
                     n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
-                    adjusted = adjust_logits(logits, params, candidate, n_prompt)  # bias, penalties: [k+1, V]
-                    if constraint is not None:  # row i masked by the grammar advanced by the drafts before it,
-                        rows = MaskedRows(adjusted, constraint, params, draft.tokens)  # up to the first rejection
-                        if params.greedy:
-                            n_accepted, next_token = verify_greedy_lazy(draft.tokens, rows.argmax)
-                        else:
-                            n_accepted, next_token = verify_sampled_lazy(draft.tokens, draft.probs, rows.probs, rng)
-                        masking_time = rows.seconds
-                    elif params.greedy:
-                        n_accepted, next_token = verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1))
-                    else:
-                        n_accepted, next_token = verify_sampled(
-                            np.asarray(draft.tokens, dtype=np.int64), draft.probs,
-                            probs_from_logits(adjusted, params), rng)
+                    n_accepted, next_token, masking_time = _verify(logits, draft, params, rng, candidate, n_prompt,
+                                                                   constraint)
                 # masking costs per emitted token, drafting or not: kept out of what the policy weighs
                 verify_time = time.perf_counter() - t - masking_time
                 # accept, rewind
@@ -328,6 +316,23 @@ class Engine:
         if self.drafter:
             self.drafter.close()
         self.target.close()
+
+
+def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Generator, candidate: list[int],
+            n_prompt: int, constraint: Optional[Constraint]) -> tuple[int, int, float]:
+    """Verify a draft against the target's logits [k+1, V] of the pass over candidate[-(k+1):]: logit bias and
+    penalties per row (each with the drafts before it), a grammar's mask per row (on demand, up to the first
+    rejection), then greedy or rejection sampling. Returns (n_accepted, next token, seconds spent masking)."""
+    adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
+    if constraint is not None:
+        rows = MaskedRows(adjusted, constraint, params, draft.tokens)
+        if params.greedy:
+            return (*verify_greedy_lazy(draft.tokens, rows.argmax), rows.seconds)
+        return (*verify_sampled_lazy(draft.tokens, draft.probs, rows.probs, rng), rows.seconds)
+    if params.greedy:
+        return (*verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1)), 0.0)
+    return (*verify_sampled(np.asarray(draft.tokens, dtype=np.int64), draft.probs,
+                            probs_from_logits(adjusted, params), rng), 0.0)
 
 
 class _TextTracker:
