@@ -630,3 +630,23 @@ def test_runner_gives_the_prediction_only_to_prediction_methods(monkeypatch):
             assert r["accepted_by_source"].get("prediction", 0) > 0  # how many: timings decide (no wall time here)
         else:
             assert "prediction" not in r["accepted_by_source"]
+
+
+def test_structured_suite_and_grammar_fields(tmp_path):
+    prompts = read_suite("structured")
+    assert len(prompts) == 12 and {p.category for p in prompts} == {"json_extract", "tool_call", "json_order"}
+    assert all(p.grammar and "root" in p.grammar for p in prompts)
+    s = tmp_path / "s.jsonl"
+    s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], "grammar": "root ::= \\"a\\""}\n'
+                 '{"question_id": 2, "category": "x", "turns": ["t"], "response_format": "json_object"}\n'
+                 '{"question_id": 3, "category": "x", "turns": ["t"], "json_schema": {"type": "integer"}}\n'
+                 '{"question_id": 4, "category": "x", "turns": ["t"]}\n')
+    got = read_suite(s)
+    assert got[0].grammar == 'root ::= "a"' and "object" in got[1].grammar and got[2].grammar and \
+        got[3].grammar is None
+    for bad, fragment in (('"grammar": 5', "GBNF"), ('"response_format": "xml"', "json_object"),
+                          ('"json_schema": 5', "must be an object"),
+                          ('"grammar": "x", "json_schema": {}', "one of")):
+        s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], ' + bad + '}\n')
+        with pytest.raises(SettingsError, match=fragment):
+            read_suite(s)
