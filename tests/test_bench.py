@@ -625,10 +625,11 @@ def test_runner_gives_the_prediction_only_to_prediction_methods(monkeypatch):
                       temps=[0.0], n_predict=40, cost_repeats=1, interleave="step")
     rows = run(cfg, prompts, progress=False)["rows"]
     assert all(r["greedy_equal"] for r in rows if r["variant"] != "plain")
+    for variant in ("prediction", "prediction+history"):  # how many, and on which prompt: timings decide (the
+        # adaptive policy prices microsecond passes of the synthetic models, so one prompt may decode plainly)
+        assert sum(r["accepted_by_source"].get("prediction", 0) for r in rows if r["variant"] == variant) > 0
     for r in rows:
-        if r["variant"] in ("prediction", "prediction+history"):
-            assert r["accepted_by_source"].get("prediction", 0) > 0  # how many: timings decide (no wall time here)
-        else:
+        if r["variant"] not in ("prediction", "prediction+history"):
             assert "prediction" not in r["accepted_by_source"]
 
 
