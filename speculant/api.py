@@ -10,10 +10,10 @@ from typing import Optional, Sequence
 from . import models
 from .backends.base import Backend
 from .drafters import CompositeDrafter, Drafter, HistoryDrafter, LookupDrafter, ModelDrafter
+from .drafters.crossvocab import CrossVocabDrafter, same_vocabulary
 from .engine import Engine, Result
 from .errors import SettingsError
 from .verify import SamplingParams
-from .vocab import check_compatible
 
 
 BACKENDS = ("auto", "llama.cpp", "torch")
@@ -113,8 +113,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), history drafting
     (`draft_model="history"`: a suffix trie over the prompt and this process's earlier outputs), or a chain
     (`lookup=True` / `history=True` with a model: history, then lookup, then the model when neither has
-    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). The draft's
-    vocabulary is checked against the target's. draft_vocab: a llama.cpp draft with more token ids than this
+    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). A draft with
+    another vocabulary (another tokenizer) drafts through text (drafters/crossvocab.py). draft_vocab: a llama.cpp draft with more token ids than this
     runs from a copy whose output layer keeps only the first draft_vocab ids (speculant/vocabcut.py: a
     cheaper draft step, still lossless); 0 keeps them all. A request's prediction (Engine.stream) goes
     before all of them."""
@@ -137,7 +137,6 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         return _chain(history_drafter, lookup_drafter, own)
     if not draft_model or draft_model in FREE_DRAFTERS:
         return _chain(history_drafter, lookup_drafter)
-    models.check_draft(draft_model, target.name, target.n_vocab)  # before a registered draft is pulled
     if parallel > 1 and draft_vocab:
         raise SettingsError("a draft with a cut vocabulary (--draft-vocab) serves one request at a time: use "
                             "--parallel 1 or --draft-vocab 0")
@@ -146,10 +145,10 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
                          device=device if draft_backend == "torch" else None, parallel=parallel)
     keep = None
     try:
-        check_compatible(target.vocab_info(), draft.vocab_info(), target.name, draft.name)
+        same_vocab = same_vocabulary(target, draft)
         from .backends.llamacpp import LlamaCppBackend
 
-        if draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
+        if same_vocab and draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
             from .vocabcut import load_cut_draft
 
             draft.close()
@@ -158,7 +157,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
     except BaseException:
         draft.close()
         raise
-    model_drafter = ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep, map_inputs=False)
+    model_drafter = (ModelDrafter(draft, target.n_vocab, p_min=draft_p_min, keep=keep, map_inputs=False) if same_vocab
+                     else CrossVocabDrafter(draft, target, p_min=draft_p_min))
     return _chain(history_drafter, lookup_drafter, model_drafter)
 
 
@@ -192,8 +192,6 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     for name in (model, draft_model):
         if name and name not in FREE_DRAFTERS and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
-    if draft_model:
-        models.check_draft(draft_model, model)
     if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
         raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
     target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device,

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
-from .errors import ModelError, VocabMismatchError
+from .errors import ModelError
 
 GGUF_MAGIC = b"GGUF"
 
@@ -232,26 +232,6 @@ def resolve(model: str) -> Path:
         return path
     known = ", ".join(sorted(REGISTRY) + sorted(local_entries()))
     raise ModelError(f"unknown model {model!r}: not a registered name ({known}) nor a path to a .gguf file")
-
-
-def check_draft(draft: str, target: str, target_n_vocab: Optional[int] = None) -> None:
-    """Refuse a registered draft whose tokenizer cannot serve the target, before anything is downloaded.
-
-    target: a registered name (compared by tokenizer family) or any model when target_n_vocab, the loaded
-    target's vocabulary size, is given. Anything unregistered is checked after loading (vocab.py)."""
-    from .vocab import MAX_PADDING_DIFFERENCE
-
-    d = spec_of(draft)
-    if d is None or not d.tokenizer:
-        return
-    t = spec_of(target)
-    where = f"draft {draft} cannot draft for target {target}"
-    if t is not None and t.tokenizer and t.tokenizer != d.tokenizer:
-        raise VocabMismatchError(f"{where}: tokenizers differ (target {t.tokenizer}, draft {d.tokenizer}; "
-                                 f"vocabulary sizes differ: target {t.n_vocab}, draft {d.n_vocab})")
-    if target_n_vocab and abs(target_n_vocab - d.n_vocab) > MAX_PADDING_DIFFERENCE:
-        raise VocabMismatchError(f"{where}: vocabulary sizes differ (target {target_n_vocab}, draft {d.n_vocab} "
-                                 f"{d.tokenizer} tokens)")
 
 
 def _progress(total: int, desc: str):

@@ -407,8 +407,6 @@ def cmd_plan(args) -> int:
                             "planned (the torch backend holds bf16 weights: about 2 bytes per parameter)")
     if args.draft_max < 0:
         raise SettingsError(f"--draft-max must be >= 0, got {args.draft_max}")
-    if args.model_draft:
-        models.check_draft(args.model_draft, args.model)
     mem = parse_size(args.mem) if args.mem is not None else None
     p = plan(args.model, args.model_draft, n_ctx=args.ctx or 4096, draft_max=args.draft_max,
              n_prompt=args.prompt_tokens, parallel=args.parallel)

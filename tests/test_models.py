@@ -83,15 +83,3 @@ def test_next_pull_sweeps_killed_pulls_but_not_live_ones(home, monkeypatch):
     (folder / "tiny.gguf").write_bytes(b"GGUF")
     models.pull("tiny", quiet=True)
     assert sorted(p.name for p in folder.glob(".pull-*")) == [".pull-x-live", ".pull-x-new"]
-
-
-def test_registry_knows_the_tokenizer_before_any_download():
-    from speculant.errors import VocabMismatchError
-
-    models.check_draft(models.DEFAULT_DRAFT, models.DEFAULT_TARGET)
-    models.check_draft(models.DEFAULT_DRAFT, "some/path.gguf", target_n_vocab=151936 - 100)  # padding differs
-    with pytest.raises(VocabMismatchError, match="tokenizers differ.*qwen2.5.*smollm2"):
-        models.check_draft("smollm2-135m-instruct", models.DEFAULT_TARGET)
-    with pytest.raises(VocabMismatchError, match="vocabulary sizes differ"):
-        models.check_draft(models.DEFAULT_DRAFT, "some/path.gguf", target_n_vocab=49152)
-    models.check_draft("some/other.gguf", models.DEFAULT_TARGET)  # unregistered: checked after loading

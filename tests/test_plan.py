@@ -114,7 +114,6 @@ def test_cli_json_and_mem():
     (["-c", "8"], "--ctx-size must be"),
     (["--prompt-tokens", "9000", "-c", "4096"], "--prompt-tokens must be"),
     (["--backend", "torch"], "plan covers the llama.cpp backend"),
-    (["-md", SMALL], "cannot draft for target"),
     (["-np", "0"], "--parallel must be"),
 ])
 def test_cli_bad_input(args, needle):

@@ -99,6 +99,16 @@ class Backend(ABC):
     def token_bytes(self, token: int) -> bytes:
         """The raw bytes a token renders to (special tokens render as nothing)."""
 
+    def token_text(self, token: int) -> bytes:
+        """The token's bytes, control tokens written out (b"<|im_end|>"): text another tokenizer can read."""
+        piece = self.token_bytes(token)
+        if piece:
+            return piece
+        if not hasattr(self, "_control_texts"):
+            self._control_texts = self.vocab_info().texts
+        texts = self._control_texts
+        return texts[token] if 0 <= token < len(texts) else b""
+
     def detokenize(self, tokens: Sequence[int]) -> str:
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 

@@ -150,6 +150,7 @@ class LlamaCppBackend(Backend):
         self.exact_numerics = not exactness_problems()
         self._passes: list = []  # per cached position, the pass that computed it: _pass_kind(start, n)
         self._piece_cache: dict[int, bytes] = {}
+        self._text_cache: dict[int, bytes] = {}  # token_text: control tokens written out
         self._eog = {t for t in range(self.n_vocab) if ll.llama_vocab_is_eog(self._vocab, t)}
 
     # -- decode loop --------------------------------------------------------------------------------------
@@ -330,6 +331,17 @@ class LlamaCppBackend(Backend):
                 n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
             piece = self._piece_cache[token] = buf.raw[:n]
         return piece
+
+    def token_text(self, token: int) -> bytes:
+        text = self._text_cache.get(token)
+        if text is None:
+            buf = ctypes.create_string_buffer(64)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, True)
+            if n < 0:
+                buf = ctypes.create_string_buffer(-n)
+                n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, True)
+            text = self._text_cache[token] = buf.raw[:n]
+        return text
 
     def grammar(self, gbnf: str, root: str = "root"):
         from ..constraint import GrammarConstraint

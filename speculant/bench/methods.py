@@ -32,14 +32,25 @@ class MethodContext:
     notes: dict = field(default_factory=dict)  # method name -> what it chose (reported)
     cut_draft: Optional[Backend] = None  # the draft model with its vocabulary cut (--draft-vocab), when needed
     cut_keep: Optional[object] = None  # its kept target ids (np.ndarray)
+    same_vocab: dict = field(default_factory=dict)  # id(target) -> does the draft share its vocabulary
 
     def model_drafter(self, target: Optional[Backend] = None, cut: bool = False):
+        """The draft model's drafter for `target` (default: the llama.cpp one): its own ids when it shares the
+        target's vocabulary, else through text (drafters/crossvocab.py)."""
+        from ..drafters.crossvocab import CrossVocabDrafter, same_vocabulary
         from ..drafters.model import ModelDrafter
 
         draft = self.cut_draft if cut else self.draft
         if draft is None:
             raise SettingsError("this method needs a draft model: pass -md")
-        return ModelDrafter(draft, (target or self.target).n_vocab, p_min=self.draft_p_min,
+        target = target or self.target
+        if id(target) not in self.same_vocab:
+            self.same_vocab[id(target)] = same_vocabulary(target, self.draft)
+        if not self.same_vocab[id(target)]:
+            if cut:
+                raise SettingsError("a cut draft vocabulary needs a draft that shares the target's vocabulary")
+            return CrossVocabDrafter(draft, target, p_min=self.draft_p_min)
+        return ModelDrafter(draft, target.n_vocab, p_min=self.draft_p_min,
                             keep=self.cut_keep if cut else None, map_inputs=False)
 
     def torch(self) -> Backend:

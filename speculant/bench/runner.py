@@ -127,11 +127,13 @@ def measure_costs(target, draft, context: list[int], max_n: int, repeats: int = 
             target.rewind(base)
         steps[str(n)] = step
     if draft is not None:
+        if draft.n_vocab != target.n_vocab:  # another vocabulary: the same text in its own ids
+            context = draft.tokenize(target.detokenize(context), add_special=False)[:len(context)] or [0]
         draft.sync(context, n_logits=1)
         dbase = len(draft.tokens)
 
         def dstep():
-            draft.eval(probe[:1], n_logits=1)
+            draft.eval(context[:1], n_logits=1)
             draft.rewind(dbase)
         steps["draft"] = dstep
     times: dict[str, list[float]] = {key: [] for key in steps}
@@ -359,9 +361,9 @@ def check_torch(methods: list[Method]) -> None:
 
 def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
     """Load what `methods` need, once each: the target on llama.cpp, the target on torch, the draft model
-    (on llama.cpp), checking the draft's vocabulary against each target it drafts for."""
+    (on llama.cpp), noting whether the draft shares each target's vocabulary."""
     from ..api import load_backend
-    from ..vocab import check_compatible
+    from ..drafters.crossvocab import same_vocabulary
 
     ctx = MethodContext(None, None, draft_p_min=cfg.draft_p_min, options=dict(cfg.extra))
     try:
@@ -375,8 +377,8 @@ def load_context(cfg: BenchConfig, methods: list[Method]) -> MethodContext:
         if drafted_for:
             ctx.draft = load_backend(cfg.draft_model, n_ctx=min(t.n_ctx for t in drafted_for), threads=cfg.threads,
                                      role="draft")
-            for t in drafted_for:
-                check_compatible(t.vocab_info(), ctx.draft.vocab_info(), t.name, ctx.draft.name)
+            for t in drafted_for:  # say now when the draft drafts through text
+                ctx.same_vocab[id(t)] = same_vocabulary(t, ctx.draft)
         if any(m.cut for m in methods):
             from .. import models
             from ..vocabcut import load_cut_draft
