@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 from functools import lru_cache
+from typing import Optional
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -27,15 +29,34 @@ def _compile(template: str):
 
 
 def render(template: str | None, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
-           add_generation_prompt: bool = True) -> str:
-    """Render `messages` ([{"role", "content"}]) into the prompt text the model was trained on."""
+           add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> str:
+    """Render `messages` ([{"role", "content"}], plus an assistant's "tool_calls" and a tool result's
+    "tool_call_id") into the prompt text the model was trained on. tools: OpenAI function tools, handed to a
+    template that takes them; otherwise described in the system message (tools.system_prompt)."""
     for m in messages:
-        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str) or \
+                not isinstance(m.get("content"), str) and not (m.get("content") is None and m.get("tool_calls")):
             raise SettingsError("each chat message needs a string 'role' and a string 'content'")
+    template = template or CHATML
+    messages = [dict(m, content=m.get("content") or "") for m in messages]
+    if tools and "tools" not in template:
+        from .tools import CLOSE, OPEN, system_prompt
+
+        for m in messages:  # earlier calls as the text the model would have written
+            for c in m.pop("tool_calls", None) or ():
+                call = json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
+                                  ensure_ascii=False)
+                m["content"] += f"\n{OPEN}\n{call}\n{CLOSE}"
+        described = system_prompt(tools)
+        if messages and messages[0]["role"] == "system":
+            messages[0]["content"] += "\n\n" + described
+        else:
+            messages.insert(0, {"role": "system", "content": described})
+        tools = None
     try:
-        return _compile(template or CHATML).render(
+        return _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=bos_token, eos_token=eos_token,
+            bos_token=bos_token, eos_token=eos_token, **({"tools": tools} if tools else {}),
         )
     except SettingsError:
         raise

@@ -106,9 +106,9 @@ class Engine:
                       long_max=self.long_max)
 
     # -- prompts ------------------------------------------------------------------------------------------
-    def chat_prompt(self, messages: list[dict]) -> str:
+    def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
         return chat.render(self.target.chat_template(), messages, bos_token=self.target.bos_token,
-                           eos_token=self.target.eos_token)
+                           eos_token=self.target.eos_token, tools=tools)
 
     def tokenize_prompt(self, prompt: str | Sequence[int], *, is_chat: bool = False) -> list[int]:
         if isinstance(prompt, str):

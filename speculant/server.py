@@ -41,6 +41,7 @@ from typing import Any, AsyncIterator, Optional
 
 from .errors import ContextOverflowError, SpeculantError
 from .rpc import WorkerError
+from .tools import ToolsError, held_back, message_for_template, parse_calls, parse_tools
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -115,6 +116,7 @@ class Job:
     constraint: Any = None  # its constraint.Constraint, made when the prompt is tokenized
     grammar_param: str = "grammar"  # the request field it came from
     n: int = 1  # choices: generations of the same prompt, each on a slot of its own (they decode at once)
+    tools: Any = None  # tools.Tools when the request gives tools the model may call
     cut: bool = False  # generation stopped early because the server is shutting down
 
 
@@ -211,12 +213,25 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     n = _get_int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, 1):
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
-    for name in ("echo", "suffix", "tools", "functions"):
+    for name in ("echo", "suffix", "functions", "function_call") + (() if chat else ("tools", "tool_choice")):
         if body.get(name) not in (None, False, {}, []):
-            raise _bad(f"'{name}' is not supported by this server", name, "unsupported_parameter")
+            raise _bad(f"'{name}' is not supported by this server{'' if chat else ' on /v1/completions'}"
+                       f"{'; use tools' if name.startswith('function') else ''}", name, "unsupported_parameter")
     logprobs = _get_logprobs(body, chat)
     grammar = _get_grammar(body)
     grammar_param = "grammar" if body.get("grammar") is not None else "response_format"
+    tools = None
+    if chat:
+        try:
+            tools = parse_tools(body)
+            tools_grammar = tools.grammar() if tools is not None else None
+        except ToolsError as e:
+            raise _bad(str(e), e.param) from None
+        if tools_grammar is not None:
+            if grammar is not None:
+                raise _bad(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot also "
+                           f"follow '{grammar_param}'", "tool_choice")
+            grammar, grammar_param = tools_grammar, "tools"
 
     if chat:
         messages = body.get("messages")
@@ -241,8 +256,14 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             if not isinstance(content, str):
                 raise _bad(f"messages[{i}].content must be a string or an array of text parts", "messages",
                            "invalid_type")
-            flat.append({"role": m["role"], "content": content})
-        prompt = render_chat(flat)  # SettingsError -> 400 by the caller
+            if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+                raise _bad(f"messages[{i}].tool_calls must be an array", "messages", "invalid_type")
+            try:
+                flat.append(message_for_template({**m, "content": content}))
+            except ToolsError as e:
+                raise _bad(f"messages[{i}]: {e}", "messages") from None
+        # tool_choice none: the model is not told of the tools (so it cannot call them)
+        prompt = render_chat(flat, tools.functions if tools is not None and tools.active else None)
         max_tokens = body.get("max_completion_tokens")
         max_tokens = _get_int(body, "max_completion_tokens" if max_tokens is not None else "max_tokens",
                               cfg.max_tokens, lo=1)
@@ -292,7 +313,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     except SpeculantError as e:
         raise _bad(str(e)) from None
     return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
-               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n)
+               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
+               tools=tools if tools is not None and tools.active else None)
 
 
 def _get_grammar(body: dict) -> Optional[str]:
@@ -846,7 +868,8 @@ def create_app(engine, cfg: ServerConfig):
                                code="server_overloaded")
 
             async def sse():
-                sent = [0] * len(jobs)
+                sent = [0] * len(jobs)  # characters of each choice's text sent
+                streamed = [""] * len(jobs)  # each choice's text so far
                 given = [0] * len(jobs)  # logprobs entries the events carried
                 pending: list[list] = [[] for _ in jobs]  # of those, the ones not sent yet (no text came with them)
                 queue: asyncio.Queue = asyncio.Queue()
@@ -877,20 +900,32 @@ def create_app(engine, cfg: ServerConfig):
                             if jobs[i].cut:
                                 continue
                             result = results[i]
-                            rest = result.text[sent[i]:]
+                            rest, finish, calls = result.text[sent[i]:], result.finish_reason, []
+                            if job.tools is not None:  # the held-back text: its tool calls, and any text around
+                                parsed = parse_calls(rest, job.tools.names)
+                                if parsed.calls:
+                                    rest, calls = parsed.content or "", parsed.calls
+                                    finish = "tool_calls" if finish == "stop" else finish
                             if result.logprobs is not None:
                                 pending[i] += result.logprobs[given[i]:]
                             if rest or pending[i]:
                                 yield chunk([choice(i, rest, None, logprobs=pending[i])])
-                            yield chunk([choice(i, None, result.finish_reason)], **_message(result))
+                            if calls:
+                                yield chunk([{"index": i, "delta": {"tool_calls": [
+                                    {"index": j, **c} for j, c in enumerate(calls)]}, "logprobs": None,
+                                    "finish_reason": None}])
+                            yield chunk([choice(i, None, finish)], **_message(result))
                             continue
                         on_token()
                         pending[i] += event.logprobs
                         given[i] += len(event.logprobs)
                         if event.text:
-                            sent[i] += len(event.text)
-                            yield chunk([choice(i, event.text, None, logprobs=pending[i])])
-                            pending[i] = []
+                            streamed[i] += event.text
+                            ready = len(streamed[i]) - (held_back(streamed[i]) if job.tools is not None else 0)
+                            if ready > sent[i]:
+                                yield chunk([choice(i, streamed[i][sent[i]:ready], None, logprobs=pending[i])])
+                                sent[i] = ready
+                                pending[i] = []
                     if any(j.cut for j in jobs):
                         status = "503"
                         yield f"data: {json.dumps(cut_error().body())}\n\n"
@@ -936,8 +971,13 @@ def create_app(engine, cfg: ServerConfig):
         for i, result in enumerate(results):
             logprobs = formats[i](result.logprobs) if result.logprobs is not None else None
             if chat:
-                choices.append({"index": i, "message": {"role": "assistant", "content": result.text},
-                                "logprobs": logprobs, "finish_reason": result.finish_reason})
+                message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
+                if job.tools is not None:
+                    parsed = parse_calls(result.text, job.tools.names)
+                    if parsed.calls:
+                        message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                        finish = "tool_calls" if finish == "stop" else finish
+                choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": result.text, "logprobs": logprobs,
                                 "finish_reason": result.finish_reason})

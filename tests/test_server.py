@@ -271,6 +271,72 @@ def test_json_mode_schema_and_grammar(server, client):
     assert g["choices"][0]["text"] in (" yes", " no") and g["choices"][0]["finish_reason"] == "stop"
 
 
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+TIME_TOOL = {"type": "function", "function": {
+    "name": "get_time", "parameters": {"type": "object", "properties": {"zone": {"type": "string"}},
+                                       "required": ["zone"]}}}
+
+
+def test_tool_calls(server, client):
+    """tools + tool_choice: a required (or named) call is constrained by the tools' schemas and comes back as
+    OpenAI tool_calls, streamed alike; the call and the tool's result render into the next prompt."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    # one call (SmolLM2 would go on calling while parallel calls are allowed)
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                       tool_choice="required", max_tokens=60, temperature=0, parallel_tool_calls=False)
+    c = r.choices[0]
+    assert c.finish_reason == "tool_calls" and c.message.tool_calls, c
+    call = c.message.tool_calls[0]
+    assert call.type == "function" and call.id.startswith("call_")
+    args = json.loads(call.function.arguments)
+    if call.function.name == "get_weather":
+        assert isinstance(args["city"], str)
+    else:
+        assert call.function.name == "get_time" and isinstance(args["zone"], str)
+    named = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                           tool_choice={"type": "function", "function": {"name": "get_time"}},
+                                           max_tokens=60, temperature=0, parallel_tool_calls=False)
+    assert [t.function.name for t in named.choices[0].message.tool_calls] == ["get_time"]
+    assert named.usage.model_extra["speculative"]["drafted"] > 0
+    chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 tool_choice="required", max_tokens=60, temperature=0, stream=True,
+                                                 parallel_tool_calls=False))
+    deltas = [t for ch in chunks if ch.choices for t in ch.choices[0].delta.tool_calls or ()]
+    assert [(d.index, d.function.name, d.function.arguments) for d in deltas] == \
+        [(i, t.function.name, t.function.arguments) for i, t in enumerate(c.message.tool_calls)]
+    assert not "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert chunks[-1].choices[0].finish_reason == "tool_calls"
+    # the conversation goes on with the call and its result
+    follow = client.chat.completions.create(model=MODEL, max_tokens=12, temperature=0, tools=[WEATHER_TOOL], messages=[
+        *messages, {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temp_c": 21}'}])
+    assert follow.choices[0].finish_reason in ("stop", "length", "tool_calls")
+    # tool_choice none: the model is not told of the tools; an answer in plain text
+    plain = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    none = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"functions": [{"name": "f"}]}, "functions"),
+])
+def test_bad_tools_are_400s(server, body, param):
+    r = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+    r = _post(server, "/v1/completions", {"prompt": "hi", "tools": [WEATHER_TOOL]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+    r = _post(server, "/v1/chat/completions", {"messages": [
+        {"role": "assistant", "content": None, "tool_calls": [{"type": "function",
+                                                               "function": {"name": "f", "arguments": "{x"}}]}]})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+
+
 def test_n_choices_are_the_answers_of_their_seeds(server, client):
     """n > 1: choice i samples with the request's seed + i, on a slot of its own (they decode at once, their
     passes merged), and is exactly what a lone request with that seed answers; streamed alike, by index."""

@@ -148,8 +148,11 @@ class CrossVocabDrafter(Drafter):
             logits = self.backend.eval([token])[0]
             steps += 1
         n = self.allowed_prefix(proposed)
+        # the policy prices a draft as k steps of c (k·c); a target token takes this draft ~1.5 of its steps
+        # (its tokens are shorter, and the last one is only known whole after the next), so its steps are
+        # counted per proposed token: c becomes the cost of one proposed token
         return Draft(proposed[:n], None, self.name, catchup_time, catchup_tokens=behind if catchup_time else 0,
-                     keys=keys[:n], steps=steps, paid=self.name)
+                     keys=keys[:n], steps=len(proposed) or steps, paid=self.name)
 
     def prepare(self, context: Sequence[int]) -> None:
         draft_context = self._draft_context(context)

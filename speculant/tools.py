@@ -1,0 +1,215 @@
+"""OpenAI tool calling: the tools go into the prompt through the model's chat template, and the model's
+<tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (the Hermes format Qwen2.5 is trained on) come
+back as `tool_calls`. tool_choice "required" or a named function constrains the output with a grammar built
+from the tools' parameter schemas, so the call is well-formed by construction (and still decoded exactly:
+constraint.py)."""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Optional
+
+from .errors import SettingsError
+
+OPEN, CLOSE = "<tool_call>", "</tool_call>"
+_BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+class ToolsError(SettingsError):
+    """A malformed `tools` / `tool_choice`; `param` names the request field."""
+
+    def __init__(self, message: str, param: str = "tools"):
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Tools:
+    """A request's tools: the functions (OpenAI's {"type": "function", "function": {...}} objects, as the chat
+    template reads them), and what tool_choice asks."""
+
+    functions: list[dict]
+    choice: str = "auto"  # "auto" | "required" | "none"
+    forced: Optional[str] = None  # tool_choice naming one function
+    parallel: bool = True  # parallel_tool_calls: more than one call per answer
+
+    @property
+    def names(self) -> set:
+        return {f["function"]["name"] for f in self.functions}
+
+    @property
+    def active(self) -> bool:
+        return bool(self.functions) and self.choice != "none"
+
+    def grammar(self) -> Optional[str]:
+        """GBNF for answers that must call a tool (required / named), else None."""
+        if not self.active or (self.choice == "auto" and self.forced is None):
+            return None
+        from .constraint import json_grammar
+
+        wanted = [f for f in self.functions if self.forced in (None, f["function"]["name"])]
+        calls = [{"type": "object", "properties": {"name": {"const": f["function"]["name"]},
+                                                   "arguments": f["function"].get("parameters") or {"type": "object"}},
+                  "required": ["name", "arguments"]} for f in wanted]
+        try:
+            gbnf = json_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls})
+        except SettingsError as e:
+            raise ToolsError(f"cannot build a grammar from the tools' parameters: {e}") from None
+        # the converter's root becomes one call; several calls are one block each, on their own lines
+        gbnf = re.sub(r"^root ::=", "tool-call-json ::=", gbnf, flags=re.M)
+        more = ' ("\\n" tool-call)*' if self.parallel else ""
+        return (f'root ::= tool-call{more}\ntool-call ::= "{OPEN}\\n" tool-call-json "\\n{CLOSE}"\n' + gbnf)
+
+
+def parse_tools(body: dict) -> Optional[Tools]:
+    """The request's `tools`, `tool_choice` and `parallel_tool_calls` -> Tools, or None without tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ToolsError("'parallel_tool_calls' must be a boolean", "parallel_tool_calls")
+    if tools in (None, []):
+        if choice not in (None, "none", "auto"):
+            raise ToolsError("'tool_choice' needs 'tools'", "tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ToolsError("'tools' must be an array of {type: function, function: {name, parameters}} objects")
+    functions, names = [], set()
+    for i, tool in enumerate(tools):
+        if not isinstance(tool, dict) or tool.get("type") != "function" or not isinstance(tool.get("function"), dict):
+            raise ToolsError(f"tools[{i}] must be an object with type 'function' and a 'function' object")
+        fn = tool["function"]
+        name = fn.get("name")
+        if not isinstance(name, str) or not _NAME.match(name):
+            raise ToolsError(f"tools[{i}].function.name must be 1-64 letters, digits, '_' or '-'")
+        if name in names:
+            raise ToolsError(f"tools[{i}]: the function name {name!r} appears twice")
+        names.add(name)
+        params = fn.get("parameters")
+        if params is not None and not isinstance(params, dict):
+            raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if fn.get("description") is not None and not isinstance(fn["description"], str):
+            raise ToolsError(f"tools[{i}].function.description must be a string")
+        functions.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters")
+                                                           if fn.get(k) is not None}})
+    forced = None
+    if choice is None:
+        choice = "auto"
+    elif isinstance(choice, dict):
+        fn = choice.get("function")
+        if choice.get("type") != "function" or not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise ToolsError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
+                             "tool_choice")
+        if fn["name"] not in names:
+            raise ToolsError(f"tool_choice names {fn['name']!r}, which is not among the tools", "tool_choice")
+        forced, choice = fn["name"], "required"
+    elif choice not in ("none", "auto", "required"):
+        raise ToolsError("'tool_choice' must be none, auto, required or {type: function, function: {name}}",
+                         "tool_choice")
+    return Tools(functions, choice, forced, parallel)
+
+
+def system_prompt(functions: list[dict]) -> str:
+    """How the tools are described to a model whose chat template does not take tools (Qwen2.5's wording)."""
+    listing = "\n".join(json.dumps(f, ensure_ascii=False) for f in functions)
+    return ("# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided "
+            f"with function signatures within <tools></tools> XML tags:\n<tools>\n{listing}\n</tools>\n\nFor each "
+            f"function call, return a json object with function name and arguments within {OPEN}{CLOSE} XML "
+            f'tags:\n{OPEN}\n{{"name": <function-name>, "arguments": <args-json-object>}}\n{CLOSE}')
+
+
+@dataclass
+class Parsed:
+    content: Optional[str]  # the text outside the calls (None when there is none)
+    calls: list[dict] = field(default_factory=list)  # OpenAI tool_calls
+
+
+def _call(obj, names: Optional[set]) -> Optional[dict]:
+    """{"name": ..., "arguments": ...} -> an OpenAI tool call, or None when it is not one (or, with names,
+    not one of the request's functions)."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or names is not None and obj["name"] not in names:
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": obj["name"],
+                         "arguments": args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)}}
+
+
+def _bare(text: str, names: Optional[set]) -> list[dict]:
+    """An answer that is nothing but a call's JSON (or a list of them), maybe in a ```json fence: small models
+    often write that instead of the tags. Only calls to the request's own functions count."""
+    body = text.strip()
+    fence = re.fullmatch(r"```(?:json)?\s*(.*?)\s*```", body, re.S)
+    if fence:
+        body = fence.group(1)
+    if not body.startswith(("{", "[")):
+        return []
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return []
+    calls = [_call(o, names) for o in (obj if isinstance(obj, list) else [obj])]
+    return calls if calls and all(calls) else []
+
+
+def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
+    """The model's answer -> its text and its tool calls. A block that is not a JSON object with a string
+    "name" stays in the text (the client sees what the model wrote rather than losing it). names: the
+    request's functions, which an answer without tags must call to be read as calls."""
+    calls, kept, pos = [], [], 0
+    for m in _BLOCK.finditer(text):
+        try:
+            call = _call(json.loads(m.group(1)), None)
+        except ValueError:
+            continue
+        if call is None:
+            continue
+        kept.append(text[pos:m.start()])
+        pos = m.end()
+        calls.append(call)
+    kept.append(text[pos:])
+    if not calls:
+        bare = _bare(text, names) if names else []
+        return Parsed(None, bare) if bare else Parsed(text or None, [])
+    content = "".join(kept).strip()
+    return Parsed(content or None, calls)
+
+
+def held_back(text: str) -> int:
+    """How many characters at the end of a streamed text must wait: a tool call (or what may be the start of
+    one) is sent as tool_calls once the answer is complete, not as content. An answer that starts like JSON
+    (or a code fence) waits whole: it may be a call written without the tags."""
+    stripped = text.lstrip()
+    if stripped[:1] in ("{", "[") or stripped.startswith("```") or (stripped and "```".startswith(stripped)):
+        return len(text)
+    at = text.find(OPEN)
+    if at >= 0:
+        return len(text) - at
+    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
+        if OPEN.startswith(text[-n:]):
+            return n
+    return 0
+
+
+def message_for_template(m: dict) -> dict:
+    """An OpenAI chat message -> what chat templates read: an assistant's tool_calls with their arguments as
+    objects (templates write them with `tojson`), a tool result's content as text."""
+    out = {k: v for k, v in m.items() if k in ("role", "content", "name", "tool_call_id")}
+    if m.get("tool_calls"):
+        calls = []
+        for c in m["tool_calls"]:
+            fn = c.get("function") if isinstance(c, dict) else None
+            if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+                raise ToolsError("each tool_calls entry needs a 'function' with a string 'name'", "messages")
+            args = fn.get("arguments", "{}")
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except ValueError:
+                    raise ToolsError(f"tool call {fn['name']!r}: 'arguments' is not valid JSON", "messages") from None
+            calls.append({"id": c.get("id"), "type": "function", "function": {"name": fn["name"], "arguments": args}})
+        out["tool_calls"] = calls
+    return out

@@ -1,0 +1,137 @@
+"""Tool calling (speculant/tools.py): request validation, the prompt the template renders, the grammar that
+forces calls, and the answers parsed back into OpenAI tool_calls."""
+
+import json
+
+import pytest
+
+from speculant import chat
+from speculant.tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_calls, parse_tools
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "Current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"},
+                                                    "unit": {"type": "string", "enum": ["c", "f"]}},
+                   "required": ["city"]}}}
+ADD = {"type": "function", "function": {"name": "add", "parameters": {
+    "type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}, "required": ["a", "b"]}}}
+
+
+def test_parse_tools_and_choice():
+    assert parse_tools({}) is None and parse_tools({"tools": []}) is None
+    t = parse_tools({"tools": [WEATHER, ADD]})
+    assert t.choice == "auto" and t.forced is None and t.active and t.grammar() is None
+    assert [f["function"]["name"] for f in t.functions] == ["get_weather", "add"]
+    assert not parse_tools({"tools": [WEATHER], "tool_choice": "none"}).active
+    t = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert t.choice == "required" and t.forced == "add"
+
+
+@pytest.mark.parametrize("body, param, needle", [
+    ({"tools": {"a": 1}}, "tools", "must be an array"),
+    ({"tools": [{"type": "retrieval"}]}, "tools", "type 'function'"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name"}}]}, "tools", "letters, digits"),
+    ({"tools": [WEATHER, WEATHER]}, "tools", "appears twice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": "x"}}]}, "tools", "JSON schema"),
+    ({"tools": [WEATHER], "tool_choice": "always"}, "tool_choice", "must be none, auto, required"),
+    ({"tools": [WEATHER], "tool_choice": {"type": "function", "function": {"name": "add"}}}, "tool_choice",
+     "not among the tools"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+])
+def test_bad_tools_are_named(body, param, needle):
+    with pytest.raises(ToolsError, match=needle) as e:
+        parse_tools(body)
+    assert e.value.param == param
+
+
+def test_parse_calls():
+    text = f'Let me check.\n{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}\n' \
+           f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}'
+    p = parse_calls(text)
+    assert p.content == "Let me check."
+    assert [c["function"]["name"] for c in p.calls] == ["get_weather", "add"]
+    assert json.loads(p.calls[0]["function"]["arguments"]) == {"city": "Paris"}
+    assert all(c["type"] == "function" and c["id"].startswith("call_") for c in p.calls)
+    assert len({c["id"] for c in p.calls}) == 2
+    only = parse_calls(f'{OPEN}{{"name": "add", "arguments": {{}}}}{CLOSE}')
+    assert only.content is None and len(only.calls) == 1
+    # not a call: kept as the text the model wrote
+    for text in ["no tools here", f"{OPEN} not json {CLOSE}", f'{OPEN}{{"arguments": {{}}}}{CLOSE}',
+                 f'{OPEN}{{"name": "add"']:
+        p = parse_calls(text)
+        assert p.calls == [] and p.content == text
+
+
+def test_a_call_written_without_the_tags_counts_only_for_the_requests_functions():
+    bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+    names = {"get_weather", "add"}
+    for text in [bare, f"```json\n{bare}\n```", f" {bare}\n"]:
+        p = parse_calls(text, names)
+        assert p.content is None and [c["function"]["name"] for c in p.calls] == ["get_weather"], text
+    two = parse_calls(f'[{bare}, {{"name": "add", "arguments": {{"a": 1, "b": 2}}}}]', names)
+    assert [c["function"]["name"] for c in two.calls] == ["get_weather", "add"]
+    for text, known in [(bare, None), (bare, {"add"}), ('{"name": "get_weather", "city": "Paris"} and more', names),
+                        ('{"answer": 42}', names)]:
+        p = parse_calls(text, known)
+        assert p.calls == [] and p.content == text
+
+
+def test_streamed_text_holds_back_what_may_start_a_call():
+    assert held_back('{"name": "add"') == len('{"name": "add"') and held_back("  ``") == 4
+    assert held_back("`x`") == 0
+    assert held_back("Hello") == 0
+    assert held_back("Hello <") == 1 and held_back("Hello <tool_") == len("<tool_")
+    assert held_back("Hello <b>") == 0
+    assert held_back(f"Hi {OPEN}\n{{\"name\"") == len(f"{OPEN}\n{{\"name\"")
+
+
+def test_messages_with_calls_and_results_render_through_the_template():
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    msgs = [message_for_template(m) for m in [
+        {"role": "user", "content": "Weather in Paris?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "call_1", "content": '{"temp": 21}'}]]
+    assert msgs[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}
+    # a template without tools (ChatML): tools described in a system message, the call written out
+    text = chat.render(None, msgs, tools=[WEATHER])
+    assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
+    assert f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}' in text
+    assert "<|im_start|>tool\n{\"temp\": 21}" in text
+    with pytest.raises(ToolsError, match="not valid JSON"):
+        message_for_template({"role": "assistant", "content": "", "tool_calls": [
+            {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]})
+
+
+def test_a_template_that_takes_tools_gets_them(qwen_target):
+    template = qwen_target.chat_template()
+    assert "tools" in template
+    text = chat.render(template, [{"role": "user", "content": "Weather in Paris?"}], tools=[WEATHER])
+    assert "# Tools" in text and json.dumps(WEATHER["function"]["parameters"]["properties"]["city"]) in text
+    assert text.count("<|im_start|>system") == 1 and text.endswith("<|im_start|>assistant\n")
+
+
+def _accepts(backend, gbnf, text):
+    """Does the grammar accept this exact text, token by token (the model's tokenization of it)?"""
+    c = backend.grammar(gbnf)
+    for t in backend.tokenize(text, add_special=False):
+        if not c.allowed([t])[0]:
+            return False
+        c.accept(t)
+    return any(c.allowed(sorted(c.eog)))
+
+
+def test_required_calls_follow_the_tools_schemas(qwen_target):
+    t = parse_tools({"tools": [WEATHER, ADD], "tool_choice": "required"})
+    g = t.grammar()
+    good = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    two = good + f'\n{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2.5}}}}\n{CLOSE}'
+    assert _accepts(qwen_target, g, good) and _accepts(qwen_target, g, two)
+    assert not _accepts(qwen_target, g, "Sure! " + good)  # text first: no
+    assert not _accepts(qwen_target, g, good.replace("get_weather", "get_time"))  # an unknown function
+    assert not _accepts(qwen_target, g, good.replace('{"city": "Paris"}', '{"town": "Paris"}'))  # its schema
+    one = parse_tools({"tools": [WEATHER, ADD], "tool_choice": "required", "parallel_tool_calls": False}).grammar()
+    assert _accepts(qwen_target, one, good) and not _accepts(qwen_target, one, two)
+    named = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
+    assert not _accepts(qwen_target, named.grammar(), good)
+    assert _accepts(qwen_target, named.grammar(), f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}')
