@@ -63,3 +63,68 @@ class TableBackend(Backend):
 
     def vocab_info(self):
         return VocabInfo(self.n_vocab, "test", list(self.texts), {"bos": None, "eos": self.eos}, frozenset())
+
+
+# -- the distribution tests' tools: the exact law of the first n tokens, a seeded sample of them, a chi-square --
+def exact_joint(target: TableBackend, prompt: Sequence[int], params, n: int = 3, adjust=None) -> np.ndarray:
+    """P(each n-token sequence) [V**n] when the target alone samples with `params`. adjust(logits, history)
+    -> logits: what the sampler does to a row first (logit bias, penalties), if anything."""
+    import itertools
+
+    from speculant.verify import probs_from_logits
+
+    V = target.n_vocab
+    probs = np.zeros((V,) * n)
+    for seq in itertools.product(range(V), repeat=n):
+        pr, hist = 1.0, list(prompt)
+        for t in seq:
+            row = target.logits_after(hist)
+            pr *= probs_from_logits(row if adjust is None else adjust(row, hist), params)[t]
+            hist.append(t)
+        probs[seq] = pr
+    return probs.ravel()
+
+
+def sequence_counts(engine, prompt: Sequence[int], params, n_runs: int, n: int = 3, **generate_kw):
+    """How often each n-token sequence [V**n] came out of n_runs generations seeded params.seed + i, and the
+    tokens drafted over them."""
+    import dataclasses
+
+    V = engine.target.n_vocab
+    counts = np.zeros(V ** n, dtype=np.int64)
+    drafted = 0
+    for i in range(n_runs):
+        r = engine.generate(list(prompt), max_tokens=n, params=dataclasses.replace(params, seed=params.seed + i),
+                            **generate_kw)
+        drafted += r.stats.drafted
+        counts[np.ravel_multi_index(r.tokens, (V,) * n)] += 1
+    return counts, drafted
+
+
+def pvalue(counts: np.ndarray, probs: np.ndarray) -> float:
+    """Chi-square p-value of the sample against the exact law (0 when an impossible sequence came out); sparse
+    cells are pooled so that the approximation holds."""
+    from scipy import stats as sps
+
+    if counts[probs == 0].sum():
+        return 0.0
+    m = probs > 0
+    expected = probs[m] * counts.sum()
+    big = expected >= 5
+    obs, exp = counts[m][big], expected[big]
+    if (~big).any():
+        obs, exp = np.append(obs, counts[m][~big].sum()), np.append(exp, expected[~big].sum())
+    return sps.chisquare(obs, exp).pvalue
+
+
+def sqrt_p_verifier(draft_tokens, draft_probs, target_probs, rng):
+    """A wrong verify_sampled for deterministic drafts: keeps x with sqrt(p(x)) instead of p(x). The
+    distribution tests of deterministic drafters must fail it."""
+    from speculant.verify import residual
+
+    V = target_probs.shape[-1]
+    for i, x in enumerate(draft_tokens):
+        p = target_probs[i]
+        if rng.random() >= np.sqrt(p[x]):
+            return i, int(rng.choice(V, p=residual(p, None, x)))
+    return len(draft_tokens), int(rng.choice(V, p=target_probs[-1]))

@@ -21,8 +21,7 @@ from speculant.errors import SettingsError
 from speculant.verify import (SamplingParams, probs_from_logits, verify_greedy, verify_greedy_lazy,
                               verify_sampled, verify_sampled_lazy)
 
-from synthetic import TableBackend
-from test_engine_synthetic import pvalue
+from synthetic import TableBackend, pvalue
 
 V = 8
 PROMPT = [1, 2, 3]

@@ -1,19 +1,17 @@
 """The decode loop on tiny synthetic models: exactness (greedy identity, distribution of whole sequences),
 bookkeeping (acceptance when target == draft, call counts) and stopping rules."""
 
-import itertools
-
 import numpy as np
 import pytest
-from scipy import stats as sps
 
 import speculant.engine as engine_mod
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import ContextOverflowError, SettingsError
-from speculant.verify import SamplingParams, probs_from_logits, residual
+from speculant.verify import SamplingParams, residual
 
-from synthetic import TableBackend
+import synthetic
+from synthetic import TableBackend, pvalue, sequence_counts
 
 V = 8
 PROMPT = [1, 2, 3]
@@ -44,38 +42,11 @@ def test_same_model_as_draft_accepts_everything(k):
 
 
 def exact_joint(params, n=3):
-    target = TableBackend(V, seed=0)
-    probs = np.zeros((V,) * n)
-    for seq in itertools.product(range(V), repeat=n):
-        pr, hist = 1.0, list(PROMPT)
-        for t in seq:
-            pr *= probs_from_logits(target.logits_after(hist), params)[t]
-            hist.append(t)
-        probs[seq] = pr
-    return probs.ravel()
+    return synthetic.exact_joint(TableBackend(V, seed=0), PROMPT, params, n)
 
 
 def sampled_joint(params, n_runs, k=3, n=3):
-    eng = make_engine(k)
-    counts = np.zeros(V ** n, dtype=np.int64)
-    base = params.seed
-    for i in range(n_runs):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=base + i)
-        toks = eng.generate(PROMPT, max_tokens=n, params=p).tokens
-        counts[np.ravel_multi_index(toks, (V,) * n)] += 1
-    return counts
-
-
-def pvalue(counts, probs):
-    if counts[probs == 0].sum():
-        return 0.0
-    m = probs > 0
-    expected = probs[m] * counts.sum()
-    big = expected >= 5  # pool sparse cells so the chi-square approximation holds
-    obs, exp = counts[m][big], expected[big]
-    if (~big).any():
-        obs, exp = np.append(obs, counts[m][~big].sum()), np.append(exp, expected[~big].sum())
-    return sps.chisquare(obs, exp).pvalue
+    return sequence_counts(make_engine(k), PROMPT, params, n_runs, n)[0]
 
 
 SETTINGS = [SamplingParams(1.0, seed=10_000), SamplingParams(0.7, top_k=4, seed=20_000),

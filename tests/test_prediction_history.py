@@ -10,10 +10,10 @@ from speculant.drafters.history import HistoryDrafter, SuffixTrie
 from speculant.drafters.prediction import PredictionDrafter
 from speculant.engine import Engine
 from speculant.policy import AdaptivePolicy, DraftBudget, FixedPolicy, history_key, prior_acceptance, run_key
-from speculant.verify import SamplingParams, residual
+from speculant.verify import SamplingParams
 
-from synthetic import TableBackend
-from test_engine_synthetic import V, pvalue
+from synthetic import TableBackend, exact_joint, pvalue, sequence_counts, sqrt_p_verifier
+from test_engine_synthetic import V
 
 P = list(range(100, 160))  # a prediction of 60 distinct tokens
 
@@ -292,31 +292,13 @@ def test_prediction_text_and_bad_ids():
 
 # -- the target's distribution with prediction drafts ---------------------------------------------------------
 def exact_joint_from(prompt, params, n=3):
-    import itertools
-
-    target = TableBackend(V, seed=0)
-    from speculant.verify import probs_from_logits
-    probs = np.zeros((V,) * n)
-    for seq in itertools.product(range(V), repeat=n):
-        pr, hist = 1.0, list(prompt)
-        for t in seq:
-            pr *= probs_from_logits(target.logits_after(hist), params)[t]
-            hist.append(t)
-        probs[seq] = pr
-    return probs.ravel()
+    return exact_joint(TableBackend(V, seed=0), prompt, params, n)
 
 
 def sampled_with_prediction(params, n_runs, prediction, n=3):
     eng = Engine(TableBackend(V, seed=0))
     eng.prediction_policy = FixedPolicy(3)  # always verify the prediction's next 3 tokens
-    counts = np.zeros(V ** n, dtype=np.int64)
-    drafted = 0
-    for i in range(n_runs):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=params.seed + i)
-        r = eng.generate(PROMPT, max_tokens=n, params=p, prediction=prediction)
-        drafted += r.stats.drafted
-        counts[np.ravel_multi_index(r.tokens, (V,) * n)] += 1
-    return counts, drafted
+    return sequence_counts(eng, PROMPT, params, n_runs, n, prediction=prediction)
 
 
 @pytest.mark.parametrize("params", [SamplingParams(1.0, seed=70_000), SamplingParams(0.8, top_k=5, seed=80_000)],
@@ -331,16 +313,7 @@ def test_prediction_drafts_keep_the_target_distribution(params):
 
 
 def test_the_distribution_test_fails_a_wrong_verifier_of_predictions(monkeypatch):
-    def wrong(draft_tokens, draft_probs, target_probs, rng):  # keeps a deterministic draft with sqrt(p(x))
-        for i, x in enumerate(draft_tokens):
-            p = target_probs[i]
-            if rng.random() >= np.sqrt(p[x]):
-                q = np.zeros_like(p)
-                q[x] = 1.0
-                return i, int(rng.choice(V, p=residual(p, q, x)))
-        return len(draft_tokens), int(rng.choice(V, p=target_probs[-1]))
-
-    monkeypatch.setattr(engine_mod, "verify_sampled", wrong)
+    monkeypatch.setattr(engine_mod, "verify_sampled", sqrt_p_verifier)
     params = SamplingParams(1.0, seed=70_000)
     counts, _ = sampled_with_prediction(params, 20_000, _plain(3))
     assert pvalue(counts, exact_joint_from(PROMPT, params)) < 1e-6

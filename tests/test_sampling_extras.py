@@ -6,7 +6,6 @@ per-position reference, the law of whole sampled sequences against the exact one
 an engine that adjusts every row with the history before the pass), greedy identity, and that logprobs from
 verify passes are the very numbers of plain decoding (synthetic models here, the real Qwen pair below)."""
 
-import itertools
 from collections import Counter
 
 import numpy as np
@@ -18,10 +17,10 @@ from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import SettingsError
-from speculant.verify import SamplingParams, adjust_logits, probs_from_logits, token_logprobs
+from speculant.verify import SamplingParams, adjust_logits, token_logprobs
 
-from synthetic import TableBackend
-from test_engine_synthetic import pvalue
+import synthetic
+from synthetic import TableBackend, pvalue, sequence_counts
 
 V = 8
 PROMPT = [1, 2, 3]
@@ -69,28 +68,14 @@ def test_adjust_logits_matches_the_per_position_reference(seed):
 
 def exact_joint(params, n=3):
     """P(sequence) of n tokens from the target alone, each position adjusted with its own history."""
-    target = TableBackend(V, seed=0)
-    probs = np.zeros((V,) * n)
-    for seq in itertools.product(range(V), repeat=n):
-        pr, hist = 1.0, list(PROMPT)
-        for t in seq:
-            row = reference_adjust(target.logits_after(hist), params, hist, len(PROMPT))
-            pr *= probs_from_logits(row, params)[t]
-            hist.append(t)
-        probs[seq] = pr
-    return probs.ravel()
+    return synthetic.exact_joint(TableBackend(V, seed=0), PROMPT, params, n,
+                                 adjust=lambda row, hist: reference_adjust(row, params, hist, len(PROMPT)))
 
 
 def sampled_joint(params, n_runs, n=3):
     eng = make_spec(k=3)
-    counts = np.zeros(V ** n, dtype=np.int64)
-    for i in range(n_runs):
-        p = SamplingParams(params.temperature, seed=params.seed + i, presence_penalty=params.presence_penalty,
-                           frequency_penalty=params.frequency_penalty, repetition_penalty=params.repetition_penalty,
-                           logit_bias=params.logit_bias)
-        toks = eng.generate(PROMPT, max_tokens=n, params=p).tokens
-        counts[np.ravel_multi_index(toks, (V,) * n)] += 1
-    assert eng.generate(PROMPT, max_tokens=n, params=params).stats.drafted > 0
+    counts, drafted = sequence_counts(eng, PROMPT, params, n_runs, n)
+    assert drafted > 0
     return counts
 
 

@@ -321,27 +321,22 @@ class LlamaCppBackend(Backend):
             n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
         return list(buf[:n])
 
-    def token_bytes(self, token: int) -> bytes:
-        piece = self._piece_cache.get(token)
+    def _piece(self, token: int, special: bool, cache: dict) -> bytes:
+        piece = cache.get(token)
         if piece is None:
             buf = ctypes.create_string_buffer(64)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, False)
+            n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
             if n < 0:
                 buf = ctypes.create_string_buffer(-n)
-                n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, False)
-            piece = self._piece_cache[token] = buf.raw[:n]
+                n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, special)
+            piece = cache[token] = buf.raw[:n]
         return piece
 
+    def token_bytes(self, token: int) -> bytes:
+        return self._piece(token, False, self._piece_cache)
+
     def token_text(self, token: int) -> bytes:
-        text = self._text_cache.get(token)
-        if text is None:
-            buf = ctypes.create_string_buffer(64)
-            n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, True)
-            if n < 0:
-                buf = ctypes.create_string_buffer(-n)
-                n = ll.llama_token_to_piece(self._vocab, token, buf, -n, 0, True)
-            text = self._text_cache[token] = buf.raw[:n]
-        return text
+        return self._piece(token, True, self._text_cache)
 
     def grammar(self, gbnf: str, root: str = "root"):
         from ..constraint import GrammarConstraint
