@@ -651,3 +651,22 @@ def test_structured_suite_and_grammar_fields(tmp_path):
         s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], ' + bad + '}\n')
         with pytest.raises(SettingsError, match=fragment):
             read_suite(s)
+
+
+def test_tools_suite(tmp_path):
+    """Prompts with OpenAI tools: rendered into the chat prompt; a required call decodes under its grammar."""
+    prompts = read_suite("tools")
+    assert len(prompts) == 12 and {p.category for p in prompts} == {"tool_auto", "tool_required"}
+    assert all(p.tools for p in prompts)
+    assert all((p.grammar is not None) == (p.category == "tool_required") for p in prompts)
+    assert all("<tool_call>" in p.grammar for p in prompts if p.grammar)
+    s = tmp_path / "s.jsonl"
+    tool = '{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}'
+    s.write_text('{"question_id": 1, "turns": ["t"], "tools": [' + tool + '], "tool_choice": "none"}\n')
+    assert read_suite(s)[0].tools is None and read_suite(s)[0].grammar is None  # none: not offered
+    for bad, fragment in (('"tools": 5', "must be an array"), ('"tool_choice": "required"', "needs 'tools'"),
+                          ('"tools": [' + tool + '], "tool_choice": "required", "grammar": "root ::= \\"a\\""',
+                           "cannot also follow")):
+        s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], ' + bad + '}\n')
+        with pytest.raises(SettingsError, match=fragment):
+            read_suite(s)

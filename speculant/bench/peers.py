@@ -235,8 +235,8 @@ def run_peers(names: list[str], cfg, prompts, result: dict, *, tools_dir: Option
     # the same rendered chat prompts as our run
     target = load_backend(model_path, n_ctx=cfg.n_ctx, threads=cfg.threads)
     try:
-        rendered = {p.id: chat.render(target.chat_template(), [{"role": "user", "content": p.text}],
-                                      bos_token=target.bos_token, eos_token=target.eos_token) for p in prompts}
+        rendered = {p.id: chat.render(target.chat_template(), p.messages(), bos_token=target.bos_token,
+                                      eos_token=target.eos_token, tools=p.tools) for p in prompts}
         bos = target.bos_token
     finally:
         target.close()

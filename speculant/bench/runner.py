@@ -212,7 +212,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
     try:
         engines = {v.label: v.method.build(own[v.label], v.k) for v in cfg.variants}
         any_engine = engines[cfg.variants[0].label]
-        rendered = {p.id: any_engine.chat_prompt([{"role": "user", "content": p.text}]) for p in prompts}
+        rendered = {p.id: any_engine.chat_prompt(p.messages(), p.tools) for p in prompts}
 
         if cfg.warmup:  # first calls pay for page faults and allocations; keep them out of the numbers
             for v in cfg.variants:

@@ -8,10 +8,13 @@ to the suite file); "{prediction}" in the turn is replaced by it (an edit task q
 Built-in suites, by name (`--suite NAME`): default (9 task types), code_edit_predicted (24 edits of
 original code files under data/code/, each file its own prediction), repeated (the same two kinds of
 request, JSON extraction and tool-call formatting, asked 8 times each: history drafting learns them),
-structured (12 JSON answers, each under its JSON schema: extraction, tool calls, orders).
+structured (12 JSON answers, each under its JSON schema: extraction, tool calls, orders), tools (12 requests
+with OpenAI tools, the model choosing or required to call one).
 
 A prompt may constrain its answer: "json_schema" (an object: the answer is JSON following it), "grammar" (GBNF
-text) or "response_format": "json_object" (any JSON object); every method then decodes under it."""
+text) or "response_format": "json_object" (any JSON object); every method then decodes under it. A prompt with
+"tools" (OpenAI function tools) has them rendered into its chat prompt by the template, and "tool_choice":
+"required" (or a named function) decodes it under the grammar of a call (speculant/tools.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +28,8 @@ from ..errors import SettingsError
 DATA = Path(__file__).resolve().parent.parent / "data"
 BUILTIN_SUITE = DATA / "suite.jsonl"
 BUILTIN_SUITES = {"default": BUILTIN_SUITE, "code_edit_predicted": DATA / "code_edit_predicted.jsonl",
-                  "repeated": DATA / "repeated.jsonl", "structured": DATA / "structured.jsonl"}
+                  "repeated": DATA / "repeated.jsonl", "structured": DATA / "structured.jsonl",
+                  "tools": DATA / "tools.jsonl"}
 
 
 @dataclass(frozen=True)
@@ -35,6 +39,10 @@ class Prompt:
     text: str
     prediction: Optional[str] = None  # the predicted output, for methods that use one
     grammar: Optional[str] = None  # GBNF the answer must follow (from json_schema, grammar or response_format)
+    tools: Optional[list] = None  # OpenAI function tools the chat prompt offers (rendered by the template)
+
+    def messages(self) -> list[dict]:
+        return [{"role": "user", "content": self.text}]
 
 
 def read_suite(path: str | Path | None = None) -> list[Prompt]:
@@ -76,11 +84,26 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
         if prediction is not None and not isinstance(prediction, str):
             raise SettingsError(f"{path}:{no}: 'prediction' must be a string")
         text = turns[0].replace("{prediction}", prediction) if prediction is not None else turns[0]
-        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction,
-                              _grammar(obj, f"{path}:{no}")))
+        tools = _tools(obj, f"{path}:{no}")
+        grammar = _grammar(obj, f"{path}:{no}")
+        if tools is not None and tools.grammar() is not None:
+            if grammar is not None:
+                raise SettingsError(f"{path}:{no}: a required tool call cannot also follow a schema or grammar")
+            grammar = tools.grammar()
+        prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction, grammar,
+                              tools.functions if tools is not None and tools.active else None))
     if not prompts:
         raise SettingsError(f"suite {path} holds no prompts")
     return prompts
+
+
+def _tools(obj: dict, where: str):
+    from ..tools import ToolsError, parse_tools
+
+    try:
+        return parse_tools(obj)
+    except ToolsError as e:
+        raise SettingsError(f"{where}: {e}") from None
 
 
 def _grammar(obj: dict, where: str) -> Optional[str]:
