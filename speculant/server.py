@@ -41,7 +41,7 @@ from typing import Any, AsyncIterator, Optional
 
 from .errors import ContextOverflowError, SpeculantError
 from .rpc import WorkerError
-from .tools import ToolsError, held_back, message_for_template, parse_calls, parse_tools
+from .tools import ToolsError, held_back, message_for_template, parse_tools
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -902,10 +902,9 @@ def create_app(engine, cfg: ServerConfig):
                             result = results[i]
                             rest, finish, calls = result.text[sent[i]:], result.finish_reason, []
                             if job.tools is not None:  # the held-back text: its tool calls, and any text around
-                                parsed = parse_calls(rest, job.tools.names)
+                                parsed, finish = job.tools.answer(rest, finish)
                                 if parsed.calls:
                                     rest, calls = parsed.content or "", parsed.calls
-                                    finish = "tool_calls" if finish == "stop" else finish
                             if result.logprobs is not None:
                                 pending[i] += result.logprobs[given[i]:]
                             if rest or pending[i]:
@@ -921,7 +920,8 @@ def create_app(engine, cfg: ServerConfig):
                         given[i] += len(event.logprobs)
                         if event.text:
                             streamed[i] += event.text
-                            ready = len(streamed[i]) - (held_back(streamed[i]) if job.tools is not None else 0)
+                            ready = len(streamed[i]) - (held_back(streamed[i], sent[i]) if job.tools is not None
+                                                        else 0)
                             if ready > sent[i]:
                                 yield chunk([choice(i, streamed[i][sent[i]:ready], None, logprobs=pending[i])])
                                 sent[i] = ready
@@ -973,10 +973,9 @@ def create_app(engine, cfg: ServerConfig):
             if chat:
                 message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
                 if job.tools is not None:
-                    parsed = parse_calls(result.text, job.tools.names)
+                    parsed, finish = job.tools.answer(result.text, finish)
                     if parsed.calls:
                         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
-                        finish = "tool_calls" if finish == "stop" else finish
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": result.text, "logprobs": logprobs,

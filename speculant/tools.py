@@ -45,6 +45,11 @@ class Tools:
     def active(self) -> bool:
         return bool(self.functions) and self.choice != "none"
 
+    def answer(self, text: str, finish: str) -> tuple["Parsed", str]:
+        """The model's answer read for calls, and its finish reason ("tool_calls" when it called and stopped)."""
+        parsed = parse_calls(text, self.names)
+        return parsed, ("tool_calls" if parsed.calls and finish == "stop" else finish)
+
     def grammar(self) -> Optional[str]:
         """GBNF for answers that must call a tool (required / named), else None."""
         if not self.active or (self.choice == "auto" and self.forced is None):
@@ -178,14 +183,17 @@ def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
     return Parsed(content or None, calls)
 
 
-def held_back(text: str) -> int:
+def held_back(text: str, sent: int = 0) -> int:
     """How many characters at the end of a streamed text must wait: a tool call (or what may be the start of
     one) is sent as tool_calls once the answer is complete, not as content. An answer that starts like JSON
-    (or a code fence) waits whole: it may be a call written without the tags."""
-    stripped = text.lstrip()
-    if stripped[:1] in ("{", "[") or stripped.startswith("```") or (stripped and "```".startswith(stripped)):
-        return len(text)
-    at = text.find(OPEN)
+    (or a code fence) waits whole: it may be a call written without the tags. sent: how much of the text went
+    out already (held back by an earlier call, it holds nothing that starts a call): only what follows is
+    searched, so streaming stays linear in the answer's length."""
+    if not sent:
+        stripped = text.lstrip()
+        if stripped[:1] in ("{", "[") or stripped.startswith("```") or (stripped and "```".startswith(stripped)):
+            return len(text)
+    at = text.find(OPEN, max(sent - len(OPEN) + 1, 0))
     if at >= 0:
         return len(text) - at
     for n in range(min(len(OPEN) - 1, len(text)), 0, -1):

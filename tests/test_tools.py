@@ -135,3 +135,10 @@ def test_required_calls_follow_the_tools_schemas(qwen_target):
     named = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
     assert not _accepts(qwen_target, named.grammar(), good)
     assert _accepts(qwen_target, named.grammar(), f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}')
+
+
+def test_held_back_searches_only_what_follows_the_sent_text():
+    text = "Some text first, then " + OPEN
+    assert held_back(text, sent=len("Some text first, t")) == len(OPEN)
+    assert held_back("abc <tool", sent=3) == len("<tool") and held_back("abc def", sent=3) == 0
+    assert held_back('x {"a": 1}', sent=1) == 0  # JSON later in the answer is text, not a call

@@ -116,6 +116,7 @@ class CrossVocabDrafter(Drafter):
         probs: list[float] = []  # the draft's probability of each of its tokens
         proposed: list[int] = []  # target ids taken into the draft
         keys: list[str] = []
+        proposed_end = 0  # where the proposed tokens' text ends in `text`
         steps, done = 1, False
         while not done:
             token = int(np.argmax(logits))
@@ -131,9 +132,8 @@ class CrossVocabDrafter(Drafter):
             whole = ids if final else ids[:-1]  # the last target token may still grow with the next draft token
             if whole[:len(proposed)] != proposed:  # the draft's later text re-split tokens already taken: stop
                 break
-            pos = sum(len(self.target.token_text(t)) for t in proposed)
             for t in whole[len(proposed):]:
-                start, pos = pos, pos + len(self.target.token_text(t))
+                start, pos = proposed_end, proposed_end + len(self.target.token_text(t))
                 # the target token's odds: those of the least confident draft token that wrote part of it
                 conf = min((c for (a, b), c in zip(zip([0] + ends, ends), probs) if b > start and a < pos),
                            default=0.0)
@@ -143,6 +143,7 @@ class CrossVocabDrafter(Drafter):
                     break
                 proposed.append(t)
                 keys.append(key)
+                proposed_end = pos
             if done or final or len(proposed) >= k or steps >= STEPS_PER_TOKEN * k or not budget.more(self.name):
                 break
             logits = self.backend.eval([token])[0]
