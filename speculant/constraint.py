@@ -11,8 +11,11 @@ the masked row. Rows are masked on demand, up to the first rejection (MaskedRows
 
 Masking the whole vocabulary is slow (llama.cpp's grammar checks ~150k token texts: 20-50 ms a row on Qwen), so
 only the tokens that can matter are asked about, most likely first: greedy, the likeliest until one is allowed;
-sampling, the tokens the settings keep (a handful with top-k, top-p or min-p). Only sampling with no truncation
-at all, or a row where the mask must come first without top-k, checks every token (exact, and slow).
+sampling, the tokens the settings keep when they are few (top-k, top-p or min-p). A sampled row that keeps more
+than DRAW_ABOVE tokens (no truncation at all: OpenAI's defaults) is not written out but drawn from
+(draw_allowed: rejection, then Gumbel-max asking about tokens in order of their keys), and verification
+keeps a draft there iff the draw equals it (verify.verify_sampled_lazy). Only a row where the mask must come
+first without top-k still checks every token (exact, and slow).
 """
 
 from __future__ import annotations
@@ -26,10 +29,12 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import SettingsError
-from .verify import SamplingParams, probs_from_logits
+from .verify import SamplingParams, probs_from_logits, sample
 
 FIRST_CHECK = 64  # candidates asked about at once; each miss asks 8x more
 DRAFT_CHECK = 512  # a drafter asks about at most this many of its likeliest tokens
+DRAW_ABOVE = 2048  # a sampled row keeping more tokens than this is drawn from, not written out (MaskedRows)
+REJECTION_TRIES = 8  # draw_allowed: plain draws tried before asking about tokens in order of key
 
 
 class Constraint(ABC):
@@ -95,10 +100,12 @@ def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingPa
 
 
 def masked_probs(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
-                 limit: Optional[int] = None) -> Optional[np.ndarray]:
+                 limit: Optional[int] = None, probs: Optional[np.ndarray] = None) -> Optional[np.ndarray]:
     """Sampling (T > 0): logits [V] -> the row's distribution under the constraint [V] float64 (see the module
-    docstring). limit: as constrain_row's (a drafter's); then None when nothing allowed was found."""
-    probs = probs_from_logits(logits, params)  # the sampler's own distribution
+    docstring). limit: as constrain_row's (a drafter's); then None when nothing allowed was found.
+    probs: probs_from_logits(logits, params), when the caller has it already."""
+    if probs is None:
+        probs = probs_from_logits(logits, params)  # the sampler's own distribution
     support = np.flatnonzero(probs)
     if len(support) < len(probs):  # it truncates: condition what it keeps on the constraint
         keep = support[constraint.allowed(support)]
@@ -112,6 +119,49 @@ def masked_probs(logits: np.ndarray, constraint: Constraint, params: SamplingPar
     return probs_from_logits(masked, params)
 
 
+def drawable(probs: np.ndarray, params: SamplingParams) -> bool:
+    """Is a sampled row (the sampler's distribution [V]) better drawn from (draw_allowed) than written out?
+    Only where masked_probs conditions the sampler's distribution on the constraint: when the settings truncate
+    (a kept token may then be allowed) or truncate nothing at all (then the mask first is the same law)."""
+    kept = int(np.count_nonzero(probs))
+    return kept > DRAW_ABOVE and (kept < len(probs) or not params.truncates(len(probs)))
+
+
+def draw_allowed(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
+                 probs: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from the row's law under the constraint (masked_probs's), asking about few tokens when most
+    of the likely ones are allowed. probs: the sampler's distribution [V] (probs_from_logits), drawable.
+    First by rejection: a draw from p that is allowed is a draw from p conditioned on the allowed tokens; up to
+    REJECTION_TRIES draws (each asks about one token). Then, when the allowed tokens hold little of p,
+    Gumbel-max in its exponential form: each kept token t gets the key p(t) / E_t, E_t ~ Exp(1), and the allowed
+    token with the largest key is such a draw too; tokens are asked about in order of key, 64 first, then 8x
+    more each time, until one is allowed. Either way the law is the same, so the switch keeps it."""
+    cdf = np.cumsum(probs)  # [V]
+    for _ in range(REJECTION_TRIES):
+        token = min(int(np.searchsorted(cdf, rng.random() * cdf[-1], side="right")), len(cdf) - 1)
+        if constraint.allowed(np.array([token]))[0]:
+            return token
+    support = np.flatnonzero(probs)
+    keys = probs[support] / rng.standard_exponential(len(support))  # [n]
+    seen = np.zeros(len(support), dtype=bool)
+    m = FIRST_CHECK
+    while True:
+        order = _head(keys, min(m, len(keys)))  # positions in support, largest key first
+        batch = order[~seen[order]]
+        seen[batch] = True
+        ok = np.flatnonzero(constraint.allowed(support[batch]))
+        if len(ok):  # every key above batch's was asked about before and was not allowed
+            return int(support[batch[ok[0]]])
+        if m >= len(keys):
+            break
+        m *= 8
+    # the sampler keeps no allowed token: the mask comes first (masked_probs), whose law is drawn from here
+    law = masked_probs(logits, constraint, params, probs=probs)
+    if law is None:
+        raise SettingsError("the grammar allows no token here")
+    return sample(law, rng)
+
+
 def _head(logits: np.ndarray, m: int) -> np.ndarray:
     """Ids of the m largest logits, largest first, ties by id (the order of a stable argsort of -logits)."""
     head = np.argpartition(-logits, m - 1)[:m] if m < len(logits) else np.arange(len(logits))
@@ -121,14 +171,16 @@ def _head(logits: np.ndarray, m: int) -> np.ndarray:
 class MaskedRows:
     """The rows of a verify pass over [last token, x_1..x_k] under a constraint, masked on demand: row i with
     the constraint advanced by x_1..x_i. Verification reads rows only up to its first rejection (verify.*_lazy),
-    so a step masks as many rows as it emits tokens, drafting or not. `seconds`: time spent masking."""
+    so a step masks as many rows as it emits tokens, drafting or not. `seconds`: time spent masking.
+    A sampled row wider than DRAW_ABOVE tokens is not written out: probs(i) is None and draw(i, rng) draws it."""
 
     def __init__(self, logits: np.ndarray, constraint: Constraint, params: SamplingParams,
                  draft_tokens: Sequence[int]):
         self.logits, self.params, self.drafts = logits, params, list(draft_tokens)  # logits [k+1, V]
         self.state = constraint.fork() if self.drafts else constraint  # never advanced past the live state
         self.done = 0  # rows masked so far; the state is advanced by drafts[:done]
-        self.rows: list[np.ndarray] = []
+        self.rows: list[Optional[np.ndarray]] = []
+        self.wide: dict[int, np.ndarray] = {}  # row -> the sampler's distribution of a row left to draw()
         self.seconds = 0.0
 
     def _masked(self, i: int, mask) -> np.ndarray:
@@ -146,9 +198,25 @@ class MaskedRows:
         """Greedy: the likeliest allowed token of row i."""
         return int(np.argmax(self._masked(i, lambda row, state: constrain_row(row, state, self.params))))
 
-    def probs(self, i: int) -> np.ndarray:
-        """Sampling: row i's distribution under the constraint [V] (masked_probs)."""
-        return self._masked(i, lambda row, state: masked_probs(row, state, self.params))
+    def probs(self, i: int) -> Optional[np.ndarray]:
+        """Sampling: row i's distribution under the constraint [V] (masked_probs), or None: draw(i, rng)."""
+        return self._masked(i, self._law)
+
+    def _law(self, row: np.ndarray, state: Constraint) -> Optional[np.ndarray]:
+        probs = probs_from_logits(row, self.params)
+        if drawable(probs, self.params):
+            self.wide[self.done] = probs
+            return None
+        return masked_probs(row, state, self.params, probs=probs)
+
+    def draw(self, i: int, rng: np.random.Generator) -> int:
+        """Sampling: one token from row i's law under the constraint; row i must be the last one read (the
+        state is advanced by the drafts before it), and probs(i) None."""
+        assert self.done == i + 1 and i in self.wide, "draw() reads the row probs() just left to it"
+        t = time.perf_counter()
+        token = draw_allowed(self.logits[i], self.state, self.params, self.wide[i], rng)
+        self.seconds += time.perf_counter() - t
+        return token
 
 
 # ---------------------------------------------------------------------------------------------------------

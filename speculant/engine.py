@@ -328,7 +328,7 @@ def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Ge
         rows = MaskedRows(adjusted, constraint, params, draft.tokens)
         if params.greedy:
             return (*verify_greedy_lazy(draft.tokens, rows.argmax), rows.seconds)
-        return (*verify_sampled_lazy(draft.tokens, draft.probs, rows.probs, rng), rows.seconds)
+        return (*verify_sampled_lazy(draft.tokens, draft.probs, rows.probs, rng, rows.draw), rows.seconds)
     if params.greedy:
         return (*verify_greedy(np.asarray(draft.tokens), adjusted.argmax(axis=-1)), 0.0)
     return (*verify_sampled(np.asarray(draft.tokens, dtype=np.int64), draft.probs,

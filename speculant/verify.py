@@ -67,6 +67,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def truncates(self, vocab_size: int) -> bool:
+        """Whether top-k, top-p or min-p may drop a token from a row of vocab_size."""
+        return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
+
     @property
     def adjusts(self) -> bool:
         """Whether adjust_logits changes anything."""
@@ -137,7 +141,7 @@ class TokenLogprob(NamedTuple):
     """The model's log-probability of an emitted token, and the most likely alternatives at its position."""
 
     token: int
-    logprob: float
+    logprob: Optional[float]  # None for a prompt's first token (echo: nothing comes before it)
     top: tuple[tuple[int, float], ...]  # (token, logprob), most likely first
 
 
@@ -259,17 +263,29 @@ def verify_greedy_lazy(draft_tokens: Sequence[int], argmax: Callable[[int], int]
 
 
 def verify_sampled_lazy(draft_tokens: Sequence[int], draft_probs: Optional[np.ndarray],
-                        target_row: Callable[[int], np.ndarray], rng: np.random.Generator) -> tuple[int, int]:
+                        target_row: Callable[[int], Optional[np.ndarray]], rng: np.random.Generator,
+                        target_draw: Optional[Callable[[int, np.random.Generator], int]] = None) -> tuple[int, int]:
     """verify_sampled with row i of p computed on demand (target_row(i) -> [V]), only up to the first rejection.
-    The same draws in the same order, so the same result as verify_sampled over the same rows."""
+    The same draws in the same order, so the same result as verify_sampled over the same rows.
+
+    A row may instead be drawn from: target_row(i) None, then target_draw(i, rng) -> one token from p_i. Such a
+    row keeps its draft iff the draw equals it, and otherwise emits the draw. That is exact for any q (the token
+    emitted is always the target's own draw); a deterministic draft is kept with probability p(x), as above, and
+    a sampled one with sum_x q(x) p(x) instead of sum_x min(p(x), q(x))."""
     k = len(draft_tokens)
     u = rng.random(k)  # [k]
     for i, x in enumerate(draft_tokens):
         p = target_row(i)
+        if p is None:
+            drawn = target_draw(i, rng)
+            if drawn != x:
+                return i, drawn
+            continue
         q_x = 1.0 if draft_probs is None else draft_probs[i, x]
         if u[i] * q_x >= p[x]:
             return i, sample(residual(p, None if draft_probs is None else draft_probs[i], x), rng)
-    return k, sample(target_row(k), rng)
+    p = target_row(k)
+    return k, target_draw(k, rng) if p is None else sample(p, rng)
 
 
 def residual(p: np.ndarray, q: Optional[np.ndarray], draft_token: int) -> np.ndarray:

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 import speculant.engine as engine_mod
-from speculant.constraint import Constraint, MaskedRows, constrain_row, json_grammar, masked_probs
+import speculant.constraint as constraint_mod
+from speculant.constraint import Constraint, MaskedRows, constrain_row, draw_allowed, json_grammar, masked_probs
 from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
@@ -98,6 +99,86 @@ def test_constrain_row_gives_the_law_of_masking_everything(seed):
             assert Some.calls < v // 4, params  # only the head of the distribution was asked about
 
 
+class Fixed(Constraint):
+    """The same allowed set at every position; counts the tokens asked about."""
+
+    def __init__(self, allowed_ids):
+        self.ids, self.calls = allowed_ids, 0
+
+    def allowed(self, tokens):
+        self.calls += len(tokens)
+        return self.ids[np.asarray(tokens)]
+
+    def accept(self, token):
+        pass
+
+    def fork(self):
+        return self
+
+
+class SkewedRng:
+    """Wrong randomness for draw_allowed: uniform draws squared (rejection) and keys p / U with U uniform
+    instead of exponential (Gumbel-max): close, but not the law."""
+
+    def __init__(self, seed):
+        self.rng = np.random.default_rng(seed)
+
+    def standard_exponential(self, n):
+        return self.rng.random(n)
+
+    def random(self, *a):
+        return self.rng.random(*a) ** 2
+
+
+@pytest.mark.parametrize("tries", [constraint_mod.REJECTION_TRIES, 0], ids=["rejection", "gumbel"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.97), SamplingParams(1.0, top_k=30)],
+                         ids=["untruncated", "top-p", "top-k-none-allowed"])
+def test_draws_under_a_constraint_follow_the_masked_law(params, tries, monkeypatch):
+    """draw_allowed (draws from p kept when allowed; else Gumbel-max, asking about tokens in order of key) draws
+    from masked_probs's law, also when the sampler keeps no allowed token (then the mask comes first); the same
+    test fails skewed uniform draws and keys made with uniform instead of exponential noise."""
+    monkeypatch.setattr(constraint_mod, "REJECTION_TRIES", tries)
+    rng = np.random.default_rng(1)
+    v = 40
+    logits = (rng.standard_normal(v) * 1.5).astype(np.float32)
+    allowed_ids = rng.random(v) < 0.6
+    if params.top_k:  # none of the 30 likeliest is allowed: the mask comes first
+        allowed_ids[:] = False
+        allowed_ids[np.argsort(-logits)[30:]] = True
+    law = masked_probs(logits, Fixed(allowed_ids), params)
+    probs = probs_from_logits(logits, params)
+    n = 40_000
+
+    def counts(draw_rng):
+        c = np.zeros(v, dtype=np.int64)
+        for _ in range(n):
+            c[draw_allowed(logits, Fixed(allowed_ids), params, probs, draw_rng)] += 1
+        return c
+
+    right = counts(np.random.default_rng(2))
+    assert pvalue(right, law) > 1e-4 and 0.5 * np.abs(right / n - law).sum() < 0.02
+    if not params.top_k:
+        assert pvalue(counts(SkewedRng(2)), law) < 1e-6
+
+
+def test_a_wide_row_asks_about_few_tokens():
+    """Untruncated sampling over a big vocabulary with most tokens allowed: a draw asks about a few dozen
+    tokens, where writing the row out asks about every one."""
+    rng = np.random.default_rng(0)
+    v = 150_000
+    logits = (rng.standard_normal(v) * 3).astype(np.float32)
+    allowed = Fixed(rng.random(v) < 0.5)
+    params = SamplingParams(1.0)
+    probs = probs_from_logits(logits, params)
+    assert constraint_mod.drawable(probs, params)
+    for _ in range(20):
+        assert allowed.ids[draw_allowed(logits, allowed, params, probs, rng)]
+    assert allowed.calls <= 20 * (constraint_mod.REJECTION_TRIES + constraint_mod.FIRST_CHECK)
+    masked_probs(logits, allowed, params)
+    assert allowed.calls > v
+    assert not constraint_mod.drawable(probs_from_logits(logits, SamplingParams(1.0, top_k=40)), params)
+
+
 def test_nothing_allowed_is_a_clear_error():
     class Nothing(Constraint):
         def allowed(self, tokens):
@@ -152,6 +233,31 @@ def test_sampled_sequences_under_a_constraint_follow_the_target(params):
     counts = sampled_joint(params, 20_000)
     assert pvalue(counts, probs) > 1e-4
     assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=90_000), SamplingParams(1.2, top_p=0.6, seed=95_000)],
+                         ids=["T1", "T1.2-topp"])
+def test_sampled_sequences_with_drawn_rows_follow_the_target(params, monkeypatch):
+    """Every row drawn from (DRAW_ABOVE 0, as a wide row over a real vocabulary): the draft model's tokens are
+    kept iff the target's draw equals them, and the law of sequences is still the masked one."""
+    monkeypatch.setattr(constraint_mod, "DRAW_ABOVE", 0)
+    drawn = []
+    real_draw = MaskedRows.draw
+    monkeypatch.setattr(MaskedRows, "draw", lambda self, i, rng: drawn.append(i) or real_draw(self, i, rng))
+    counts = sampled_joint(params, 20_000)
+    assert len(drawn) >= 20_000
+    assert pvalue(counts, exact_joint(params)) > 1e-4
+
+
+def test_a_drawn_row_keeps_its_draft_iff_the_draw_equals_it():
+    p = np.full((3, 4), 0.25)
+    draws = iter([2, 3])
+    rows = lambda i: None if i < 2 else p[i]  # noqa: E731
+    got = verify_sampled_lazy([2, 1], None, rows, np.random.default_rng(0), lambda i, rng: next(draws))
+    assert got == (1, 3)  # row 0 drew the draft 2: kept; row 1 drew 3, not the draft 1: emitted
+    draws = iter([2, 1, 0])
+    rows = lambda i: None  # noqa: E731
+    assert verify_sampled_lazy([2, 1], p[:2], rows, np.random.default_rng(0), lambda i, rng: next(draws)) == (2, 0)
 
 
 def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):
