@@ -272,6 +272,42 @@ class GrammarConstraint(Constraint):
         return GrammarConstraint(self._ll.llama_sampler_clone(self._sampler), self.vocab_size, self.eog)
 
 
+class TriggeredGrammar(Constraint):
+    """Free text until the output writes `trigger`, then `grammar` (a constraint in its start state, forked
+    for each use) until the output ends with `end`, then free again, and so on: llama.cpp's lazy grammars, for
+    the tool calls a model may or may not make (tools.Tools.body_grammar). The trigger must end with a token
+    (Qwen's <tool_call> is one token). token_text: a token's text as the output spells it (Backend.token_text).
+    While free it allows everything; the end-of-generation tokens are the grammar's to forbid inside a call."""
+
+    def __init__(self, token_text, trigger: bytes, grammar: Constraint, end: bytes):
+        self.token_text, self.trigger, self.grammar, self.end = token_text, trigger, grammar, end
+        self.eog = grammar.eog
+        self.inner: Optional[Constraint] = None  # the grammar of the call being written, or None (free)
+        self.tail = b""  # the output's last bytes, enough to see the trigger / end arrive
+
+    def allowed(self, tokens: np.ndarray) -> np.ndarray:
+        if self.inner is None:
+            return np.ones(len(tokens), dtype=bool)
+        return self.inner.allowed(tokens)
+
+    def accept(self, token: int) -> None:
+        if token in self.eog:
+            return
+        mark = self.trigger if self.inner is None else self.end
+        if self.inner is not None:
+            self.inner.accept(token)
+        self.tail = (self.tail + self.token_text(token))[-len(mark):]
+        if self.tail == mark:
+            self.inner = self.grammar.fork() if self.inner is None else None
+            self.tail = b""
+
+    def fork(self) -> "TriggeredGrammar":
+        out = TriggeredGrammar(self.token_text, self.trigger, self.grammar, self.end)
+        out.inner = self.inner.fork() if self.inner is not None else None
+        out.tail = self.tail
+        return out
+
+
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 

@@ -2,7 +2,8 @@
 <tool_call>{"name": ..., "arguments": {...}}</tool_call> blocks (the Hermes format Qwen2.5 is trained on) come
 back as `tool_calls`. tool_choice "required" or a named function constrains the output with a grammar built
 from the tools' parameter schemas, so the call is well-formed by construction (and still decoded exactly:
-constraint.py)."""
+constraint.py); under "auto" each call the model opens is held to that grammar until it closes
+(body_grammar, constraint.TriggeredGrammar)."""
 
 from __future__ import annotations
 
@@ -54,6 +55,19 @@ class Tools:
         """GBNF for answers that must call a tool (required / named), else None."""
         if not self.active or (self.choice == "auto" and self.forced is None):
             return None
+        more = ' ("\\n" tool-call)*' if self.parallel else ""
+        return (f'root ::= tool-call{more}\ntool-call ::= "{OPEN}\\n" tool-call-json "\\n{CLOSE}"\n'
+                + self._call_json())
+
+    def body_grammar(self) -> Optional[str]:
+        """tool_choice auto: GBNF for what follows a <tool_call> the model chose to write: one call of a
+        request function, its arguments under their schema, then </tool_call> (constraint.TriggeredGrammar)."""
+        if not self.active or self.choice != "auto" or self.forced is not None:
+            return None
+        return f'root ::= [ \\n]? tool-call-json [ \\n]? "{CLOSE}"\n' + self._call_json()
+
+    def _call_json(self) -> str:
+        """GBNF whose rule tool-call-json is one call's JSON object: {"name": ..., "arguments": {...}}."""
         from .constraint import json_grammar
 
         wanted = [f for f in self.functions if self.forced in (None, f["function"]["name"])]
@@ -64,10 +78,8 @@ class Tools:
             gbnf = json_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls})
         except SettingsError as e:
             raise ToolsError(f"cannot build a grammar from the tools' parameters: {e}") from None
-        # the converter's root becomes one call; several calls are one block each, on their own lines
-        gbnf = re.sub(r"^root ::=", "tool-call-json ::=", gbnf, flags=re.M)
-        more = ' ("\\n" tool-call)*' if self.parallel else ""
-        return (f'root ::= tool-call{more}\ntool-call ::= "{OPEN}\\n" tool-call-json "\\n{CLOSE}"\n' + gbnf)
+        # the converter's root becomes one call
+        return re.sub(r"^root ::=", "tool-call-json ::=", gbnf, flags=re.M)
 
 
 def parse_tools(body: dict) -> Optional[Tools]:

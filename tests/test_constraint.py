@@ -14,7 +14,8 @@ import pytest
 
 import speculant.engine as engine_mod
 import speculant.constraint as constraint_mod
-from speculant.constraint import Constraint, MaskedRows, constrain_row, draw_allowed, json_grammar, masked_probs
+from speculant.constraint import (Constraint, MaskedRows, TriggeredGrammar, constrain_row, draw_allowed, json_grammar,
+                                  masked_probs)
 from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
@@ -195,11 +196,11 @@ def test_nothing_allowed_is_a_clear_error():
             constrain_row(np.zeros(10, dtype=np.float32), Nothing(), params)
 
 
-def exact_joint(params, n=3):
+def exact_joint(params, n=3, make=Automaton):
     target = TableBackend(V, seed=0)
     probs = np.zeros((V,) * n)
     for seq in itertools.product(range(V), repeat=n):
-        pr, hist, state = 1.0, list(PROMPT), Automaton()
+        pr, hist, state = 1.0, list(PROMPT), make()
         for t in seq:
             p = reference_probs(target.logits_after(hist), state.allowed(np.arange(V)), params)[t]
             pr *= p
@@ -211,15 +212,15 @@ def exact_joint(params, n=3):
     return probs.ravel()
 
 
-def sampled_joint(params, n_runs, n=3, k=3):
+def sampled_joint(params, n_runs, n=3, k=3, make=None):
     eng = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=k)
     counts = np.zeros(V ** n, dtype=np.int64)
     drafted = 0
     for i in range(n_runs):
         p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=params.seed + i)
         log = []
-        r = eng.generate(PROMPT, max_tokens=n, params=p, constraint=Automaton(log=log))
-        assert log == r.tokens[:len(log)]
+        r = eng.generate(PROMPT, max_tokens=n, params=p, constraint=Automaton(log=log) if make is None else make())
+        assert make is not None or log == r.tokens[:len(log)]
         drafted += r.stats.drafted
         counts[np.ravel_multi_index(r.tokens, (V,) * n)] += 1
     assert drafted > n_runs  # it speculated
@@ -258,6 +259,32 @@ def test_a_drawn_row_keeps_its_draft_iff_the_draw_equals_it():
     draws = iter([2, 1, 0])
     rows = lambda i: None  # noqa: E731
     assert verify_sampled_lazy([2, 1], p[:2], rows, np.random.default_rng(0), lambda i, rng: next(draws)) == (2, 0)
+
+
+def _triggered():
+    """Free until token 2 ("c"), then the automaton until token 4 ("e"), then free again."""
+    return TriggeredGrammar(lambda t: bytes([97 + t]), b"c", Automaton(), b"e")
+
+
+class SharedTrigger(TriggeredGrammar):
+    """A wrong fork: the copy shares the call's grammar state with the original."""
+
+    def fork(self):
+        out = SharedTrigger(self.token_text, self.trigger, self.grammar, self.end)
+        out.inner, out.tail = self.inner, self.tail
+        return out
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=110_000), SamplingParams(0.8, top_k=3, seed=120_000)],
+                         ids=["T1", "T0.8-topk3"])
+def test_sampled_sequences_under_a_triggered_grammar_follow_the_target(params):
+    """A grammar that starts when the output writes its trigger (tool calls under tool_choice auto): the law of
+    sampled sequences under speculation is the exact one; a fork sharing the grammar's state fails the test."""
+    probs = exact_joint(params, make=_triggered)
+    assert pvalue(sampled_joint(params, 20_000, make=_triggered), probs) > 1e-4
+    shared = lambda: SharedTrigger(lambda t: bytes([97 + t]), b"c", Automaton(), b"e")  # noqa: E731
+    with pytest.raises(AssertionError):  # it accepts forbidden tokens, or its law is wrong
+        assert pvalue(sampled_joint(params, 20_000, make=shared), probs) > 1e-6
 
 
 def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):

@@ -137,6 +137,44 @@ def test_required_calls_follow_the_tools_schemas(qwen_target):
     assert _accepts(qwen_target, named.grammar(), f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}')
 
 
+def _triggered(backend, tools):
+    from speculant.constraint import TriggeredGrammar
+
+    return TriggeredGrammar(backend.token_text, OPEN.encode(), backend.grammar(tools.body_grammar()), CLOSE.encode())
+
+
+def _follows(c, backend, text):
+    """Feed the model's tokens of `text` to constraint c; False at the first one it forbids."""
+    for t in backend.tokenize(text, add_special=False):
+        if not c.allowed([t])[0]:
+            return False
+        c.accept(t)
+    return True
+
+
+def test_auto_calls_follow_the_schemas_once_the_model_opens_one(qwen_target):
+    """tool_choice auto: text is free until the model writes <tool_call>; the call is then held to a request
+    function and its schema until </tool_call>, and the text after it is free again (a second call too)."""
+    t = parse_tools({"tools": [WEATHER, ADD]})
+    assert t.grammar() is None and t.body_grammar() is not None
+    call = f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}'
+    c = _triggered(qwen_target, t)
+    assert _follows(c, qwen_target, "Let me look that up. " + call) and c.inner is None
+    assert _follows(c, qwen_target, " Anything {oops} goes here, " + call.replace("Paris", "Rome"))
+    for bad in (call.replace("get_weather", "get_time"), call.replace('"city"', '"town"'),
+                call.replace('{"city": "Paris"}', '{"city": 5}')):
+        assert not _follows(_triggered(qwen_target, t), qwen_target, "Sure. " + bad)
+    # inside a call the generation may not end; after it, it may
+    c = _triggered(qwen_target, t)
+    _follows(c, qwen_target, f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1')
+    assert not c.allowed(sorted(c.eog)).any()
+    fork = c.fork()
+    assert _follows(fork, qwen_target, ', "b": 2}}\n' + CLOSE) and fork.inner is None
+    assert c.inner is not None and not c.allowed(sorted(c.eog)).any()  # the fork did not move it
+    assert _follows(c, qwen_target, ', "b": 2}}\n' + CLOSE) and c.allowed(sorted(c.eog)).all()
+    assert parse_tools({"tools": [WEATHER], "tool_choice": "required"}).body_grammar() is None
+
+
 def test_held_back_searches_only_what_follows_the_sent_text():
     text = "Some text first, then " + OPEN
     assert held_back(text, sent=len("Some text first, t")) == len(OPEN)

@@ -245,7 +245,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         for v in order:
                             engines[v.label].trace = [] if cfg.trace else None
                         runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
-                                             p.prediction, p.grammar)
+                                             p.prediction, p.grammar, p.call_grammar)
                         for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
@@ -308,19 +308,28 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
 
 
 def _generate_all(engines: dict, order: list[Variant], prompt: str, n_predict: int, params: SamplingParams,
-                  interleave: str, prediction: Optional[str] = None, grammar: Optional[str] = None) -> list:
+                  interleave: str, prediction: Optional[str] = None, grammar: Optional[str] = None,
+                  call_grammar: Optional[str] = None) -> list:
     """One prompt under every variant in `order`; returns their Results in that order. "prompt": one
     generation after another. "step": round robin, one decoding step of each in turn; a variant's decode
     time is then the time spent inside its own steps (its stream's own clock would also count the others').
     prediction: the prompt's predicted output, given to the methods that use one; grammar: the GBNF every
-    method decodes under (a constraint of its own each)."""
+    method decodes under (a constraint of its own each); call_grammar: tool_choice auto's, held to from
+    <tool_call> to </tool_call> (constraint.TriggeredGrammar)."""
     from ..engine import Result
     from ..stats import SpecStats
 
     def pred(v: Variant) -> dict:
         out = {"prediction": prediction} if prediction is not None and v.method.uses_prediction else {}
+        target = engines[v.label].target
         if grammar is not None:
-            out["constraint"] = engines[v.label].target.grammar(grammar)
+            out["constraint"] = target.grammar(grammar)
+        elif call_grammar is not None:
+            from ..constraint import TriggeredGrammar
+            from ..tools import CLOSE, OPEN
+
+            out["constraint"] = TriggeredGrammar(target.token_text, OPEN.encode(), target.grammar(call_grammar),
+                                                 CLOSE.encode())
         return out
 
     if interleave == "prompt":

@@ -40,6 +40,7 @@ class Prompt:
     prediction: Optional[str] = None  # the predicted output, for methods that use one
     grammar: Optional[str] = None  # GBNF the answer must follow (from json_schema, grammar or response_format)
     tools: Optional[list] = None  # OpenAI function tools the chat prompt offers (rendered by the template)
+    call_grammar: Optional[str] = None  # tool_choice auto: GBNF of a call the model opens (tools.Tools.body_grammar)
 
     def messages(self) -> list[dict]:
         return [{"role": "user", "content": self.text}]
@@ -91,7 +92,8 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
                 raise SettingsError(f"{path}:{no}: a required tool call cannot also follow a schema or grammar")
             grammar = tools.grammar()
         prompts.append(Prompt(pid, str(obj.get("category") or "uncategorized"), text, prediction, grammar,
-                              tools.functions if tools is not None and tools.active else None))
+                              tools.functions if tools is not None and tools.active else None,
+                              tools.body_grammar() if tools is not None else None))
     if not prompts:
         raise SettingsError(f"suite {path} holds no prompts")
     return prompts
