@@ -141,6 +141,23 @@ class Engine:
             raise SettingsError(f"prediction token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
+    def prompt_logprobs(self, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
+        """Each prompt token's log-probability given the tokens before it, with its n_top likeliest alternatives
+        (what /v1/completions' echo returns, and what evaluation harnesses score): tokens [n] -> n entries, the
+        first with logprob None (nothing comes before it). Target passes over chunks of at most 64 tokens
+        return all their logits; on our llama.cpp build those passes are batch-invariant, so each row has the
+        bits a one-token pass gives. A generation after it re-does the prompt the usual way (Backend.prefill
+        keeps only what computes as a fresh prefill would)."""
+        target = self.target
+        chunk = min(64, getattr(target, "invariant_rows", 64) or 64)
+        target.rewind(0)
+        out = [TokenLogprob(int(tokens[0]), None, ())]
+        for a in range(0, len(tokens) - 1, chunk):
+            b = min(a + chunk, len(tokens) - 1)  # rows a..b-1 predict tokens a+1..b
+            logits = target.eval(tokens[a:b], n_logits=b - a)  # [b - a, V]
+            out += token_logprobs(logits, tokens[a + 1:b + 1], n_top)
+        return out
+
     def _with_prediction(self, prediction, start: int):
         """The drafter and policy of a request: with a prediction, the prediction drafter goes first."""
         drafter, policy = (self.drafter if self.draft_max > 0 else None), self.policy
@@ -207,7 +224,8 @@ class Engine:
         lp_given = 0  # result.logprobs handed out with events
         rng = np.random.default_rng(params.seed)
         t0 = time.perf_counter()
-        target.prefill(context[:-1])  # everything but the last token, which each step feeds
+        # everything but the last token, which each step feeds
+        stats.cached_prompt_tokens = target.prefill(context[:-1]) or 0
         if drafter:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt

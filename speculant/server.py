@@ -27,6 +27,7 @@ non-text modalities, or presence/frequency penalties > 0 (400, param naming the 
 import asyncio
 import errno
 import hmac
+import itertools
 import json
 import logging
 import math
@@ -39,6 +40,7 @@ from contextlib import asynccontextmanager, aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
+from .backends.base import common_prefix
 from .errors import ContextOverflowError, SpeculantError
 from .rpc import WorkerError
 from .tools import ToolsError, held_back, message_for_template, parse_tools
@@ -48,6 +50,8 @@ _LOG = logging.getLogger("speculant.server")
 MAX_STOP = 4
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_N = 16  # choices one request may ask for
+REUSE_MIN = 32  # cached prompt tokens that decide a request's slot (Worker._pick_slot)
+MAX_PROMPTS = 16  # prompts one /v1/completions request may batch (times n: the choices it gets)
 _DONE = object()
 
 
@@ -118,6 +122,10 @@ class Job:
     n: int = 1  # choices: generations of the same prompt, each on a slot of its own (they decode at once)
     tools: Any = None  # tools.Tools when the request gives tools the model may call
     cut: bool = False  # generation stopped early because the server is shutting down
+    prompt_ids: Optional[list[int]] = None  # a prompt given as token ids (prompt is then "")
+    batch: list = field(default_factory=list)  # /v1/completions: every prompt (str or ids) when several
+    echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
+    prompt_logprobs: Optional[list] = None  # with echo and logprobs: the prompt's TokenLogprobs (Worker.run)
 
 
 def _is_int(v) -> bool:
@@ -213,7 +221,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     n = _get_int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, 1):
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
-    for name in ("echo", "suffix", "functions", "function_call") + (() if chat else ("tools", "tool_choice")):
+    for name in ("suffix", "functions", "function_call") + (("echo",) if chat else ("tools", "tool_choice")):
         if body.get(name) not in (None, False, {}, []):
             raise _bad(f"'{name}' is not supported by this server{'' if chat else ' on /v1/completions'}"
                        f"{'; use tools' if name.startswith('function') else ''}", name, "unsupported_parameter")
@@ -268,17 +276,10 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         max_tokens = _get_int(body, "max_completion_tokens" if max_tokens is not None else "max_tokens",
                               cfg.max_tokens, lo=1)
     else:
-        prompt = body.get("prompt")
-        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-            prompt = prompt[0]
-        if isinstance(prompt, list):
-            raise _bad("'prompt' must be a single string (batches of prompts are not supported)", "prompt",
-                       "invalid_type")
-        if not isinstance(prompt, str):
-            raise _bad("'prompt' must be a string", "prompt", "invalid_type")
-        if not prompt.strip():
-            raise _bad("'prompt' is empty", "prompt")
-        max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=1)
+        batch = _get_prompts(body.get("prompt"))
+        prompt = batch[0] if isinstance(batch[0], str) else ""
+        echo = _get_bool(body, "echo", False)
+        max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
 
     temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
     top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
@@ -312,9 +313,37 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
                                 repetition_penalty=repetition)
     except SpeculantError as e:
         raise _bad(str(e)) from None
-    return Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
-               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
-               tools=tools if tools is not None and tools.active else None)
+    job = Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
+              prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
+              tools=tools if tools is not None and tools.active else None)
+    if not chat:
+        job.echo = echo
+        job.prompt_ids = None if isinstance(batch[0], str) else batch[0]
+        job.batch = batch if len(batch) > 1 else []
+        if len(batch) * n > MAX_N * 4:
+            raise _bad(f"{len(batch)} prompts x n={n} choices is more than {MAX_N * 4}", "n")
+    return job
+
+
+def _get_prompts(prompt) -> list:
+    """/v1/completions' prompt: a string, an array of token ids, or an array of either (a batch) -> the
+    prompts, each a str or a list of ids."""
+    def one(p, where: str):
+        if isinstance(p, str):
+            if not p.strip():
+                raise _bad(f"{where} is empty", "prompt")
+            return p
+        if isinstance(p, list) and p and all(_is_int(t) for t in p):
+            return list(p)
+        raise _bad(f"{where} must be a string or a non-empty array of token ids", "prompt", "invalid_type")
+
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > MAX_PROMPTS:
+            raise _bad(f"'prompt' batches at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+        return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
+    if prompt is None:
+        raise _bad("'prompt' is required", "prompt", "invalid_type")
+    return [one(prompt, "'prompt'")]
 
 
 def _get_grammar(body: dict) -> Optional[str]:
@@ -388,14 +417,49 @@ def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
     return tuple(out)
 
 
+def _prompt_job(job: Job, prompt) -> Job:
+    """Another prompt of a batched /v1/completions request, with the same settings."""
+    import dataclasses
+
+    return dataclasses.replace(job, prompt=prompt if isinstance(prompt, str) else "",
+                               prompt_ids=None if isinstance(prompt, str) else prompt, tokens=[], batch=[])
+
+
+def _echo_text(job: Job, engine) -> str:
+    """The prompt as echo returns it: the text given, or the ids' text."""
+    return job.prompt if job.prompt_ids is None else engine.target.detokenize(job.prompt_ids)
+
+
 def _choice_job(job: Job, i: int, engine) -> Job:
     """Choice i of a request with n > 1: the same prompt, its own seed (the request's + i) and grammar state."""
     import dataclasses
 
     seed = job.params.seed
     params = dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % (1 << 64))
-    constraint = engine.target.grammar(job.grammar) if job.grammar is not None else None
-    return dataclasses.replace(job, params=params, constraint=constraint, cut=False)
+    return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False)
+
+
+def _constraint(job: Job, engine):
+    """The constraint a job decodes under: its grammar; or with tool_choice auto, one that holds each call the
+    model chooses to write (from <tool_call> to </tool_call>) to a request function and its parameters' schema
+    (constraint.TriggeredGrammar). Where that grammar cannot be made (the torch backend has no grammars), auto
+    calls are only parsed, as before."""
+    from .constraint import TriggeredGrammar
+    from .tools import CLOSE, OPEN
+
+    if job.grammar is not None:
+        return engine.target.grammar(job.grammar)
+    if job.tools is None:
+        return None
+    try:
+        body = job.tools.body_grammar()
+        grammar = engine.target.grammar(body) if body is not None else None
+    except SpeculantError as e:
+        _LOG.debug("tool calls under tool_choice auto stay unconstrained: %s", e)
+        return None
+    if grammar is None:
+        return None
+    return TriggeredGrammar(engine.target.token_text, OPEN.encode(), grammar, CLOSE.encode())
 
 
 class LogprobsFormat:
@@ -428,10 +492,12 @@ class LogprobsFormat:
             text, _ = self._token(e.token)
             out["tokens"].append(text)
             out["token_logprobs"].append(e.logprob)
-            # as OpenAI's: the top alternatives, and the chosen token's own logprob beside them
+            # as OpenAI's: the top alternatives, and the chosen token's own logprob beside them (none for an
+            # echoed prompt's first token)
             top = {self._token(t)[0]: lp for t, lp in e.top}
-            top.setdefault(text, e.logprob)
-            out["top_logprobs"].append(top)
+            if e.logprob is not None:
+                top.setdefault(text, e.logprob)
+            out["top_logprobs"].append(top if e.logprob is not None else None)
             out["text_offset"].append(self.offset)
             self.offset += len(text)
         return out
@@ -452,6 +518,8 @@ class Metrics:
         self.cancelled = Counter("speculant_requests_cancelled", "generations cut short by a client disconnect "
                                  "or shutdown", registry=r)
         self.prompt_tokens = Counter("speculant_prompt_tokens", "prompt tokens processed", registry=r)
+        self.cached_prompt_tokens = Counter("speculant_prompt_tokens_cached", "of those, kept in a slot's cache "
+                                            "from an earlier request (not evaluated again)", registry=r)
         self.completion_tokens = Counter("speculant_completion_tokens", "tokens generated", registry=r)
         self.drafted = Counter("speculant_drafted_tokens", "draft tokens sent to verification", registry=r)
         self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted", registry=r)
@@ -497,6 +565,7 @@ class Metrics:
 
     def record(self, stats) -> None:
         self.prompt_tokens.inc(stats.prompt_tokens)
+        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.completion_tokens.inc(stats.generated_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -543,11 +612,27 @@ class Worker:
         # target in a worker process (--rpc) answers one call at a time
         self.tokenizer = self.executors[0] if len(engines) == 1 else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculant-tokenize")
-        self.free = list(range(len(engines)))  # idle slots; the lowest goes first (merged passes want
-        self.slots = asyncio.Semaphore(len(engines))  # consecutive sequence ids, see llamacpp.run_group)
+        self.free = list(range(len(engines)))  # idle slots
+        self.last_used = [0] * len(engines)  # when each slot last took a request (_pick_slot)
+        self._uses = itertools.count(1)
+        self.slots = asyncio.Semaphore(len(engines))
         self.waiting = 0
         self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
         self.deadline = math.inf
+
+    def _pick_slot(self, prompt: list[int]) -> int:
+        """The free slot for a prompt, as llama-server picks one: the one whose cache holds the longest prefix
+        of it when that saves at least REUSE_MIN tokens of prompt processing (a conversation's next turn goes
+        back to its slot), else the one used least recently (it keeps other conversations' caches longest)
+        among those that keep the busy slots consecutive: llama.cpp merges the passes of consecutive sequence
+        ids only."""
+        held = {s: common_prefix(getattr(self.engines[s].target, "tokens", []), prompt) for s in self.free}
+        best = max(self.free, key=lambda s: (held[s], -s))
+        if held[best] >= REUSE_MIN:
+            return best
+        busy = [s for s in range(len(self.engines)) if s not in self.free]
+        next_to = [s for s in self.free if not busy or s in (min(busy) - 1, max(busy) + 1)]
+        return min(next_to or self.free, key=lambda s: (self.last_used[s], s))
 
     @property
     def in_progress(self) -> int:
@@ -560,9 +645,9 @@ class Worker:
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
         def work():
-            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat)
-            if job.grammar is not None:
-                job.constraint = self.engine.target.grammar(job.grammar)
+            prompt = job.prompt_ids if job.prompt_ids is not None else job.prompt
+            job.tokens = self.engine.tokenize_prompt(prompt, is_chat=job.is_chat)
+            job.constraint = _constraint(job, self.engine)
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
 
@@ -581,8 +666,9 @@ class Worker:
         finally:
             self.waiting -= 1
             self.metrics.queue_depth.set(self.waiting)
-        slot = min(self.free)
+        slot = self._pick_slot(job.tokens)
         self.free.remove(slot)
+        self.last_used[slot] = next(self._uses)
         engine, executor = self.engines[slot], self.executors[slot]
         loop = asyncio.get_running_loop()
         gen = None
@@ -593,6 +679,17 @@ class Worker:
             self.metrics.in_progress.set(self.in_progress)
             if is_disconnected is not None and await is_disconnected():
                 self.metrics.cancelled.inc()
+                return
+            if job.echo and job.logprobs is not None:
+                try:
+                    job.prompt_logprobs = await loop.run_in_executor(executor, engine.prompt_logprobs, job.tokens,
+                                                                     job.logprobs)
+                except WorkerError as e:
+                    raise worker_down(e) from None
+            if job.max_tokens == 0:  # echo only: the prompt scored, nothing generated
+                result.stats.prompt_tokens, result.finish_reason = len(job.tokens), "length"
+                self.metrics.record(result.stats)
+                finished = True
                 return
             gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
                                 is_chat=job.is_chat, result=result, prediction=job.prediction,
@@ -657,17 +754,19 @@ def log_request(request, status: str, t0: float, stats=None, max_tokens: Optiona
     _LOG.info("%s%s", line, f" client={client.host}" if client else "")
 
 
-def _usage(results) -> dict:
-    """OpenAI's usage of one request (its choices: the prompt counted once), and `speculative`: the stats of
-    its generation (as `generate --json`), a list of one per choice when n > 1."""
+def _usage(results, n: int = 1) -> dict:
+    """OpenAI's usage of one request (its choices, n per prompt: each prompt counted once), and `speculative`:
+    the stats of its generation (as `generate --json`), a list of one per choice when there are several."""
     if not isinstance(results, list):
         results = [results]
     stats = [r.stats for r in results]
-    prompt = stats[0].prompt_tokens
+    prompt = sum(s.prompt_tokens for s in stats[::n])
+    cached = sum(s.cached_prompt_tokens for s in stats[::n])
     completion = sum(s.generated_tokens for s in stats)
     accepted = sum(s.accepted_by_source.get("prediction", 0) for s in stats)
     drafted = sum(s.drafted_by_source.get("prediction", 0) for s in stats)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached, "audio_tokens": 0},
             "completion_tokens_details": {"reasoning_tokens": 0, "audio_tokens": 0,
                                           "accepted_prediction_tokens": accepted,
                                           "rejected_prediction_tokens": drafted - accepted},
@@ -811,7 +910,9 @@ def create_app(engine, cfg: ServerConfig):
         job = None
         try:
             job = parse_job(body, cfg, chat=chat, render_chat=engine.chat_prompt)
-            await worker.tokenize(job)
+            prompts = [job] + [_prompt_job(job, p) for p in job.batch[1:]]  # a batch: one job per prompt
+            for one in prompts:
+                await worker.tokenize(one)
         except ContextOverflowError as e:
             raise APIError(400, str(e), param="messages" if chat else "prompt",
                            code="context_length_exceeded") from None
@@ -823,9 +924,11 @@ def create_app(engine, cfg: ServerConfig):
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created_at = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
-        jobs = [job] + [_choice_job(job, i, engine) for i in range(1, job.n)]
+        # choice p * n + i: prompt p's i-th generation (OpenAI's order)
+        jobs = [c for p in prompts for c in [p] + [_choice_job(p, i, engine) for i in range(1, job.n)]]
         results = [Result("", [], SpecStats()) for _ in jobs]
         formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
+        echoed = [_echo_text(j, engine) if j.echo else "" for j in jobs]
 
         def choice(i: int, text: Optional[str], finish: Optional[str], first: bool = False, logprobs=None) -> dict:
             lp = formats[i](logprobs) if logprobs and formats[i] is not None else None
@@ -895,6 +998,9 @@ def create_app(engine, cfg: ServerConfig):
                         i, event = await queue.get()
                         if isinstance(event, Exception):
                             raise event
+                        if echoed[i] and not jobs[i].cut:  # the prompt first (its logprobs: Worker.run)
+                            yield chunk([choice(i, echoed[i], None, logprobs=jobs[i].prompt_logprobs)])
+                            echoed[i] = ""
                         if event is None:  # choice i ended: what it held back, then its finish reason
                             running -= 1
                             if jobs[i].cut:
@@ -931,7 +1037,7 @@ def create_app(engine, cfg: ServerConfig):
                         yield f"data: {json.dumps(cut_error().body())}\n\n"
                         return
                     if job.include_usage:
-                        yield chunk([], _usage(results))
+                        yield chunk([], _usage(results, job.n))
                     yield "data: [DONE]\n\n"
                 except APIError as e:
                     status = str(e.status)
@@ -969,7 +1075,10 @@ def create_app(engine, cfg: ServerConfig):
         done_metrics("200")
         choices = []
         for i, result in enumerate(results):
-            logprobs = formats[i](result.logprobs) if result.logprobs is not None else None
+            entries = None
+            if job.logprobs is not None and (result.logprobs is not None or jobs[i].prompt_logprobs):
+                entries = (jobs[i].prompt_logprobs or []) + (result.logprobs or [])
+            logprobs = formats[i](entries) if entries is not None else None
             if chat:
                 message, finish = {"role": "assistant", "content": result.text}, result.finish_reason
                 if job.tools is not None:
@@ -978,11 +1087,11 @@ def create_app(engine, cfg: ServerConfig):
                         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
-                choices.append({"index": i, "text": result.text, "logprobs": logprobs,
+                choices.append({"index": i, "text": echoed[i] + result.text, "logprobs": logprobs,
                                 "finish_reason": result.finish_reason})
         message = next((_message(r) for r in results if r.message), {})
         return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(results), **message}
+                "system_fingerprint": None, "choices": choices, "usage": _usage(results, job.n), **message}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

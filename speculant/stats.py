@@ -10,6 +10,7 @@ from typing import Optional, Sequence
 @dataclass
 class SpecStats:
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of those, kept in the target's cache from an earlier request (not evaluated)
     generated_tokens: int = 0
     ended_by_eog: bool = False  # the last target call produced an end-of-generation token (not in the text)
     drafted: int = 0  # draft tokens sent to verification
@@ -101,6 +102,7 @@ class SpecStats:
     def to_dict(self) -> dict:
         return {
             "prompt_tokens": self.prompt_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "drafted": self.drafted,
             "accepted": self.accepted,

@@ -366,6 +366,78 @@ def test_n_choices_are_the_answers_of_their_seeds(server, client):
     assert len(chat.choices) == 2 and chat.choices[0].message.content == chat.choices[1].message.content
 
 
+def test_echo_scores_the_prompt_and_batches_and_token_ids(server, client):
+    """/v1/completions as evaluation harnesses call it: echo with logprobs (and max_tokens 0: scoring only)
+    returns each prompt token's log-probability given the ones before it (the first has none), the value a
+    one-token pass gives; a prompt may be token ids, and a batch of prompts gets n choices each,
+    prompt p's i-th at index p * n + i, each the answer of its lone request."""
+    import numpy as np
+
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    ref = LlamaCppBackend(str(models.cached_path(MODEL)), n_ctx=CTX, n_threads=1)
+    ids = ref.tokenize(PROMPT)
+    expected = []
+    for i in range(1, len(ids)):
+        row = ref.sync(ids[:i])[-1].astype(np.float64)
+        expected.append(row[ids[i]] - row.max() - np.log(np.exp(row - row.max()).sum()))
+    ref.close()
+
+    scored = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=0, echo=True, logprobs=2)
+    c = scored.choices[0]
+    assert c.text == PROMPT and c.finish_reason == "length" and scored.usage.completion_tokens == 0
+    lp = c.logprobs
+    assert "".join(lp.tokens) == PROMPT and lp.text_offset[0] == 0 and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    np.testing.assert_allclose(lp.token_logprobs[1:], expected, rtol=0, atol=1e-9)  # batch-invariant passes
+    assert all(len(top) in (2, 3) and top[tok] == tl for top, tok, tl in zip(lp.top_logprobs[1:], lp.tokens[1:],
+                                                                           lp.token_logprobs[1:]))
+
+    gen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
+    both = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=1, echo=True)
+    assert both.choices[0].text == PROMPT + gen.choices[0].text  # ids prompt: the same answer, echoed
+    assert both.choices[0].logprobs.tokens == lp.tokens + gen.choices[0].logprobs.tokens
+    assert both.choices[0].logprobs.token_logprobs[len(ids):] == gen.choices[0].logprobs.token_logprobs
+    streamed = list(client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1,
+                                              echo=True, stream=True))
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == both.choices[0].text
+    assert [t for ch in streamed if ch.choices and ch.choices[0].logprobs for t in ch.choices[0].logprobs.tokens] \
+        == both.choices[0].logprobs.tokens
+
+    other = "Once upon a time"
+    batch = client.completions.create(model=MODEL, prompt=[PROMPT, other], n=2, max_tokens=6, temperature=1.0,
+                                      seed=7)
+    assert [ch.index for ch in batch.choices] == [0, 1, 2, 3]
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=1.0, seed=7 + i)
+             for p in (PROMPT, other) for i in range(2)]
+    assert [ch.text for ch in batch.choices] == [a.choices[0].text for a in alone]
+    assert batch.usage.prompt_tokens == alone[0].usage.prompt_tokens + alone[2].usage.prompt_tokens
+    ids_batch = client.completions.create(model=MODEL, prompt=[ids, ids[:-1]], max_tokens=4, temperature=0)
+    assert ids_batch.choices[0].text == gen.choices[0].text[:len(ids_batch.choices[0].text)]
+    assert len(ids_batch.choices) == 2
+
+
+def test_a_conversation_goes_back_to_the_slot_that_holds_it(server, client):
+    """Two conversations in turn on a 2-slot server: each next turn lands on the slot whose cache holds its
+    prompt so far (usage.prompt_tokens_details.cached_tokens counts what it did not evaluate again), and the
+    other goes to the slot used least recently instead of evicting it. Answers stay those of a cold cache."""
+    a = "Here is a story about a lighthouse keeper. " * 5
+    b = "A recipe for bread: flour, water, salt and yeast. " * 4
+
+    def ask(prompt):
+        return client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, temperature=0)
+
+    first_a, first_b = ask(a), ask(b)
+    next_a, next_b = ask(a + "And then"), ask(b + "Then")
+    assert first_a.usage.prompt_tokens >= 40
+    assert next_a.usage.prompt_tokens_details.cached_tokens >= first_a.usage.prompt_tokens - 1
+    assert next_b.usage.prompt_tokens_details.cached_tokens >= first_b.usage.prompt_tokens - 1
+    assert next_a.usage.model_extra["speculative"]["cached_prompt_tokens"] == \
+        next_a.usage.prompt_tokens_details.cached_tokens
+    cold = _cli("-p", a + "And then", "-n", "4")
+    assert next_a.choices[0].text == cold["text"]
+
+
 def test_seed_reproducibility(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
@@ -469,6 +541,15 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": MODEL, "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [1, "a"]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi", []]}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 17}, 400, "prompt"),
+    ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
+     400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),

@@ -81,10 +81,13 @@ class Backend(ABC):
         self.rewind(common)
         return self.eval(context[common:], n_logits)
 
-    def prefill(self, context: Sequence[int]) -> None:
+    def prefill(self, context: Sequence[int]) -> int:
         """Prompt processing: make the cache hold `context` as "the model alone" would have computed it
-        (a runtime whose numerics depend on how passes are cut says how: llamacpp.py)."""
+        (a runtime whose numerics depend on how passes are cut says how: llamacpp.py). Returns how many of
+        its tokens the cache kept from before (not evaluated again)."""
+        kept = common_prefix(self.tokens, context)
         self.sync(context, n_logits=0)
+        return kept
 
     def behind(self, context: Sequence[int]) -> int:
         """How many tokens a sync to `context` evaluates (a drafter's catch-up): past the common prefix, so a

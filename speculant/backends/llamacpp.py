@@ -280,7 +280,7 @@ class LlamaCppBackend(Backend):
         invariant_rows), else the exact (start, size) of the fast batched pass that computed it."""
         return 0 if n <= self.invariant_rows else (start, n)
 
-    def prefill(self, context: Sequence[int]) -> None:
+    def prefill(self, context: Sequence[int]) -> int:
         """Make the cache hold `context` exactly as a fresh prefill would: n_batch chunks from position 0.
         A cached position is kept only where that prefill would compute it by the same kind of pass (an
         invariant pass, or the same fast pass over the same chunk), and the rest is evaluated in the fresh
@@ -303,6 +303,7 @@ class LlamaCppBackend(Backend):
         for a, b in chunks:
             if b > kept:
                 self.eval(context[max(a, kept):b], n_logits=0)
+        return kept
 
     # -- text ---------------------------------------------------------------------------------------------
     def cost_profile(self) -> Optional[dict[int, float]]:

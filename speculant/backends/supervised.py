@@ -81,8 +81,7 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
                 backend.rewind(start)
                 value = backend.eval(tokens, n_logits)
             elif op == "prefill":
-                backend.prefill(args[0])
-                value = None
+                value = backend.prefill(args[0])
             elif op == "tokenize":
                 value = backend.tokenize(*args)
             elif op == "metadata":
@@ -215,12 +214,13 @@ class SupervisedBackend(Backend):
     def _truncate(self, n_kept: int) -> None:
         pass  # the child cuts its cache to `start` at each decode, and prefill keeps what it can
 
-    def prefill(self, context: Sequence[int]) -> None:
+    def prefill(self, context: Sequence[int]) -> int:
         proc = self._proc
         if proc is not None and "close_wait" in connections(proc.pid, self.endpoints).values():
             self._stop()  # a worker went away since the last request (and may be back): start afresh
-        self._call("prefill", list(map(int, context)), what="processing the prompt")
+        kept = self._call("prefill", list(map(int, context)), what="processing the prompt")
         self.tokens = list(map(int, context))
+        return kept
 
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         return self._call("tokenize", text, add_special, what="tokenizing")
