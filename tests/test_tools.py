@@ -180,3 +180,26 @@ def test_held_back_searches_only_what_follows_the_sent_text():
     assert held_back(text, sent=len("Some text first, t")) == len(OPEN)
     assert held_back("abc <tool", sent=3) == len("<tool") and held_back("abc def", sent=3) == 0
     assert held_back('x {"a": 1}', sent=1) == 0  # JSON later in the answer is text, not a call
+
+
+def test_the_server_decodes_auto_calls_under_the_call_grammar_where_it_can(qwen_target):
+    """A chat job with tools under auto gets the triggered call grammar, required gets its grammar, no tools
+    none; a backend without grammars (torch) leaves auto calls parsed only, where required is refused."""
+    from types import SimpleNamespace
+
+    from speculant.constraint import GrammarConstraint, TriggeredGrammar
+    from speculant.server import Job, _constraint
+
+    from synthetic import TableBackend
+
+    def job(**body):
+        return Job("prompt", True, 8, None, [], False, False, tools=parse_tools({"tools": [WEATHER], **body}))
+
+    llama = SimpleNamespace(target=qwen_target)
+    assert isinstance(_constraint(job(), llama), TriggeredGrammar)
+    required = job(tool_choice="required")
+    required.grammar = required.tools.grammar()
+    assert isinstance(_constraint(required, llama), GrammarConstraint)
+    assert _constraint(job(tool_choice="none"), llama) is None
+    assert _constraint(Job("prompt", True, 8, None, [], False, False), llama) is None
+    assert _constraint(job(), SimpleNamespace(target=TableBackend(8))) is None
