@@ -1,7 +1,8 @@
 """`speculant serve`: an OpenAI-compatible HTTP server over one speculative Engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, GET /health, GET /metrics (Prometheus text format).
+events ending in `data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize (llama-server's), GET /health,
+GET /metrics (Prometheus text format).
 
 Concurrency: an Engine holds one KV cache and is not thread-safe, so every call into it runs on ONE worker
 thread (a single-thread executor), and a request holds the engine (an asyncio lock, FIFO) from its first
@@ -901,6 +902,49 @@ def create_app(engine, cfg: ServerConfig):
         log_request(request, "200", request.state.t0)
         return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": created,
                                             "owned_by": "speculant", "draft_model": cfg.draft_id}]}
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        """llama-server's: {"content": text, "add_special": false, "with_pieces": false} -> {"tokens": [...]}
+        (with pieces: [{"id", "piece"}], the piece as text, or as byte values where it is not whole UTF-8)."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        if not isinstance(body, dict) or not isinstance(body.get("content"), str):
+            raise _bad("'content' must be a string", "content", "invalid_type")
+        add_special = _get_bool(body, "add_special", False)
+        with_pieces = _get_bool(body, "with_pieces", False)
+        target = engine.target
+        tokens = await asyncio.get_running_loop().run_in_executor(
+            worker.tokenizer, lambda: target.tokenize(body["content"], add_special=add_special))
+        out: list = tokens
+        if with_pieces:
+            out = []
+            for t in tokens:
+                raw = target.token_text(t)
+                try:
+                    out.append({"id": t, "piece": raw.decode("utf-8")})
+                except UnicodeDecodeError:
+                    out.append({"id": t, "piece": list(raw)})
+        metrics.requests.labels("/tokenize", "200").inc()
+        log_request(request, "200", t0)
+        return {"tokens": out}
+
+    @app.post("/detokenize")
+    async def detokenize(request: Request):
+        """llama-server's: {"tokens": [ids]} -> {"content": text}."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        tokens = body.get("tokens") if isinstance(body, dict) else None
+        if not isinstance(tokens, list) or not all(_is_int(t) for t in tokens):
+            raise _bad("'tokens' must be an array of token ids", "tokens", "invalid_type")
+        bad = [t for t in tokens if not 0 <= t < engine.target.n_vocab]
+        if bad:
+            raise _bad(f"token id {bad[0]} is outside the vocabulary (0..{engine.target.n_vocab - 1})", "tokens")
+        metrics.requests.labels("/detokenize", "200").inc()
+        log_request(request, "200", t0)
+        return {"content": engine.target.detokenize(tokens)}
 
     async def completion(request: Request, chat: bool):
         endpoint = request.url.path

@@ -438,6 +438,26 @@ def test_a_conversation_goes_back_to_the_slot_that_holds_it(server, client):
     assert next_a.choices[0].text == cold["text"]
 
 
+def test_tokenize_and_detokenize(server):
+    """llama-server's /tokenize and /detokenize: the ids are the ones completions take (echo gives the text
+    back), pieces come with with_pieces, bad input is a 400 naming the field, and the key is required."""
+    ids = _post(server, "/tokenize", {"content": PROMPT}).json()["tokens"]
+    assert ids and all(isinstance(t, int) for t in ids)
+    assert _post(server, "/detokenize", {"tokens": ids}).json() == {"content": PROMPT}
+    echoed = _post(server, "/v1/completions", {"prompt": ids, "max_tokens": 0, "echo": True}).json()
+    assert echoed["choices"][0]["text"] == PROMPT and echoed["usage"]["prompt_tokens"] >= len(ids)
+    pieces = _post(server, "/tokenize", {"content": "naïve café", "with_pieces": True}).json()["tokens"]
+    assert [p["id"] for p in pieces] == _post(server, "/tokenize", {"content": "naïve café"}).json()["tokens"]
+    assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) \
+        == "naïve café".encode()
+    for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", [1], "content"),
+                              ("/tokenize", {"content": "a", "add_special": "no"}, "add_special"),
+                              ("/detokenize", {"tokens": ["a"]}, "tokens"), ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
+        r = _post(server, path, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (path, body, r.text)
+    assert _post(server, "/tokenize", {"content": "a"}, key=None).status_code == 401
+
+
 def test_seed_reproducibility(client):
     def sample(seed):
         return client.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=1.0,
