@@ -117,12 +117,19 @@ def test_the_ggml_kernels_switch_is_scoped(small_target):
     assert _batch_vs_single(small_target, LONG_TEXT, [16, 33, 64], offsets=(4,)) == 0.0
 
 
-def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):
-    """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt,
-    processed by a fast 512-token chunk and a small one, and tokens decoded one at a time) must give the logits
-    a fresh prefill gives, although a fresh prefill computes those decoded positions with the fast kernels."""
+@pytest.mark.parametrize("stock", [False, True], ids=["invariant-prefill", "512-token-prefill"])
+def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
+    """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt, and
+    tokens decoded one at a time) must give the logits a fresh prefill gives. Our build's prefill runs
+    batch-invariant 64-token passes, so the whole common prefix is kept; a stock build's runs 512-token fast
+    passes (stock: prefill_chunk = n_batch), and then only the first chunk, computed by the same fast pass, is
+    kept and the rest recomputed in the fresh prefill's own chunks."""
     doc = qwen_target.tokenize(LONG_TEXT * 3)[:700]
     second = doc + qwen_target.tokenize(" How old is the lighthouse keeper?")
+    default = qwen_target.prefill_chunk
+    assert default == min(qwen_target.n_batch, qwen_target.invariant_rows)
+    if stock:
+        qwen_target.prefill_chunk = qwen_target.n_batch
 
     def after_first_request():
         qwen_target.rewind(0)
@@ -130,21 +137,27 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target):
         for t in doc[519:610]:  # decode steps
             qwen_target.eval([t])
 
-    qwen_target.rewind(0)
-    qwen_target.prefill(second[:-1])
-    cold = qwen_target.eval(second[-1:])[0]
-    after_first_request()
-    qwen_target.prefill(second[:-1])
-    assert qwen_target.tokens == list(second[:-1])
-    # the first chunk was kept (the same fast pass), the rest recomputed in the fresh prefill's own chunks
-    assert qwen_target._passes[:qwen_target.n_batch] == [(0, qwen_target.n_batch)] * qwen_target.n_batch
-    warm = qwen_target.eval(second[-1:])[0]
-    assert warm.tobytes() == cold.tobytes()
-    # what this guards against: keeping every cached position (plain sync) gives other bits
-    after_first_request()
-    qwen_target.sync(second[:-1], n_logits=0)
-    naive = qwen_target.eval(second[-1:])[0]
-    assert naive.tobytes() != cold.tobytes()
+    try:
+        qwen_target.rewind(0)
+        qwen_target.prefill(second[:-1])
+        cold = qwen_target.eval(second[-1:])[0]
+        after_first_request()
+        kept = qwen_target.prefill(second[:-1])
+        assert qwen_target.tokens == list(second[:-1])
+        if stock:  # the first chunk was kept (the same fast pass), the rest recomputed
+            assert kept == qwen_target.n_batch
+            assert qwen_target._passes[:kept] == [(0, kept)] * kept
+        else:  # every position of the earlier request carries over, the decoded ones included
+            assert kept == 610 and set(qwen_target._passes) == {0}
+        warm = qwen_target.eval(second[-1:])[0]
+        assert warm.tobytes() == cold.tobytes()
+        # what this guards against: keeping every cached position and evaluating the rest in one fast pass
+        after_first_request()
+        qwen_target.sync(second[:-1], n_logits=0)
+        naive = qwen_target.eval(second[-1:])[0]
+        assert naive.tobytes() != cold.tobytes()
+    finally:
+        qwen_target.prefill_chunk = default
 
 
 def _chat(engine, prompt):

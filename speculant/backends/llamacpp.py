@@ -12,10 +12,11 @@ ggml's dot products; llamafile's sgemm and the tiled kernels are kept off those 
 bit-identical logits (tests/test_llamacpp.py); longer passes, which only prompt processing makes, keep
 llama.cpp's fast batched kernels (llamafile's sgemm for the attention products included).
 
-"The target alone" is therefore: the prompt (all but its last token) evaluated in chunks of n_batch
-positions from position 0, then one token per pass. `prefill()` reproduces exactly that on a warm cache
-(the server's prefix reuse): it keeps a cached position only where a fresh prefill would have computed it
-by the same kind of pass (see `prefill`). A draft needs no such care: any q is verified exactly.
+"The target alone" is therefore: the prompt (all but its last token) evaluated in chunks of `prefill_chunk`
+positions from position 0 (invariant_rows, 64, with our build: batch-invariant passes, so any cached prefix
+carries over; n_batch with a stock build), then one token per pass. `prefill()` reproduces exactly that on a
+warm cache (the server's prefix reuse): it keeps a cached position only where a fresh prefill would have
+computed it by the same kind of pass (see `prefill`). A draft needs no such care: any q is verified exactly.
 """
 
 from __future__ import annotations
@@ -147,6 +148,11 @@ class LlamaCppBackend(Backend):
         self.n_embd = ll.llama_model_n_embd(self._model)
         self._batch = ll.llama_batch_init(self.n_batch, self.n_embd if embed else 0, 1)
         self.invariant_rows = invariant_rows()
+        # prompt processing in batch-invariant passes: every cached position is then reusable by a later prompt
+        # that shares it (whatever its length), and on our kernels 64-token passes process a prompt faster than
+        # llama.cpp's 512-token fast ones (Qwen 1.5B, 2 threads, 512 tokens: 3.7 vs 4.6 s on the AVX-512
+        # variant, 6.5 vs 7.6 s on the AVX2 one)
+        self.prefill_chunk = min(self.n_batch, self.invariant_rows)
         self.exact_numerics = not exactness_problems()
         self._passes: list = []  # per cached position, the pass that computed it: _pass_kind(start, n)
         self._piece_cache: dict[int, bytes] = {}
@@ -281,11 +287,12 @@ class LlamaCppBackend(Backend):
         return 0 if n <= self.invariant_rows else (start, n)
 
     def prefill(self, context: Sequence[int]) -> int:
-        """Make the cache hold `context` exactly as a fresh prefill would: n_batch chunks from position 0.
-        A cached position is kept only where that prefill would compute it by the same kind of pass (an
-        invariant pass, or the same fast pass over the same chunk), and the rest is evaluated in the fresh
-        prefill's own chunks, so a warm cache gives the bits a cold one gives."""
-        chunks = [(a, min(a + self.n_batch, len(context))) for a in range(0, len(context), self.n_batch)]
+        """Make the cache hold `context` exactly as a fresh prefill would: chunks of prefill_chunk positions
+        from position 0. A cached position is kept only where that prefill would compute it by the same kind of
+        pass (an invariant pass, or the same fast pass over the same chunk), and the rest is evaluated in the
+        fresh prefill's own chunks, so a warm cache gives the bits a cold one gives. Returns the positions kept."""
+        step = self.prefill_chunk
+        chunks = [(a, min(a + step, len(context))) for a in range(0, len(context), step)]
         common = common_prefix(self.tokens, context)
         kept = 0
         for a, b in chunks:
