@@ -47,8 +47,11 @@ class Tools:
         return bool(self.functions) and self.choice != "none"
 
     def answer(self, text: str, finish: str) -> tuple["Parsed", str]:
-        """The model's answer read for calls, and its finish reason ("tool_calls" when it called and stopped)."""
+        """The model's answer read for calls, and its finish reason ("tool_calls" when it called and stopped).
+        With parallel_tool_calls false only the first call counts (the auto grammar does not stop a second)."""
         parsed = parse_calls(text, self.names)
+        if not self.parallel:
+            parsed.calls = parsed.calls[:1]
         return parsed, ("tool_calls" if parsed.calls and finish == "stop" else finish)
 
     def grammar(self) -> Optional[str]:

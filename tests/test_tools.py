@@ -175,6 +175,15 @@ def test_auto_calls_follow_the_schemas_once_the_model_opens_one(qwen_target):
     assert parse_tools({"tools": [WEATHER], "tool_choice": "required"}).body_grammar() is None
 
 
+def test_without_parallel_calls_only_the_first_counts():
+    two = (f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}\n'
+           f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}')
+    parsed, finish = parse_tools({"tools": [WEATHER, ADD]}).answer(two, "stop")
+    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather", "add"] and finish == "tool_calls"
+    parsed, finish = parse_tools({"tools": [WEATHER, ADD], "parallel_tool_calls": False}).answer(two, "stop")
+    assert [c["function"]["name"] for c in parsed.calls] == ["get_weather"] and finish == "tool_calls"
+
+
 def test_held_back_searches_only_what_follows_the_sent_text():
     text = "Some text first, then " + OPEN
     assert held_back(text, sent=len("Some text first, t")) == len(OPEN)
