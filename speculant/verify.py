@@ -173,38 +173,55 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     logits: [n, V] (or [V]) float; returns float64 of the same shape, rows summing to 1.
     Order (as Hugging Face): scale by 1/T; keep the k largest; keep the smallest set of most likely tokens
     whose mass reaches top_p; drop tokens below min_p * max prob. Ties at a cut-off are all kept.
+    With top-k a row is computed over the tokens it keeps, not the whole vocabulary: with llama-cli's top-k 40
+    a row costs ~0.3 ms instead of ~3-5 ms on a 152k vocabulary, and a verify pass has k+1 rows.
     """
-    x = np.asarray(logits, dtype=np.float64)
+    x = np.asarray(logits)
     squeeze = x.ndim == 1
-    x = np.atleast_2d(x) / params.temperature
-    x = x - x.max(axis=-1, keepdims=True)
-    if params.top_k and params.top_k < x.shape[-1]:
-        kth = -np.partition(-x, params.top_k - 1, axis=-1)[:, params.top_k - 1 : params.top_k]  # [n, 1]
-        x = np.where(x >= kth, x, -np.inf)
-    probs = np.exp(x)
-    probs /= probs.sum(axis=-1, keepdims=True)
+    x = np.atleast_2d(x)
+    out = np.zeros(x.shape, dtype=np.float64)  # [n, V]
+    v = x.shape[-1]
+    for row, dst in zip(x, out):
+        if params.top_k and params.top_k < v:
+            kth = np.partition(row, v - params.top_k)[v - params.top_k]  # the k-th largest (the order of x / T)
+            ids = np.flatnonzero(row >= kth)  # ties at the cut are all kept
+            dst[ids] = _filtered(row[ids].astype(np.float64) / params.temperature, params)
+        else:
+            dst[:] = row  # as float64, before dividing
+            dst /= params.temperature
+            _filtered(dst, params)
+    return out[0] if squeeze else out
+
+
+def _filtered(x: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """x [n] float64 logits / T -> the row's probabilities after top-p and min-p, in place (x is returned)."""
+    top = x.max()
+    if top == -np.inf:
+        raise SettingsError("every token's logit is -inf (a logit bias or mask that bans them all)")
+    x -= top
+    probs = np.exp(x, out=x)
+    probs /= probs.sum()
     if params.top_p < 1.0:
-        probs = np.stack([_top_p_row(row, params.top_p) for row in probs])
+        probs[probs < _nucleus_cut(probs, params.top_p)] = 0.0
+        probs /= probs.sum()
     if params.min_p > 0.0:
-        probs = np.where(probs >= params.min_p * probs.max(axis=-1, keepdims=True), probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
-    return probs[0] if squeeze else probs
+        probs[probs < params.min_p * probs.max()] = 0.0
+        probs /= probs.sum()
+    return probs
 
 
-def _top_p_row(probs: np.ndarray, top_p: float) -> np.ndarray:
-    """Nucleus filter of one normalised row [V]; only the head of the distribution is ever sorted."""
-    n = probs.shape[0]
-    m = 64
+def _nucleus_cut(probs: np.ndarray, top_p: float) -> float:
+    """probs [n] normalised -> the probability of the last token the nucleus needs (the smallest set of most
+    likely tokens whose mass reaches top_p); every token at least that likely is kept. Only the head of the
+    distribution is sorted: the tokens above a threshold, lowered 10x until they hold top_p."""
+    floor = probs.max() * 0.1
     while True:
-        m = min(m, n)
-        head = np.argpartition(-probs, m - 1)[:m] if m < n else np.arange(n)
-        head = head[np.argsort(-probs[head], kind="stable")]
+        head = np.flatnonzero(probs >= floor) if floor > 0.0 else np.arange(len(probs))
+        head = head[np.argsort(-probs[head], kind="stable")]  # a prefix of the whole order (ties all in)
         cum = np.cumsum(probs[head])
-        if cum[-1] >= top_p or m == n:
-            cut_prob = probs[head[min(int(np.searchsorted(cum, top_p)), m - 1)]]
-            out = np.where(probs >= cut_prob, probs, 0.0)
-            return out / out.sum()
-        m *= 8
+        if cum[-1] >= top_p or len(head) == len(probs) or floor == 0.0:
+            return float(probs[head[min(int(np.searchsorted(cum, top_p)), len(head) - 1)]])
+        floor = floor * 0.1 if floor > 1e-300 else 0.0
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

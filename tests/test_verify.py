@@ -140,6 +140,34 @@ def test_probs_from_logits_matches_reference(seed, t, top_k, top_p, min_p, v):
     np.testing.assert_allclose(probs_from_logits(logits, params), _reference_filter(logits, params), atol=1e-12)
 
 
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), t=st.floats(0.1, 3.0), top_k=st.sampled_from([0, 1, 5, 40, 2000]),
+       top_p=st.sampled_from([1.0, 0.95, 0.5]), min_p=st.sampled_from([0.0, 0.05]),
+       banned=st.sampled_from([0.0, 0.5, 0.999]), ties=st.booleans())
+def test_probs_from_logits_on_a_whole_vocabulary(seed, t, top_k, top_p, min_p, banned, ties):
+    """A Qwen-sized float32 row, as backends give it: rows are computed over the tokens top-k keeps (or the
+    finite logits), which must not change what survives any filter nor the probabilities beyond rounding."""
+    rng = np.random.default_rng(seed)
+    logits = (rng.standard_normal((2, 151_936)) * rng.uniform(1.0, 8.0)).astype(np.float32)
+    logits[0, rng.random(151_936) < banned] = -np.inf  # a mask or a logit bias of -inf
+    logits[0, 7] = logits[0].max() + 1.0
+    if ties:
+        logits[1] = np.round(logits[1])
+    params = SamplingParams(t, top_k, top_p, min_p)
+    got = probs_from_logits(logits, params)
+    want = np.stack([_reference_filter(r, params) for r in logits])
+    assert np.array_equal(got > 0, want > 0)
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-300)
+    assert np.allclose(got.sum(-1), 1.0)
+
+
+def test_probs_from_logits_refuses_a_row_with_nothing_left():
+    row = np.full(50, -np.inf, dtype=np.float32)
+    for params in (SamplingParams(1.0), SamplingParams(0.7, top_k=5)):
+        with pytest.raises(SettingsError, match="-inf"):
+            probs_from_logits(row, params)
+
+
 @pytest.mark.parametrize("kwargs", [dict(temperature=-0.1), dict(temperature=float("nan")), dict(top_p=0.0),
                                     dict(top_p=1.5), dict(top_k=-1), dict(min_p=1.0), dict(min_p=-0.1)])
 def test_bad_sampling_settings_are_refused(kwargs):
