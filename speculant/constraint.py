@@ -42,6 +42,11 @@ class Constraint(ABC):
 
     eog: frozenset = frozenset()  # end-of-generation tokens: allowed once complete, never accepted
 
+    @property
+    def allows_all(self) -> bool:
+        """True when every token may come next (then a row needs no mask)."""
+        return False
+
     @abstractmethod
     def allowed(self, tokens: np.ndarray) -> np.ndarray:
         """tokens [n] int -> [n] bool: may each come next?"""
@@ -196,7 +201,8 @@ class MaskedRows:
 
     def argmax(self, i: int) -> int:
         """Greedy: the likeliest allowed token of row i."""
-        return int(np.argmax(self._masked(i, lambda row, state: constrain_row(row, state, self.params))))
+        return int(np.argmax(self._masked(i, lambda row, state: row if state.allows_all
+                                          else constrain_row(row, state, self.params))))
 
     def probs(self, i: int) -> Optional[np.ndarray]:
         """Sampling: row i's distribution under the constraint [V] (masked_probs), or None: draw(i, rng)."""
@@ -204,6 +210,8 @@ class MaskedRows:
 
     def _law(self, row: np.ndarray, state: Constraint) -> Optional[np.ndarray]:
         probs = probs_from_logits(row, self.params)
+        if state.allows_all:
+            return probs
         if drawable(probs, self.params):
             self.wide[self.done] = probs
             return None
@@ -284,6 +292,10 @@ class TriggeredGrammar(Constraint):
         self.eog = grammar.eog
         self.inner: Optional[Constraint] = None  # the grammar of the call being written, or None (free)
         self.tail = b""  # the output's last bytes, enough to see the trigger / end arrive
+
+    @property
+    def allows_all(self) -> bool:
+        return self.inner is None
 
     def allowed(self, tokens: np.ndarray) -> np.ndarray:
         if self.inner is None:

@@ -287,6 +287,26 @@ def test_sampled_sequences_under_a_triggered_grammar_follow_the_target(params):
         assert pvalue(sampled_joint(params, 20_000, make=shared), probs) > 1e-6
 
 
+@pytest.mark.parametrize("params", [SamplingParams(0.0), SamplingParams(1.0)], ids=["greedy", "T1"])
+def test_rows_in_free_text_ask_the_grammar_nothing(params, monkeypatch):
+    """While a triggered grammar is free (before its trigger), rows skip the mask: nothing is asked about; the
+    row after the trigger is masked by the call's grammar."""
+    asked = []
+    monkeypatch.setattr(TriggeredGrammar, "allowed", lambda self, tokens: asked.append(len(tokens)) or
+                        (np.ones(len(tokens), dtype=bool) if self.inner is None else self.inner.allowed(tokens)))
+    rows = np.random.default_rng(3).standard_normal((3, V)).astype(np.float32)
+    read = (lambda m, i: m.argmax(i)) if params.greedy else (lambda m, i: m.probs(i))
+    free = MaskedRows(rows, _triggered(), params, [0, 1])  # "a", "b": no trigger
+    for i in range(3):
+        read(free, i)
+    assert asked == []
+    called = MaskedRows(rows, _triggered(), params, [2, 1])  # "c" opens the call
+    read(called, 0)
+    assert asked == []
+    read(called, 1)
+    assert asked, "the row after the trigger was not masked"
+
+
 def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypatch):
     class Stale(MaskedRows):  # every row masked as row 0: the drafts before it are forgotten
         def probs(self, i):

@@ -84,14 +84,15 @@ class ModelDrafter(Drafter):
             # the draft's confidence is its max probability, never a property of the sampled token: which
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
             if params.greedy:
-                allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) if state is not None else logits
+                allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) \
+                    if state is not None and not state.allows_all else logits
                 if state is not None and not np.isfinite(allowed).any():  # none allowed among the likeliest
                     break
                 token = int(np.argmax(allowed))
                 confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax of the token; sum >= 1
             else:
-                q = masked_probs(logits, state, params, limit=DRAFT_CHECK) if state is not None \
-                    else probs_from_logits(logits, params)
+                q = masked_probs(logits, state, params, limit=DRAFT_CHECK) \
+                    if state is not None and not state.allows_all else probs_from_logits(logits, params)
                 if q is None:
                     break
                 confidence = float(q.max())
