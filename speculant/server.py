@@ -26,6 +26,7 @@ non-text modalities, or presence/frequency penalties > 0 (400, param naming the 
 """
 
 import asyncio
+import dataclasses
 import errno
 import hmac
 import itertools
@@ -42,9 +43,12 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from .backends.base import common_prefix
+from .constraint import TriggeredGrammar, json_grammar
+from .engine import MAX_TOP_LOGPROBS
 from .errors import ContextOverflowError, SpeculantError
 from .rpc import WorkerError
-from .tools import ToolsError, held_back, message_for_template, parse_tools
+from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
+from .verify import SamplingParams
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -107,7 +111,7 @@ class ServerConfig:
 class Job:
     """One validated generation request."""
 
-    prompt: str
+    prompt: str | list[int]  # text, or (/v1/completions) token ids
     is_chat: bool
     max_tokens: int
     params: Any  # SamplingParams
@@ -123,8 +127,7 @@ class Job:
     n: int = 1  # choices: generations of the same prompt, each on a slot of its own (they decode at once)
     tools: Any = None  # tools.Tools when the request gives tools the model may call
     cut: bool = False  # generation stopped early because the server is shutting down
-    prompt_ids: Optional[list[int]] = None  # a prompt given as token ids (prompt is then "")
-    batch: list = field(default_factory=list)  # /v1/completions: every prompt (str or ids) when several
+    more_prompts: list = field(default_factory=list)  # /v1/completions: the batch's other prompts (str or ids)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
     prompt_logprobs: Optional[list] = None  # with echo and logprobs: the prompt's TokenLogprobs (Worker.run)
 
@@ -208,8 +211,6 @@ def _get_prediction(body: dict) -> Optional[str]:
 
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     """Validate a request body into a Job; raises APIError (400/404) on anything wrong."""
-    from .verify import SamplingParams
-
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     prediction = _get_prediction(body)
@@ -278,7 +279,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
                               cfg.max_tokens, lo=1)
     else:
         batch = _get_prompts(body.get("prompt"))
-        prompt = batch[0] if isinstance(batch[0], str) else ""
+        prompt = batch[0]
         echo = _get_bool(body, "echo", False)
         max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
 
@@ -319,8 +320,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
               tools=tools if tools is not None and tools.active else None)
     if not chat:
         job.echo = echo
-        job.prompt_ids = None if isinstance(batch[0], str) else batch[0]
-        job.batch = batch if len(batch) > 1 else []
+        job.more_prompts = batch[1:]
         if len(batch) * n > MAX_N * 4:
             raise _bad(f"{len(batch)} prompts x n={n} choices is more than {MAX_N * 4}", "n")
     return job
@@ -350,8 +350,6 @@ def _get_prompts(prompt) -> list:
 def _get_grammar(body: dict) -> Optional[str]:
     """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema":
     ...}}) or llama-server's `grammar` (GBNF text) -> the GBNF the output must follow, or None."""
-    from .constraint import json_grammar
-
     fmt, gbnf = body.get("response_format"), body.get("grammar")
     if gbnf is not None:
         if fmt not in (None, {"type": "text"}):
@@ -384,8 +382,6 @@ def _get_grammar(body: dict) -> Optional[str]:
 def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
     """Chat: logprobs (bool) and top_logprobs (0..20, only with logprobs); completions: logprobs (0..20)
     -> the number of alternatives per token, or None when logprobs are not wanted."""
-    from .engine import MAX_TOP_LOGPROBS
-
     if not chat:
         return _get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     wanted = _get_bool(body, "logprobs", False)
@@ -420,21 +416,16 @@ def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
 
 def _prompt_job(job: Job, prompt) -> Job:
     """Another prompt of a batched /v1/completions request, with the same settings."""
-    import dataclasses
-
-    return dataclasses.replace(job, prompt=prompt if isinstance(prompt, str) else "",
-                               prompt_ids=None if isinstance(prompt, str) else prompt, tokens=[], batch=[])
+    return dataclasses.replace(job, prompt=prompt, tokens=[], more_prompts=[])
 
 
 def _echo_text(job: Job, engine) -> str:
     """The prompt as echo returns it: the text given, or the ids' text."""
-    return job.prompt if job.prompt_ids is None else engine.target.detokenize(job.prompt_ids)
+    return job.prompt if isinstance(job.prompt, str) else engine.target.detokenize(job.prompt)
 
 
 def _choice_job(job: Job, i: int, engine) -> Job:
     """Choice i of a request with n > 1: the same prompt, its own seed (the request's + i) and grammar state."""
-    import dataclasses
-
     seed = job.params.seed
     params = dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % (1 << 64))
     return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False)
@@ -445,9 +436,6 @@ def _constraint(job: Job, engine):
     model chooses to write (from <tool_call> to </tool_call>) to a request function and its parameters' schema
     (constraint.TriggeredGrammar). Where that grammar cannot be made (the torch backend has no grammars), auto
     calls are only parsed, as before."""
-    from .constraint import TriggeredGrammar
-    from .tools import CLOSE, OPEN
-
     if job.grammar is not None:
         return engine.target.grammar(job.grammar)
     if job.tools is None:
@@ -646,8 +634,7 @@ class Worker:
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
         def work():
-            prompt = job.prompt_ids if job.prompt_ids is not None else job.prompt
-            job.tokens = self.engine.tokenize_prompt(prompt, is_chat=job.is_chat)
+            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat)
             job.constraint = _constraint(job, self.engine)
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
@@ -954,7 +941,7 @@ def create_app(engine, cfg: ServerConfig):
         job = None
         try:
             job = parse_job(body, cfg, chat=chat, render_chat=engine.chat_prompt)
-            prompts = [job] + [_prompt_job(job, p) for p in job.batch[1:]]  # a batch: one job per prompt
+            prompts = [job] + [_prompt_job(job, p) for p in job.more_prompts]  # a batch: one job per prompt
             for one in prompts:
                 await worker.tokenize(one)
         except ContextOverflowError as e:
