@@ -193,6 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     gram.add_argument("--grammar-file", default=None, metavar="FILE", help="read the GBNF grammar from FILE")
     gram.add_argument("-j", "--json-schema", default=None, metavar="SCHEMA",
                       help="the output is JSON following this JSON schema ('{}': any JSON value)")
+    gram.add_argument("-jf", "--json-schema-file", default=None, metavar="FILE",
+                      help="read the JSON schema from FILE")
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: also each token's log-probability under the target and its N most likely "
                         "alternatives (0..20), as \"logprobs\": [{token, logprob, top: [[token, logprob], ...]}]")
@@ -316,19 +318,24 @@ def sampling_seed(seed: int) -> int:
 
 
 def _read_grammar(args) -> Optional[str]:
-    """--grammar, --grammar-file or -j/--json-schema -> GBNF text, or None."""
+    """--grammar, --grammar-file, -j/--json-schema or -jf/--json-schema-file -> GBNF text, or None."""
     from .constraint import json_grammar
 
     if args.json_schema is not None:
         return json_grammar(args.json_schema)
+    if args.json_schema_file is not None:
+        return json_grammar(_read_text(args.json_schema_file, "--json-schema-file"))
     if args.grammar_file is not None:
-        try:
-            with open(args.grammar_file, encoding="utf-8") as f:
-                return f.read()
-        except (OSError, UnicodeDecodeError) as e:
-            raise SettingsError(f"--grammar-file {args.grammar_file}: {e.strerror if isinstance(e, OSError) else e}") \
-                from None
+        return _read_text(args.grammar_file, "--grammar-file")
     return args.grammar
+
+
+def _read_text(path: str, flag: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise SettingsError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
 def _read_prediction(path: Optional[str]) -> Optional[str]:

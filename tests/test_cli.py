@@ -76,6 +76,7 @@ def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     (["--grammar", 'root ::= "a'], "invalid grammar"),
     (["--grammar-file", "/no/such/file.gbnf"], "No such file"),
     (["-j", "{not json"], "not valid JSON"),
+    (["-jf", "/no/such/schema.json"], "No such file"),
 ])
 def test_bad_settings_get_a_clear_error(small, args, fragment):
     assert_clean_error(run("generate", "-m", small, "-p", "hi", *args), fragment)
@@ -95,6 +96,11 @@ def test_grammar_json_schema_and_logprobs(small, tmp_path):
     g.write_text('root ::= " yes" | " no"\n')
     yn = run("generate", "-m", small, "-p", "Is the sky blue? Answer:", "-n", "5", "--grammar-file", str(g), "--json")
     assert json.loads(yn.stdout)["text"] in (" yes", " no")
+    f = tmp_path / "color.json"
+    f.write_text(schema)
+    from_file = run(*base, "-jf", str(f))
+    assert from_file.returncode == 0, from_file.stderr
+    assert json.loads(from_file.stdout)["tokens"] == p["tokens"]  # the same schema, so the same greedy output
 
 
 def test_empty_prompt_and_prompt_over_the_context(small):
