@@ -121,6 +121,20 @@ class Gatherer:
             raise job.error
         return job.result
 
+    def run_alone(self, fn: Callable[[], Any]) -> Any:
+        """fn() on the pass thread while no pass runs (a change to several sequences' caches at once, e.g. a
+        KV stream copied from one slot to another); its result."""
+        with self._cond:
+            while self._running:
+                self._cond.wait()
+            self._running = True
+        try:
+            return self._runner.submit(fn).result()
+        finally:
+            with self._cond:
+                self._running = False
+                self._cond.notify_all()
+
     def _wait_s(self) -> float:
         """How much longer the oldest pass should wait for the other busy requests (<= 0: run now)."""
         if not self._pending:

@@ -105,6 +105,18 @@ class Engine:
         return Engine(target, drafter, draft_max=self.draft_max, adaptive=self.adaptive, draft_min=self.draft_min,
                       long_max=self.long_max)
 
+    def share_cache(self, source: "Engine", context: Sequence[int]) -> int:
+        """Take another slot's prompt cache where it holds more of `context`: the target's KV stream is copied,
+        and the draft model's (Backend.copy_prefix), so a prompt another slot processed is not processed again.
+        The bits are the ones this slot would compute. Returns the target positions this slot now holds."""
+        copy_prefix = getattr(self.target, "copy_prefix", None)
+        if copy_prefix is None or source is self:
+            return 0
+        held = copy_prefix(source.target, context)
+        if self.drafter is not None and source.drafter is not None:
+            self.drafter.share_cache(source.drafter, context)
+        return held
+
     # -- prompts ------------------------------------------------------------------------------------------
     def chat_prompt(self, messages: list[dict], tools: Optional[list[dict]] = None) -> str:
         return chat.render(self.target.chat_template(), messages, bos_token=self.target.bos_token,

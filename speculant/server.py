@@ -130,6 +130,10 @@ class Job:
     more_prompts: list = field(default_factory=list)  # /v1/completions: the batch's other prompts (str or ids)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
     prompt_logprobs: Optional[list] = None  # with echo and logprobs: the prompt's TokenLogprobs (Worker.run)
+    # n > 1: the first choice processes the prompt (then sets `started`); the others wait for it (`after`)
+    # and take its cache (Worker.run)
+    started: Any = None  # asyncio.Event
+    after: Any = None  # asyncio.Event
 
 
 def _is_int(v) -> bool:
@@ -623,6 +627,17 @@ class Worker:
         next_to = [s for s in self.free if not busy or s in (min(busy) - 1, max(busy) + 1)]
         return min(next_to or self.free, key=lambda s: (self.last_used[s], s))
 
+    def _prefix_source(self, slot: int, prompt: list[int]) -> Optional[int]:
+        """Another slot, free or busy, whose cache holds at least REUSE_MIN more tokens of the prompt than `slot`
+        does (the one holding most), or None: its cache is copied rather than the prompt processed again."""
+        if not hasattr(self.engines[slot].target, "copy_prefix"):
+            return None
+        held = [common_prefix(list(e.target.tokens), prompt) for e in self.engines]
+        best = max((s for s in range(len(self.engines)) if s != slot), key=lambda s: held[s], default=None)
+        if best is None or held[best] < held[slot] + REUSE_MIN:
+            return None
+        return best
+
     @property
     def in_progress(self) -> int:
         return len(self.engines) - len(self.free)
@@ -642,11 +657,24 @@ class Worker:
     async def run(self, job: Job, result, is_disconnected=None) -> AsyncIterator:
         """Yield TokenEvents of one generation; `result` is filled when this ends. Closing this iterator
         (a disconnect, a cancellation) stops the generation after the step in progress."""
+        try:
+            async with aclosing(self._run(job, result, is_disconnected)) as events:
+                async for event in events:
+                    if job.started is not None:  # the first token: the prompt is in this slot's cache
+                        job.started.set()
+                    yield event
+        finally:
+            if job.started is not None:  # however it ended, the other choices stop waiting
+                job.started.set()
+
+    async def _run(self, job: Job, result, is_disconnected) -> AsyncIterator:
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if self.waiting >= self.max_queue and self.slots.locked():
             raise APIError(503, f"the server is busy ({self.waiting} requests queued); retry later",
                            type="server_error", code="server_overloaded")
+        if job.after is not None:  # the first choice processes the prompt; this one then copies its cache
+            await job.after.wait()
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
@@ -668,6 +696,12 @@ class Worker:
             if is_disconnected is not None and await is_disconnected():
                 self.metrics.cancelled.inc()
                 return
+            source = self._prefix_source(slot, job.tokens)
+            if source is not None:
+                try:
+                    await loop.run_in_executor(executor, engine.share_cache, self.engines[source], job.tokens)
+                except WorkerError as e:
+                    raise worker_down(e) from None
             if job.echo and job.logprobs is not None:
                 try:
                     job.prompt_logprobs = await loop.run_in_executor(executor, engine.prompt_logprobs, job.tokens,
@@ -957,6 +991,10 @@ def create_app(engine, cfg: ServerConfig):
         kind = "chat.completion" if chat else "text_completion"
         # choice p * n + i: prompt p's i-th generation (OpenAI's order)
         jobs = [c for p in prompts for c in [p] + [_choice_job(p, i, engine) for i in range(1, job.n)]]
+        for a in range(0, len(jobs), job.n) if job.n > 1 else ():  # the choices of a prompt share its processing
+            jobs[a].started = asyncio.Event()
+            for other in jobs[a + 1:a + job.n]:
+                other.after = jobs[a].started
         results = [Result("", [], SpecStats()) for _ in jobs]
         formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
         echoed = [_echo_text(j, engine) if j.echo else "" for j in jobs]

@@ -133,10 +133,12 @@ def test_passes_of_two_models_never_run_at_once():
 
 
 # -- llama.cpp slots: the bits of a sequence alone -----------------------------------------------------------
-def _script(backend, prompt, seed, steps=10):
-    """Prefill, then verify-like passes of 1-8 tokens with random acceptances and rewinds: every logit row."""
+def _script(backend, prompt, seed, steps=10, cold=True):
+    """Prefill (from an empty cache when cold), then verify-like passes of 1-8 tokens with random acceptances
+    and rewinds: every logit row."""
     rng = random.Random(seed)
-    backend.rewind(0)
+    if cold:
+        backend.rewind(0)
     backend.prefill(prompt[:-1])
     ctx, out = list(prompt), []
     for _ in range(steps):
@@ -187,6 +189,37 @@ def test_slots_in_merged_passes_get_the_bits_they_get_alone(name):
         for i in range(3):
             for step, (a, b) in enumerate(zip(want[i], got[i])):
                 assert np.array_equal(a, b), f"slot {i} step {step}: max diff {np.abs(a - b).max()}"
+    finally:
+        shared.close()
+        solo.close()
+
+
+@pytest.mark.models
+def test_a_slot_that_copies_another_slots_prompt_computes_its_bits():
+    """Backend.copy_prefix: a slot takes another slot's cached prompt (llama.cpp copies the KV stream at the next
+    pass), while that slot goes on decoding its own request, and a third slot copies the second before any pass
+    ran. Everything they compute after is bit for bit what a cold cache computes."""
+    solo = _backend(SMALL, n_ctx=1024)
+    shared = _backend(SMALL, n_ctx=1024, n_seq=3)
+    try:
+        toks = solo.tokenize(TEXT)
+        prompt, mine = toks[:200], toks[:230]  # mine extends the prompt slot 0 processed
+        want = _script(solo, mine, 7, steps=8)
+        first, second, third = (shared.slot(i) for i in range(3))
+        first.prefill(prompt[:-1])
+        ctx = list(prompt)
+        first.sync(ctx + [11, 12], n_logits=3)  # slot 0 is mid-request: drafts in its cache, then rejected
+        first.rewind(len(ctx))
+        assert second.copy_prefix(first, mine) == len(ctx)
+        assert third.copy_prefix(second, mine) == len(ctx)  # the chain: copied before any pass ran
+        assert second.copy_prefix(first, mine) == len(ctx)  # nothing more to take: no copy
+        first.sync(ctx + [13, 14, 15], n_logits=3)  # its next pass writes past the copied positions
+        with pytest.raises(ValueError):
+            second.copy_prefix(second, mine)
+        for slot in (second, third):
+            got = _script(slot, mine, 7, steps=8, cold=False)
+            for step, (a, b) in enumerate(zip(want, got)):
+                assert np.array_equal(a, b), f"step {step}: max diff {np.abs(a - b).max()}"
     finally:
         shared.close()
         solo.close()

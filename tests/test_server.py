@@ -438,6 +438,29 @@ def test_a_conversation_goes_back_to_the_slot_that_holds_it(server, client):
     assert next_a.choices[0].text == cold["text"]
 
 
+def test_choices_and_requests_take_the_prompt_another_slot_processed(server, client):
+    """n > 1: the first choice processes the prompt and the others copy its slot's cache (its KV stream) instead
+    of processing it again; a request whose prompt a busy slot holds copies it from there. The answers stay
+    those of their lone requests and of a cold cache."""
+    p = "The history of the printing press, in brief. " * 14  # new to the server: no slot holds it
+    r = client.completions.create(model=MODEL, prompt=p, n=2, max_tokens=6, temperature=1.0, seed=11)
+    first, second = r.usage.model_extra["speculative"]
+    assert first["cached_prompt_tokens"] < 32 and r.usage.prompt_tokens > 120
+    assert second["cached_prompt_tokens"] >= r.usage.prompt_tokens - 1
+    alone = [client.completions.create(model=MODEL, prompt=p, max_tokens=6, temperature=1.0, seed=11 + i)
+             for i in range(2)]
+    assert [c.text for c in r.choices] == [a.choices[0].text for a in alone]
+
+    q = "Notes on the migration of arctic terns. " * 14
+    busy = client.completions.create(model=MODEL, prompt=q, max_tokens=150, temperature=0, stream=True)
+    started = next(iter(busy))  # its slot has processed q and is decoding
+    b = client.completions.create(model=MODEL, prompt=q + "In summary", max_tokens=5, temperature=0)
+    rest = [started] + list(busy)
+    assert any(ch.choices and ch.choices[0].finish_reason for ch in rest)
+    assert b.usage.prompt_tokens_details.cached_tokens >= b.usage.prompt_tokens - 8
+    assert b.choices[0].text == _cli("-p", q + "In summary", "-n", "5")["text"]
+
+
 def test_tokenize_and_detokenize(server):
     """llama-server's /tokenize and /detokenize: the ids are the ones completions take (echo gives the text
     back), pieces come with with_pieces, bad input is a 400 naming the field, and the key is required."""

@@ -277,6 +277,31 @@ class LlamaCppBackend(Backend):
             if len(job.tokens) < m:  # the padding
                 ll.llama_memory_seq_rm(self._memory, job.seq, job.start + len(job.tokens), -1)
 
+    def copy_prefix(self, source: "LlamaCppBackend", context: Sequence[int]) -> int:
+        """Make this slot's cache hold the longest prefix of `context` that slot `source` (of the same context)
+        holds, when that is longer than what it holds itself: llama.cpp copies source's KV stream into this
+        one (tens of ms, where evaluating a long prompt again takes seconds; the bits are the source's, which
+        are the ones a prefill here would compute). Runs between passes, so `source` may be decoding another
+        request: only positions its cache and its token list agree on are taken. Returns the positions held."""
+        if source._primary is not self._primary or source._seq == self._seq:
+            raise ValueError("copy_prefix: source must be another slot of the same context")
+
+        def copy() -> int:
+            own = common_prefix(self.tokens, context)
+            tokens, passes = list(source.tokens), list(source._passes)  # taken at once, between passes
+            n = min(common_prefix(tokens, context), len(passes),
+                    int(ll.llama_memory_seq_pos_max(self._memory, source._seq)) + 1)
+            if n <= own:
+                return own
+            # the stream's cells now, its data at the next pass (before that pass writes anything)
+            ll.llama_memory_seq_cp(self._memory, source._seq, self._seq, -1, -1)
+            ll.llama_memory_seq_rm(self._memory, self._seq, n, -1)
+            self.tokens[:] = tokens[:n]
+            self._passes[:] = passes[:n]
+            return n
+
+        return GATHERER.run_alone(copy) if self.n_seq > 1 else 0
+
     def _truncate(self, n_kept: int) -> None:
         ll.llama_memory_seq_rm(self._memory, self._seq, n_kept, -1)
         del self._passes[n_kept:]

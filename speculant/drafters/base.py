@@ -96,5 +96,9 @@ class Drafter(ABC):
         constraint is per slot); drafters with models or caches make theirs."""
         return self if i == 0 else copy.copy(self)
 
+    def share_cache(self, source: "Drafter", context: Sequence[int]) -> None:
+        """Take the prompt cache of the same drafter on another slot (source), where it holds more of
+        `context` (Backend.copy_prefix); optional."""
+
     def close(self) -> None:
         """Release resources (optional)."""

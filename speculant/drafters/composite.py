@@ -61,6 +61,11 @@ class CompositeDrafter(Drafter):
         for d in self.drafters:
             d.prepare(context)
 
+    def share_cache(self, source: Drafter, context: Sequence[int]) -> None:
+        if isinstance(source, CompositeDrafter) and len(source.drafters) == len(self.drafters):
+            for mine, theirs in zip(self.drafters, source.drafters):
+                mine.share_cache(theirs, context)
+
     def begin(self, context: Sequence[int]) -> None:
         for d in self.drafters:
             d.begin(context)

@@ -128,6 +128,11 @@ class ModelDrafter(Drafter):
         return ModelDrafter(self.backend.slot(i), self.n_vocab_target, p_min=self.p_min, keep=self.keep,
                             map_inputs=self.map_inputs)
 
+    def share_cache(self, source: Drafter, context: Sequence[int]) -> None:
+        copy_prefix = getattr(self.backend, "copy_prefix", None)
+        if copy_prefix is not None and isinstance(source, ModelDrafter) and source.backend is not self.backend:
+            copy_prefix(source.backend, self._ids(context))
+
     def prepare(self, context: Sequence[int]) -> None:
         self.backend.sync(self._ids(context[:-1]), n_logits=0)  # the prompt, as for the target: part of the prefill
 
