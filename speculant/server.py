@@ -513,6 +513,8 @@ class Metrics:
         self.prompt_tokens = Counter("speculant_prompt_tokens", "prompt tokens processed", registry=r)
         self.cached_prompt_tokens = Counter("speculant_prompt_tokens_cached", "of those, kept in a slot's cache "
                                             "from an earlier request (not evaluated again)", registry=r)
+        self.prompt_copies = Counter("speculant_prompt_cache_copies", "prompt caches a slot copied from another "
+                                     "slot (its KV stream) instead of processing the prompt", registry=r)
         self.completion_tokens = Counter("speculant_completion_tokens", "tokens generated", registry=r)
         self.drafted = Counter("speculant_drafted_tokens", "draft tokens sent to verification", registry=r)
         self.accepted = Counter("speculant_accepted_tokens", "draft tokens accepted", registry=r)
@@ -699,9 +701,11 @@ class Worker:
             source = self._prefix_source(slot, job.tokens)
             if source is not None:
                 try:
-                    await loop.run_in_executor(executor, engine.share_cache, self.engines[source], job.tokens)
+                    held = await loop.run_in_executor(executor, engine.share_cache, self.engines[source], job.tokens)
                 except WorkerError as e:
                     raise worker_down(e) from None
+                _LOG.debug("slot %d took %d prompt tokens from slot %d's cache", slot, held, source)
+                self.metrics.prompt_copies.inc()
             if job.echo and job.logprobs is not None:
                 try:
                     job.prompt_logprobs = await loop.run_in_executor(executor, engine.prompt_logprobs, job.tokens,

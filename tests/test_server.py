@@ -443,7 +443,9 @@ def test_choices_and_requests_take_the_prompt_another_slot_processed(server, cli
     of processing it again; a request whose prompt a busy slot holds copies it from there. The answers stay
     those of their lone requests and of a cold cache."""
     p = "The history of the printing press, in brief. " * 14  # new to the server: no slot holds it
+    copies = _metrics(server).get("speculant_prompt_cache_copies_total", 0.0)
     r = client.completions.create(model=MODEL, prompt=p, n=2, max_tokens=6, temperature=1.0, seed=11)
+    assert _metrics(server)["speculant_prompt_cache_copies_total"] == copies + 1
     first, second = r.usage.model_extra["speculative"]
     assert first["cached_prompt_tokens"] < 32 and r.usage.prompt_tokens > 120
     assert second["cached_prompt_tokens"] >= r.usage.prompt_tokens - 1
