@@ -318,6 +318,21 @@ def test_probes_do_not_pay_for_long_catch_ups():
     assert policy.draft_length("draft", behind=5) > 0
 
 
+def test_where_drafting_usually_pays_a_probe_may_catch_up_one_target_step():
+    """Past the 1.5% share the draft model would never catch up again in the request: while the long run across
+    requests says drafting pays, a probe may spend up to one target step (T(1) = 1.0 here) on the catch-up; where
+    it says plain wins, or beyond one step, not."""
+    paying = _losing_policy()
+    paying.draft_cost["draft"] = type(paying.spec_spt)(0.05, weight=100)
+    paying.alpha["draft"] = type(paying.spec_spt)(0.8, weight=100)
+    for policy, behind, probes in [(paying, 20, True), (paying, 30, False), (_losing_policy(), 20, False)]:
+        policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 20 tokens: 0.8 of a step
+        policy.new_request()
+        policy.decode_time = 2.0  # allowance 1.5% of it + a quarter step = 0.28: 7 tokens
+        policy.backoff, policy.probing = 0, True
+        assert (policy.draft_length("draft", behind=behind) > 0) == probes, (behind, probes)
+
+
 def test_request_start_probes_back_off_while_they_find_nothing():
     """Probes at request start cost about a target step each: while they keep showing that plain wins,
     only every 2nd, 4th, 8th, 16th request starts with one; as soon as drafting pays, every request does."""
