@@ -615,13 +615,16 @@ class Worker:
         self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
         self.deadline = math.inf
 
-    def _pick_slot(self, prompt: list[int]) -> int:
-        """The free slot for a prompt, as llama-server picks one: the one whose cache holds the longest prefix
-        of it when that saves at least REUSE_MIN tokens of prompt processing (a conversation's next turn goes
-        back to its slot), else the one used least recently (it keeps other conversations' caches longest)
-        among those that keep the busy slots consecutive: llama.cpp merges the passes of consecutive sequence
-        ids only."""
-        held = {s: common_prefix(getattr(self.engines[s].target, "tokens", []), prompt) for s in self.free}
+    def _held(self, prompt: list[int]) -> list[int]:
+        """Per slot, how many tokens of the prompt its cache holds (a busy slot's token list, copied at once)."""
+        return [common_prefix(list(getattr(e.target, "tokens", [])), prompt) for e in self.engines]
+
+    def _pick_slot(self, held: list[int]) -> int:
+        """The free slot for a prompt (held: _held(prompt)), as llama-server picks one: the one whose cache holds
+        the longest prefix of it when that saves at least REUSE_MIN tokens of prompt processing (a
+        conversation's next turn goes back to its slot), else the one used least recently (it keeps other
+        conversations' caches longest) among those that keep the busy slots consecutive: llama.cpp merges the
+        passes of consecutive sequence ids only."""
         best = max(self.free, key=lambda s: (held[s], -s))
         if held[best] >= REUSE_MIN:
             return best
@@ -629,12 +632,11 @@ class Worker:
         next_to = [s for s in self.free if not busy or s in (min(busy) - 1, max(busy) + 1)]
         return min(next_to or self.free, key=lambda s: (self.last_used[s], s))
 
-    def _prefix_source(self, slot: int, prompt: list[int]) -> Optional[int]:
+    def _prefix_source(self, slot: int, held: list[int]) -> Optional[int]:
         """Another slot, free or busy, whose cache holds at least REUSE_MIN more tokens of the prompt than `slot`
         does (the one holding most), or None: its cache is copied rather than the prompt processed again."""
         if not hasattr(self.engines[slot].target, "copy_prefix"):
             return None
-        held = [common_prefix(list(e.target.tokens), prompt) for e in self.engines]
         best = max((s for s in range(len(self.engines)) if s != slot), key=lambda s: held[s], default=None)
         if best is None or held[best] < held[slot] + REUSE_MIN:
             return None
@@ -684,7 +686,8 @@ class Worker:
         finally:
             self.waiting -= 1
             self.metrics.queue_depth.set(self.waiting)
-        slot = self._pick_slot(job.tokens)
+        held = self._held(job.tokens)
+        slot = self._pick_slot(held)
         self.free.remove(slot)
         self.last_used[slot] = next(self._uses)
         engine, executor = self.engines[slot], self.executors[slot]
@@ -698,14 +701,15 @@ class Worker:
             if is_disconnected is not None and await is_disconnected():
                 self.metrics.cancelled.inc()
                 return
-            source = self._prefix_source(slot, job.tokens)
+            source = self._prefix_source(slot, held)
             if source is not None:
                 try:
-                    held = await loop.run_in_executor(executor, engine.share_cache, self.engines[source], job.tokens)
+                    now = await loop.run_in_executor(executor, engine.share_cache, self.engines[source], job.tokens)
                 except WorkerError as e:
                     raise worker_down(e) from None
-                _LOG.debug("slot %d took %d prompt tokens from slot %d's cache", slot, held, source)
-                self.metrics.prompt_copies.inc()
+                if now > held[slot]:  # copied (between passes the source may have held less than seen here)
+                    _LOG.debug("slot %d took %d prompt tokens from slot %d's cache", slot, now, source)
+                    self.metrics.prompt_copies.inc()
             if job.echo and job.logprobs is not None:
                 try:
                     job.prompt_logprobs = await loop.run_in_executor(executor, engine.prompt_logprobs, job.tokens,
