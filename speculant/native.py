@@ -178,6 +178,25 @@ def ggml_kernels():
         fn(invariant_rows())
 
 
+@contextmanager
+def chunk_rows(rows: int):
+    """Within this block our kernels split each matmul of a small pass into chunks of `rows` weight rows (rounded
+    up to 8; 0: the default split, a few chunks a thread), for an A/B of the split over the same weights in
+    memory. Yields False (and changes nothing) on a build without the switch."""
+    variant = loaded_variant()
+    path = lib_dir() / f"libggml-cpu-{variant}.so"
+    fn = getattr(ctypes.CDLL(str(path)), "speculant_mm_set_chunk_rows", None) if variant and path.exists() else None
+    if fn is None:
+        yield False
+        return
+    fn.argtypes = [ctypes.c_int64]
+    fn(rows)
+    try:
+        yield True
+    finally:
+        fn(0)
+
+
 THP_ENV = "SPECULANT_THP"  # read by our build's ggml_aligned_malloc at every allocation (native/*.patch)
 
 

@@ -117,6 +117,25 @@ def test_the_ggml_kernels_switch_is_scoped(small_target):
     assert _batch_vs_single(small_target, LONG_TEXT, [16, 33, 64], offsets=(4,)) == 0.0
 
 
+def test_how_threads_split_the_rows_changes_no_bit(qwen_target):
+    """Each weight row's output is computed alone, so the split of a matmul's rows into chunks that the threads
+    claim (8-row chunks, the old 64, the default few per thread) cannot change a logit."""
+    from speculant import native
+
+    toks = qwen_target.tokenize(LONG_TEXT)[:40]
+    qwen_target.rewind(0)
+    qwen_target.eval(toks[:32], n_logits=0)
+    logits = {}
+    for rows in (0, 8, 64):
+        with native.chunk_rows(rows) as switched:
+            if not switched:
+                pytest.skip("not our build")
+            qwen_target.rewind(32)
+            logits[rows] = qwen_target.eval(toks[32:40], n_logits=8)
+    assert qwen_target.n_threads >= 2
+    assert np.array_equal(logits[0], logits[8]) and np.array_equal(logits[0], logits[64])
+
+
 @pytest.mark.parametrize("stock", [False, True], ids=["invariant-prefill", "512-token-prefill"])
 def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
     """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt, and

@@ -36,6 +36,25 @@ void speculant_mm_set_max_rows(int64_t rows) {
     max_rows = rows;
 }
 
+static int64_t chunk_rows_env = -1;  // SPECULANT_CHUNK_ROWS: fixed rows per chunk (0: the default split)
+
+int64_t speculant_mm_chunk_rows(int64_t nrows, int nth, int64_t multiple) {
+    if (chunk_rows_env < 0) {
+        const char * env = getenv("SPECULANT_CHUNK_ROWS");
+        chunk_rows_env = env ? atoll(env) : 0;
+    }
+    // A few long runs of rows per thread, as ggml splits its own matmuls: with 64-row chunks a 2-thread decode
+    // pass of Qwen 1.5B claimed ~12000 chunks and took 10% longer on Zen 4 (the threads' streams interleave).
+    const int64_t per_thread = 4;
+    int64_t rows = chunk_rows_env > 0 ? chunk_rows_env : (nrows + per_thread * nth - 1) / (per_thread * nth);
+    rows = (rows + multiple - 1) / multiple * multiple;
+    return rows > 0 ? rows : multiple;
+}
+
+void speculant_mm_set_chunk_rows(int64_t rows) {
+    chunk_rows_env = rows;
+}
+
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
     (void) src0;
     return src1->ne[1] * src1->ne[2] * src1->ne[3] <= speculant_mm_max_rows();
@@ -47,7 +66,7 @@ bool speculant_mm_few_tokens(const struct ggml_tensor * src1) {
 
 #ifdef SPECULANT_MM_HAVE_KERNELS
 
-// per-call scratch kept on the stack up to this size (a pass calls the kernels once per chunk of 64 rows)
+// per-call scratch kept on the stack up to this size (a pass calls the kernels once per chunk of rows)
 #define SCRATCH_BYTES (48 * 1024)
 // tokens per weight unpacking in the repacked kernels: their per-token state (3 registers) fits 8 tokens in
 // AVX-512's 32 vector registers; AVX2's 16 hold 4
@@ -629,34 +648,34 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
             for (int kp = 0; kp < 2; ++kp) {  // chunks kk = 2kp, 2kp+1 share their groups' scales
-              for (int half = 0; half < 2; ++half) {
-                __m256i scale[4];  // int16 lanes: each row's scale in all four lanes of its 8 bytes
-                for (int m = 0; m < 4; ++m) {
-                    const int g = 8 * h + 2 * m + kp;
-                    int32_t sc4;
-                    memcpy(&sc4, xb->scales + 8 * g + 4 * half, 4);
-                    scale[m] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(sc4), dup4));
-                }
-                for (int kk = 2 * kp; kk < 2 * kp + 2; ++kk) {
-                    const __m256i ql_a = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + kk) + 32 * half));
-                    const __m256i ql_b = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + 4 + kk) + 32 * half));
-                    const __m256i qh = _mm256_loadu_si256((const __m256i *) (xb->qh + 64 * (4 * h + kk) + 32 * half));
-                    // bits 4-5 of each byte from its qh pair, shifted into place and masked (0x30); the 16-bit
-                    // shifts move bits across bytes only where the masks drop them
-                    __m256i q[4];
-                    q[0] = _mm256_or_si256(_mm256_and_si256(ql_a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
-                    q[1] = _mm256_or_si256(_mm256_and_si256(ql_b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
-                    q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_a, 4), m4), _mm256_and_si256(qh, m30));
-                    q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_b, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
-                    for (int c = 0; c < NC; ++c) {
-                        const int8_t * q8 = y[c][i].qs + 128 * h + 8 * kk;
-                        for (int m = 0; m < 4; ++m) {  // int16 lanes: |p| <= 2 * 63 * 128 < 2^15
-                            const __m256i p = _mm256_maddubs_epi16(q[m], _mm256_set1_epi64x(load64(q8 + 32 * m)));
-                            isum[c][half] = _mm256_add_epi32(isum[c][half], _mm256_madd_epi16(p, scale[m]));
+                for (int half = 0; half < 2; ++half) {
+                    __m256i scale[4];  // int16 lanes: each row's scale in all four lanes of its 8 bytes
+                    for (int m = 0; m < 4; ++m) {
+                        const int g = 8 * h + 2 * m + kp;
+                        int32_t sc4;
+                        memcpy(&sc4, xb->scales + 8 * g + 4 * half, 4);
+                        scale[m] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(sc4), dup4));
+                    }
+                    for (int kk = 2 * kp; kk < 2 * kp + 2; ++kk) {
+                        const __m256i ql_a = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + kk) + 32 * half));
+                        const __m256i ql_b = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + 4 + kk) + 32 * half));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *) (xb->qh + 64 * (4 * h + kk) + 32 * half));
+                        // bits 4-5 of each byte from its qh pair, shifted into place and masked (0x30); the 16-bit
+                        // shifts move bits across bytes only where the masks drop them
+                        __m256i q[4];
+                        q[0] = _mm256_or_si256(_mm256_and_si256(ql_a, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 4), m30));
+                        q[1] = _mm256_or_si256(_mm256_and_si256(ql_b, m4), _mm256_and_si256(_mm256_slli_epi16(qh, 2), m30));
+                        q[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_a, 4), m4), _mm256_and_si256(qh, m30));
+                        q[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(ql_b, 4), m4), _mm256_and_si256(_mm256_srli_epi16(qh, 2), m30));
+                        for (int c = 0; c < NC; ++c) {
+                            const int8_t * q8 = y[c][i].qs + 128 * h + 8 * kk;
+                            for (int m = 0; m < 4; ++m) {  // int16 lanes: |p| <= 2 * 63 * 128 < 2^15
+                                const __m256i p = _mm256_maddubs_epi16(q[m], _mm256_set1_epi64x(load64(q8 + 32 * m)));
+                                isum[c][half] = _mm256_add_epi32(isum[c][half], _mm256_madd_epi16(p, scale[m]));
+                            }
                         }
                     }
                 }
-              }
             }
         }
         __m256i scales_pair[8];

@@ -28,6 +28,13 @@ int64_t speculant_mm_max_rows(void);
 // For A/B runs of the kernels over the same weights in memory.
 GGML_BACKEND_API void speculant_mm_set_max_rows(int64_t rows);
 
+// Weight rows per chunk when nth threads split a small pass's matmul of nrows rows (a multiple of `multiple`;
+// the threads claim chunks in turn). SPECULANT_CHUNK_ROWS overrides with a fixed count.
+int64_t speculant_mm_chunk_rows(int64_t nrows, int nth, int64_t multiple);
+
+// Sets that override in this process (0: the default split). For A/B runs over the same weights in memory.
+GGML_BACKEND_API void speculant_mm_set_chunk_rows(int64_t rows);
+
 // true when this matmul is a small pass (<= speculant_mm_max_rows() tokens)
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
