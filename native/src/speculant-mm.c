@@ -55,6 +55,21 @@ void speculant_mm_set_chunk_rows(int64_t rows) {
     chunk_rows_env = rows;
 }
 
+void speculant_mm_q6_Kx8_reorder(void * block) {
+    enum { HEAD = 16 + 128, LOW = 1024, HIGH = 512 };  // d[8] and scales[128]; then ggml's low and high bits
+    uint8_t * q = (uint8_t *) block + HEAD;
+    uint8_t ggml_order[LOW + HIGH];
+    memcpy(ggml_order, q, sizeof(ggml_order));
+    for (int h = 0; h < 2; ++h) {
+        for (int kk = 0; kk < 4; ++kk) {
+            uint8_t * step = q + 192 * (4 * h + kk);
+            memcpy(step, ggml_order + 64 * (8 * h + kk), 64);
+            memcpy(step + 64, ggml_order + 64 * (8 * h + 4 + kk), 64);
+            memcpy(step + 128, ggml_order + LOW + 64 * (4 * h + kk), 64);
+        }
+    }
+}
+
 bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
     (void) src0;
     return src1->ne[1] * src1->ne[2] * src1->ne[3] <= speculant_mm_max_rows();
@@ -376,16 +391,6 @@ static inline void q4_Kx8_scales(const q4_Kx8 * x, int j, uint32_t u[4]) {
     u[0] &= 0x3f3f3f3f;
 }
 
-// A block's values are read out of order (low bits, high bits, scales), which the hardware prefetchers of some
-// CPUs do not follow: on Zen 4 the Q6_K kernel waited on memory at 6 GB/s where ggml's row-by-row kernel streams
-// 17. So the blocks PREFETCH_BLOCKS ahead (the rows of a group lie one after another, and the next group
-// follows) are asked for explicitly; a prefetch past the end of the weights is harmless.
-#define PREFETCH_BLOCKS 2
-static inline __attribute__((always_inline)) void prefetch_ahead(const void * block, size_t size) {
-    const char * p = (const char *) block + PREFETCH_BLOCKS * size;
-    for (size_t off = 0; off < size; off += 64) _mm_prefetch(p + off, _MM_HINT_T0);
-}
-
 static inline int64_t load64(const int8_t * p) {
     int64_t v;
     memcpy(&v, p, 8);
@@ -546,9 +551,12 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 typedef struct {
     ggml_half d[8];
     int8_t scales[128];  // scale g (of 16) of row r at 8g + r
-    uint8_t ql[1024];    // 8-byte chunk k holds low-bit bytes 8(k/8)..+7 of row k%8
-    uint8_t qh[512];     // 8-byte chunk k holds high-bit bytes 8(k/8)..+7 of row k%8
+    uint8_t q[1536];     // in the order the kernel reads them (speculant_mm_q6_Kx8_reorder): 192 bytes a step
 } q6_Kx8;
+
+#define Q6KX8_LOW_A(xb, h, kk) ((xb)->q + 192 * (4 * (h) + (kk)))  // low bits of values 128h + 8kk + 0..7, 64 + ..
+#define Q6KX8_LOW_B(xb, h, kk) (Q6KX8_LOW_A(xb, h, kk) + 64)         // .. of values 128h + 32 + 8kk + 0..7, 96 + ..
+#define Q6KX8_HIGH(xb, h, kk) (Q6KX8_LOW_A(xb, h, kk) + 128)         // .. and the high bits of all four
 
 _Static_assert(sizeof(q6_Kx8) == 8 * sizeof(block_q6_K), "block_q6_Kx8 layout");
 
@@ -569,7 +577,6 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const q6_Kx8 * xb = x + i;
-        prefetch_ahead(xb, sizeof(q6_Kx8));
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {            // values 128h ..
@@ -577,9 +584,9 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
                 __m512i q[2][4];
                 for (int t = 0; t < 2; ++t) {    // 8 values each: chunk kk = 2p + t
                     const int kk = 2 * p + t;
-                    const __m512i ql_a = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + kk)));
-                    const __m512i ql_b = _mm512_loadu_si512((const void *) (xb->ql + 64 * (8 * h + 4 + kk)));
-                    const __m512i qh = _mm512_loadu_si512((const void *) (xb->qh + 64 * (4 * h + kk)));
+                    const __m512i ql_a = _mm512_loadu_si512((const void *) (Q6KX8_LOW_A(xb, h, kk)));
+                    const __m512i ql_b = _mm512_loadu_si512((const void *) (Q6KX8_LOW_B(xb, h, kk)));
+                    const __m512i qh = _mm512_loadu_si512((const void *) (Q6KX8_HIGH(xb, h, kk)));
                     // each byte: its low 4 bits from the ql nibble, bits 4-5 from the qh pair (a bitwise select
                     // on 0x0F, 0xCA: m4 ? ql : qh), bits 6-7 cleared; the 16-bit shifts move bits across bytes
                     // only where the select or the mask drops them
@@ -643,7 +650,6 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const q6_Kx8 * xb = x + i;
-        prefetch_ahead(xb, sizeof(q6_Kx8));
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
@@ -657,9 +663,9 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
                         scale[m] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(_mm_cvtsi32_si128(sc4), dup4));
                     }
                     for (int kk = 2 * kp; kk < 2 * kp + 2; ++kk) {
-                        const __m256i ql_a = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + kk) + 32 * half));
-                        const __m256i ql_b = _mm256_loadu_si256((const __m256i *) (xb->ql + 64 * (8 * h + 4 + kk) + 32 * half));
-                        const __m256i qh = _mm256_loadu_si256((const __m256i *) (xb->qh + 64 * (4 * h + kk) + 32 * half));
+                        const __m256i ql_a = _mm256_loadu_si256((const __m256i *) (Q6KX8_LOW_A(xb, h, kk) + 32 * half));
+                        const __m256i ql_b = _mm256_loadu_si256((const __m256i *) (Q6KX8_LOW_B(xb, h, kk) + 32 * half));
+                        const __m256i qh = _mm256_loadu_si256((const __m256i *) (Q6KX8_HIGH(xb, h, kk) + 32 * half));
                         // bits 4-5 of each byte from its qh pair, shifted into place and masked (0x30); the 16-bit
                         // shifts move bits across bytes only where the masks drop them
                         __m256i q[4];
@@ -906,13 +912,15 @@ void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int6
 static void q6_Kx8_pack(const block_q6_K * rows, int nb, q6_Kx8 * out) {
     for (int i = 0; i < nb; ++i) {
         q6_Kx8 * o = out + i;
+        uint8_t * ql = o->q, * qh = o->q + 1024;  // ggml's layout (make_block_q6_Kx8), then ours, as the repack does
         for (int r = 0; r < 8; ++r) {
             const block_q6_K * in = rows + (size_t) r * nb + i;
             o->d[r] = in->d;
             for (int g = 0; g < 16; ++g) o->scales[8 * g + r] = in->scales[g];
-            for (int k = 0; k < 16; ++k) memcpy(o->ql + 64 * k + 8 * r, in->ql + 8 * k, 8);
-            for (int k = 0; k < 8; ++k) memcpy(o->qh + 64 * k + 8 * r, in->qh + 8 * k, 8);
+            for (int k = 0; k < 16; ++k) memcpy(ql + 64 * k + 8 * r, in->ql + 8 * k, 8);
+            for (int k = 0; k < 8; ++k) memcpy(qh + 64 * k + 8 * r, in->qh + 8 * k, 8);
         }
+        speculant_mm_q6_Kx8_reorder(o);
     }
 }
 

@@ -61,6 +61,13 @@ bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int ro
 void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                                 size_t row_size, int ncols, float * dst, size_t dst_stride);
 
+// ggml's block_q6_Kx8 (made by its repack) rearranged in place into the order our kernel reads it: per step s =
+// 4h + kk, 192 bytes: the 64-byte low-bit chunks 8h+kk and 8h+4+kk, then the high-bit chunk 4h+kk (chunk j: bytes
+// 8j..8j+7 of each of the 8 rows). Read so, a block streams front to back, which hardware prefetchers follow. In
+// ggml's order the kernel needed software prefetches, and on Zen 4 ran at full speed or half of it depending on
+// where the build happened to place its code.
+void speculant_mm_q6_Kx8_reorder(void * block);
+
 // For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
 // ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
 // unpacking (1..speculant_mm_max_group(repacked)); reorder != 0 deliberately sums the blocks in another order (a test must be
