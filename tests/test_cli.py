@@ -125,7 +125,9 @@ def test_draft_with_another_vocabulary_drafts_through_text(small):
         pytest.skip("qwen draft not pulled")
     args = ["generate", "-m", models.DEFAULT_DRAFT, "-p", "The capital of France is", "-n", "12", "--json"]
     plain = run(*args)
-    spec = run(*args, "-md", small, "--draft-max", "3")
+    # a fixed draft length: whether drafting pays is the adaptive policy's call (where the 0.5B target's step is
+    # cheap, as on Zen 4 since the kernel fixes, it decodes this prompt plainly)
+    spec = run(*args, "-md", small, "--draft-max", "3", "--no-adapt")
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert "vocabulary sizes differ" in spec.stderr and "drafts through text" in spec.stderr
     assert "Traceback" not in spec.stderr
