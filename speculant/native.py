@@ -160,41 +160,35 @@ def cpu_model() -> str:
 
 
 @contextmanager
+def _kernel_setting(setter: str, value: int, restore: int):
+    """Calls our build's `setter` (in the loaded CPU variant's library) with `value` for a block and with `restore`
+    after it. Yields False (and changes nothing) on a build without it."""
+    variant = loaded_variant()
+    path = lib_dir() / f"libggml-cpu-{variant}.so"
+    fn = getattr(ctypes.CDLL(str(path)), setter, None) if variant and path.exists() else None
+    if fn is None:
+        yield False
+        return
+    fn.argtypes = [ctypes.c_int64]
+    fn(value)
+    try:
+        yield True
+    finally:
+        fn(restore)
+
+
 def ggml_kernels():
     """Within this block every pass in this process takes ggml's own kernels, as in llama.cpp's default build
     (not exact): an A/B of the kernels over the very same weights in memory. Yields False (and changes nothing)
     on a build without the switch."""
-    variant = loaded_variant()
-    path = lib_dir() / f"libggml-cpu-{variant}.so"
-    fn = getattr(ctypes.CDLL(str(path)), "speculant_mm_set_max_rows", None) if variant and path.exists() else None
-    if fn is None:
-        yield False
-        return
-    fn.argtypes = [ctypes.c_int64]
-    fn(0)
-    try:
-        yield True
-    finally:
-        fn(invariant_rows())
+    return _kernel_setting("speculant_mm_set_max_rows", 0, invariant_rows())
 
 
-@contextmanager
 def chunk_rows(rows: int):
     """Within this block our kernels split each matmul of a small pass into chunks of `rows` weight rows (rounded
     up to 8; 0: the default split, a few chunks a thread), for an A/B of the split over the same weights in
     memory. Yields False (and changes nothing) on a build without the switch."""
-    variant = loaded_variant()
-    path = lib_dir() / f"libggml-cpu-{variant}.so"
-    fn = getattr(ctypes.CDLL(str(path)), "speculant_mm_set_chunk_rows", None) if variant and path.exists() else None
-    if fn is None:
-        yield False
-        return
-    fn.argtypes = [ctypes.c_int64]
-    fn(rows)
-    try:
-        yield True
-    finally:
-        fn(0)
+    return _kernel_setting("speculant_mm_set_chunk_rows", rows, 0)
 
 
 THP_ENV = "SPECULANT_THP"  # read by our build's ggml_aligned_malloc at every allocation (native/*.patch)
