@@ -26,7 +26,7 @@ summary, badly in new code), so an estimate blends the long-run average with thi
 (request_weight * average + hits) / (request_weight + tries). Two misses in a row of a bucket that usually
 pays stop it for the rest of the request; unverified lookup proposals are still scored (shadows), so a
 request whose text turns repetitive starts copying again. Until a request's first outcome of a drafter is an
-accept, the drafter (and each of its confidence buckets) is trusted no more than its record on first outcomes
+accept, a free drafter (and each of its confidence buckets) is trusted no more than its record on first outcomes
 (how often the first proposal of a request was right): where copying works in some requests and not at all
 in others, that record is low, so the first proposal is only scored, for free, and verifying starts once the
 request shows it copies well.
@@ -221,6 +221,7 @@ class AdaptivePolicy:
     guard_window: int = 8  # speculative steps compared against plain before backing off
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
+    catchup_payback: float = 0.25  # .. or this share of what drafting would save over the request's tokens left
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
     prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
     cost_prior: Optional[dict] = None  # n -> T(n) / T(1) measured on this machine (costprofile.py), or None
@@ -252,6 +253,8 @@ class AdaptivePolicy:
         self.req_key_alpha: dict[tuple[str, str], list[int]] = {}  # this request: (source, key) -> [accepted, tries]
         self.first_alpha: dict = {}  # source or (source, key) -> how often a request's first outcome was an accept
         self.req_first: dict = {}  # this request: source or (source, key) -> was its first outcome an accept
+        self.paid_sources: set[str] = set()  # drafters that cost a step (a draft model), not free ones
+        self.room = 0  # tokens this request may still generate (as of the last budget)
 
     # -- estimates ---------------------------------------------------------------------------------------
     def prior_ratio(self, n: int) -> float:
@@ -332,10 +335,14 @@ class AdaptivePolicy:
         return (self.request_weight * long_run + hits) / (self.request_weight + tries)
 
     def _request_start(self, ident, long_run: float) -> float:
-        """Until this request's first outcome for `ident` (a source, or a source's confidence bucket) is an
-        accept: no more than its first-outcome record (a first miss makes this request look like those where
-        it never pays)."""
-        if self.req_first.get(ident):
+        """Until this request's first outcome for `ident` (a free source, or a free source's confidence bucket)
+        is an accept: no more than its first-outcome record (a first miss makes this request look like those
+        where it never pays). Copying works in some requests and not at all in others; a draft model's
+        acceptance varies far less between requests, so its first miss is only one miss (the record capped a
+        draft model that accepts 84% on the next prompt at 0.67, and two early misses ended its drafting for
+        the request)."""
+        source = ident[0] if isinstance(ident, tuple) else ident
+        if self.req_first.get(ident) or source.split("@")[0] in self.paid_sources:
             return long_run
         first = self.first_alpha.get(ident)
         return min(long_run, first.value) if first and first.weight >= 2 else long_run
@@ -373,6 +380,7 @@ class AdaptivePolicy:
         once, 16.8 tok/s with the draft model vs 18.1 without). Free drafters still draft, at the price a
         token costs in a merged pass (verify_price)."""
         k = min(self.k_max, room)
+        self.room = room
         return DraftBudget(k, self, k_long=min(max(long_max or 0, self.k_max), room), sharing=sharing)
 
     def new_request(self, temperature: float = 0.0) -> None:
@@ -414,20 +422,33 @@ class AdaptivePolicy:
         # per token than the share grows per step), so one missed first probe would end drafting for good,
         # even where drafting usually pays (a code edit at T = 0.8: 15.6 tok/s after a miss, 20.6 after a hit).
         # While the long run across requests says drafting pays, a probe may spend up to one target step on it
-        # (probes come at doubling intervals, and this request's misses pull the long run down).
-        return per_token * behind <= self.target_time(1) and self._long_run_pays(source)
+        # (probes come at doubling intervals, and this request's misses pull the long run down), or, in a long
+        # request, up to catchup_payback of what drafting at the long-run acceptance would save over the tokens
+        # it has left (else one early backoff leaves the draft model too far behind for the rest of the request).
+        if not self._long_run_pays(source):
+            return False
+        return per_token * behind <= max(self.target_time(1), self.catchup_payback * self.room * self._long_run_gain(source))
 
     def _long_run_pays(self, source: str) -> bool:
         """Does the source's acceptance over all requests (not this request's first-outcome record) make
         drafting pay?"""
+        return self._long_run_gain(source) > 0
+
+    def _long_run_gain(self, source: str) -> float:
+        """Seconds per token that drafting with the best k saves over plain decoding, at the source's acceptance
+        over all requests (0 where plain decoding wins)."""
         e = self.alpha.get(self._src(source))
-        return best_draft_length(e.value if e else self.prior_alpha, self.draft_step_cost(source), self.target_time,
-                                 self.k_min, self.k_max) > 0
+        alpha, c = e.value if e else self.prior_alpha, self.draft_step_cost(source)
+        k = best_draft_length(alpha, c, self.target_time, self.k_min, self.k_max)
+        if k == 0:
+            return 0.0
+        return max(self.target_time(1) - (k * c + self.target_time(k + 1)) / expected_tokens(alpha, k), 0.0)
 
     def draft_length(self, source: str, behind: int = 0) -> int:
         """Upper bound on k for a paid drafter this step (0: decode plainly). behind: its catch-up, in tokens."""
         c = self.draft_step_cost(source)
         self.last_was_probe = False
+        self.paid_sources.add(source)
         forced = max(self.k_min, 1)
         if 1 not in self.target_cost:
             k = 0  # measure plain decoding's cost first: it is the bar speculation has to clear
@@ -492,9 +513,13 @@ class AdaptivePolicy:
         spt = (draft_time + verify_time) / max(n_emitted, 1)
         if paid is None and keys is None and n_drafted:
             paid = source  # the original call form: every drafted step was a paid one
+        if paid is not None:
+            self.paid_sources.add(paid)
         rejected = n_accepted < n_drafted
         if n_drafted:
-            a = self.alpha.setdefault(self._src(source), _Ema(self.prior_alpha))
+            # the prior counts as two outcomes (as a bucket's does): a first miss alone would set it to 0, and
+            # with it the model's say on drafting for many requests
+            a = self.alpha.setdefault(self._src(source), _Ema(self.prior_alpha, weight=2.0))
             for _ in range(n_accepted):  # per-token acceptance: accepted / (accepted + rejections)
                 a.update(1.0, self.alpha_rate)
             if rejected:

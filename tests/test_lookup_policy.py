@@ -504,3 +504,58 @@ def test_catch_up_counts_from_the_common_prefix():
     policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)
     policy.probing = True
     assert policy.draft_length("draft", behind=draft.behind([5, 4, 3, 2, 1] * 40)) == 0  # 200 tokens: refused
+
+
+def test_a_draft_model_s_first_miss_in_a_request_is_only_one_miss():
+    """The first-outcome cap is for free drafters, whose copies pay in some requests and never in others. A
+    draft model whose requests often started with a miss, but which accepts 85% in the long run, starts each
+    request from its long run; lookup with the same record is still capped."""
+    policy = _cpu_policy()
+    policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
+    for _ in range(4):
+        policy.new_request(0.0)
+        policy.draft_length("draft")
+        policy.observe("draft", 1, 0, 0.05, 1.5, 1, keys=["q0.9"], paid="draft")
+        policy.observe_shadow("lookup", "n4", False)
+    policy.alpha["draft"] = type(policy.spec_spt)(0.85, weight=100)
+    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.85, weight=100)
+    policy.new_request(0.0)
+    assert policy.acceptance("draft") == pytest.approx(0.85)
+    assert policy.key_acceptance("lookup", "n4") < 0.5
+    assert policy.draft_length("draft") > 0
+
+
+def test_the_acceptance_prior_survives_a_first_miss():
+    """A new policy's first verified draft token rejected: the long-run acceptance is the prior moved by one
+    outcome (as much as two), not 0, which would price drafting out for many requests."""
+    policy = AdaptivePolicy(k_max=4)
+    policy.observe("draft", 1, 0, 0.1, 1.5, 1, keys=["q0.9"], paid="draft")
+    assert policy.alpha["draft"].value == pytest.approx(policy.prior_alpha * 2 / 3)
+    policy.observe("draft", 2, 2, 0.2, 2.0, 3, keys=["q0.9", "q0.9"], paid="draft")
+    assert 0.5 < policy.alpha["draft"].value < 0.8
+
+
+def test_a_long_request_may_catch_up_what_drafting_would_repay():
+    """After a backoff the draft model is behind by the plain steps taken. Past the share of decode time and
+    one target step, a probe may still pay for the catch-up if drafting at the long-run acceptance would save
+    four times that over the tokens the request has left; not in a short remainder, nor where plain wins."""
+    def probes(policy, room, behind):
+        policy.new_request(0.0)
+        policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 60 tokens: 2.4 target steps
+        policy.budget(room)
+        policy.backoff, policy.probing = 0, True
+        return policy.draft_length("draft", behind=behind) > 0
+
+    def paying():
+        policy = _cpu_policy()
+        policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
+        policy.alpha["draft"] = type(policy.spec_spt)(0.8, weight=100)
+        return policy
+
+    gain = paying()._long_run_gain("draft")  # target steps saved per token
+    assert 0.1 < gain < 0.5
+    assert probes(paying(), room=400, behind=60)  # 2.4 <= 0.25 * 400 * 0.14
+    assert not probes(paying(), room=20, behind=60)
+    assert not probes(paying(), room=400, behind=2000)
+    assert _losing_policy()._long_run_gain("draft") == 0.0
+    assert not probes(_losing_policy(), room=400, behind=60)
