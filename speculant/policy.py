@@ -34,7 +34,9 @@ request shows it copies well.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
+from statistics import median
 from typing import Optional
 
 from .errors import SettingsError
@@ -212,6 +214,23 @@ class _Ema:
 
 
 @dataclass
+class _Cost(_Ema):
+    """A timing: the median of its first samples, then exponential. A process's first draft step and first
+    multi-token passes pay page faults and allocations (19 ms for a 10 ms draft step, 80 ms a token for a
+    first speculative step): as the plain average's first sample that would price drafting out, and only
+    drafting times those passes again."""
+    samples: list = field(default_factory=list)
+
+    def update(self, x: float, rate: float) -> None:
+        if self.weight >= (1.0 / rate if rate > 0 else 10):  # a plain average from there on at rate 0
+            super().update(x, rate)
+            return
+        self.samples.append(x)
+        self.weight += 1
+        self.value = median(self.samples)
+
+
+@dataclass
 class AdaptivePolicy:
     k_max: int = 8
     k_min: int = 1
@@ -222,6 +241,7 @@ class AdaptivePolicy:
     probe_after: int = 8  # plain steps before speculation is tried again (doubles while it keeps losing)
     catchup_share: float = 0.015  # probes may spend at most this share of decode time on draft catch-up
     catchup_payback: float = 0.25  # .. or this share of what drafting would save over the request's tokens left
+    explore_outcomes: int = 4  # a paid drafter's outcomes in a request before its estimate alone decides
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
     prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
     cost_prior: Optional[dict] = None  # n -> T(n) / T(1) measured on this machine (costprofile.py), or None
@@ -234,19 +254,20 @@ class AdaptivePolicy:
         self.key_alpha: dict[tuple[str, str], _Ema] = {}  # (source, confidence key) -> acceptance
         self.draft_cost: dict[str, _Ema] = {}  # seconds per draft step (one forward of the draft model)
         self.target_cost: dict[int, _Ema] = {}  # n tokens -> seconds of one target pass
-        self.spec_spt = _Ema(0.0)  # realized seconds per emitted token, steps where a paid drafter ran
-        self.plain_spt = _Ema(0.0)  # same, plain steps
+        self.spec_spt = _Cost(0.0)  # realized seconds per emitted token, steps where a paid drafter ran
+        self.plain_spt = _Cost(0.0)  # same, plain steps
         self.backoff = 0  # plain steps still to take before probing again
         self.probe_interval = self.probe_after
         self.request_probe_every = 1  # requests per request-start probe (doubles while probes find nothing)
         self.requests_to_skip = 0
         self.after_probe = False  # the next decision tells whether the last probe found speculation paying
         self.recent_spec_steps = 0
+        self.recent_spec: deque = deque(maxlen=self.guard_window)  # the last speculative steps' (seconds, tokens)
         self.probing = False
         self.last_was_probe = False
         self.decode_time = 0.0  # this request's steps' time, catch-up included
         self.catchup_time = 0.0  # of which draft catch-up prefills
-        self.catchup_per_token = _Ema(0.0)
+        self.catchup_per_token = _Cost(0.0)
         self.history: list[int] = []  # k chosen for the paid drafter each step (the most recent ones)
         self.regime = ""  # the current request's sampling regime (regime_of)
         self.req_alpha: dict[str, list[int]] = {}  # this request: source -> [accepted, tries]
@@ -444,6 +465,31 @@ class AdaptivePolicy:
             return 0.0
         return max(self.target_time(1) - (k * c + self.target_time(k + 1)) / expected_tokens(alpha, k), 0.0)
 
+    def _worth_a_look(self, source: str) -> bool:
+        """After a request's first outcomes of a paid drafter, while there are few (1 to explore_outcomes - 1):
+        could drafting pay at an optimistic estimate (one standard deviation above the blend, as from
+        request_weight + outcomes samples)? Where the long run is low (a first request that did not suit the
+        draft model, or translation before code), a request whose probe hit would otherwise be judged by the
+        long run alone and decode plainly however well it copies (measured: adaptive drafted 2 tokens over
+        9 prompts, one per category, after its first two requests missed)."""
+        counts = self.req_alpha.get(self._src(source))
+        outcomes = counts[1] if counts else 0
+        if not 0 < outcomes < self.explore_outcomes:
+            return False
+        a = self.acceptance(source)
+        optimistic = min(a + (a * (1.0 - a) / (self.request_weight + outcomes)) ** 0.5, 1.0)
+        return best_draft_length(optimistic, self.draft_step_cost(source), self.target_time, self.k_min,
+                                 self.k_max) > 0
+
+    def _recent_spec_spt(self) -> float:
+        """Seconds per token of the last guard_window speculative steps, all their time over all their tokens,
+        leaving out the slowest step: one slow step (a process's first draft step pays page faults: 65 ms a token
+        against 29 for plain steps) must not stop drafting that pays."""
+        steps = list(self.recent_spec)
+        if len(steps) > 2:
+            steps.remove(max(steps, key=lambda st: st[0] / st[1]))
+        return sum(t for t, _ in steps) / sum(n for _, n in steps)
+
     def draft_length(self, source: str, behind: int = 0) -> int:
         """Upper bound on k for a paid drafter this step (0: decode plainly). behind: its catch-up, in tokens."""
         c = self.draft_step_cost(source)
@@ -469,6 +515,9 @@ class AdaptivePolicy:
             k = max(best_draft_length(self.acceptance(source), c, self.target_time, forced, self.k_max), forced)
         else:
             k = best_draft_length(self.acceptance(source), c, self.target_time, self.k_min, self.k_max)
+            if k == 0 and self._worth_a_look(source):
+                k = forced  # measured as a probe: every proposal verified
+                self.last_was_probe = True
             if self.after_probe:  # did the probe find speculation paying? then probe every request again
                 self.after_probe = False
                 self.request_probe_every = 1 if k else min(self.request_probe_every * 2, 16)
@@ -509,7 +558,7 @@ class AdaptivePolicy:
             self.catchup_time += catchup_time
             self.catchup_per_token.update(catchup_time / catchup_tokens, self.rate)
         if timed:
-            self.target_cost.setdefault(n, _Ema(verify_time)).update(verify_time, self.rate)
+            self.target_cost.setdefault(n, _Cost(verify_time)).update(verify_time, self.rate)
         spt = (draft_time + verify_time) / max(n_emitted, 1)
         if paid is None and keys is None and n_drafted:
             paid = source  # the original call form: every drafted step was a paid one
@@ -536,14 +585,16 @@ class AdaptivePolicy:
         if not timed:
             return
         steps = draft_steps if draft_steps is not None else max(n_drafted, 1)
-        self.draft_cost.setdefault(paid, _Ema(0.0)).update(draft_time / max(steps, 1), self.rate)
+        self.draft_cost.setdefault(paid, _Cost(0.0)).update(draft_time / max(steps, 1), self.rate)
         self.spec_spt.update(spt, self.rate)
+        self.recent_spec.append((draft_time + verify_time, max(n_emitted, 1)))
         self.recent_spec_steps += 1
         if (self.recent_spec_steps >= self.guard_window and self.plain_spt.weight
-                and self.spec_spt.value > self.plain_spt.value):  # plain_spt: seconds per token of plain steps
+                and self._recent_spec_spt() > self.plain_spt.value):  # plain_spt: s per token of plain steps
             self.backoff = self.probe_interval  # speculation measurably loses: decode plainly for a while
             self.probe_interval = min(self.probe_interval * 2, 256)
             self.recent_spec_steps = 0
-            self.spec_spt = _Ema(0.0)
+            self.spec_spt = _Cost(0.0)
+            self.recent_spec.clear()
         elif self.recent_spec_steps >= self.guard_window:
             self.probe_interval = self.probe_after  # it pays again: forget earlier backoffs

@@ -559,3 +559,65 @@ def test_a_long_request_may_catch_up_what_drafting_would_repay():
     assert not probes(paying(), room=400, behind=2000)
     assert _losing_policy()._long_run_gain("draft") == 0.0
     assert not probes(_losing_policy(), room=400, behind=60)
+
+
+def test_a_request_whose_probe_hit_gets_a_few_more_looks():
+    """The long run says plain (0.5 where drafting needs 0.69), but this request's probe was accepted: while
+    the request has few outcomes and an optimistic estimate would pay, the next steps draft one token each
+    (as probes); two misses out of three end it, as does a drafter that could not pay at any likely acceptance."""
+    def policy_with(c):
+        policy = _with_costs(AdaptivePolicy(k_max=4), lambda n: 1.0 + 0.35 * (n - 1))
+        policy.draft_cost["draft"] = type(policy.spec_spt)(c, weight=100)
+        policy.alpha["draft"] = type(policy.spec_spt)(0.5, weight=100)
+        policy.new_request(0.0)
+        assert policy.draft_length("draft", behind=1) == 1 and policy.last_was_probe  # the request-start probe
+        return policy
+
+    def step(policy, n_accepted):
+        c = policy.draft_cost["draft"].value
+        policy.observe("draft", 1, n_accepted, c, 1.35, n_accepted + 1, keys=["q0.9"], paid="draft")
+
+    policy = policy_with(0.3)
+    step(policy, 1)
+    assert best_draft_length(policy.acceptance("draft"), 0.3, policy.target_time, 1, 4) == 0  # the blend: plain
+    assert policy.draft_length("draft") == 1 and policy.last_was_probe  # but a look
+    step(policy, 0)
+    assert policy.draft_length("draft") == 1  # one hit, one miss: still worth a look
+    step(policy, 0)
+    assert policy.draft_length("draft") == 0  # one hit in three: plain
+    missed = policy_with(0.3)
+    step(missed, 0)
+    assert missed.draft_length("draft") == 0  # the probe missed: the long run decides
+    costly = policy_with(0.6)
+    step(costly, 1)
+    assert costly.draft_length("draft") == 0  # even 0.88 would not pay for a 0.6 step (it needs 0.95)
+
+
+def test_one_slow_speculative_step_does_not_stop_drafting_that_pays():
+    """The guard compares the last 8 speculative steps' seconds per token with plain steps'. Drafting that
+    saves 10% keeps going through one step 3x slower (a first draft step's page faults); steps that lose 10%
+    each back off."""
+    def guarded(step_times):
+        policy = AdaptivePolicy(k_max=4)
+        for _ in range(5):
+            policy.observe("draft", 0, 0, 0.0, 1.0, 1)  # plain steps: 1.0 s a token
+        for t in step_times:  # k = 1, accepted: 2 tokens a step
+            policy.observe("draft", 1, 1, 0.3 * t, 1.5 * t, 2, keys=["q0.9"], paid="draft")
+        return policy.backoff > 0
+
+    paying = 2 * 0.9 / 1.8  # a step's time factor for 0.9 s a token
+    assert not guarded([3 * paying] + [paying] * 7)
+    assert guarded([2 * 1.1 / 1.8] * 8)
+
+
+def test_a_first_slow_timing_does_not_set_a_cost():
+    """A process's first draft step pays page faults (19 ms for a 10 ms step): the estimate is the median of
+    the first timings, so two ordinary steps put it back at 10 ms; a mean would say 13 and, with a
+    verify price, keep drafting (which alone times draft steps again) from running."""
+    policy = AdaptivePolicy(k_max=4)
+    for t in (0.019, 0.010, 0.010):
+        policy.observe("draft", 1, 1, t, 0.030, 2, keys=["q0.9"], paid="draft")
+    assert policy.draft_step_cost("draft") == pytest.approx(0.010)
+    for t in (0.040, 0.030, 0.030):  # likewise a first 2-token verify pass
+        policy.observe("lookup", 1, 1, 0.0, t, 2, keys=["n3"])
+    assert policy.target_time(2) == pytest.approx(0.030)
