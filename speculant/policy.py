@@ -254,14 +254,12 @@ class AdaptivePolicy:
         self.key_alpha: dict[tuple[str, str], _Ema] = {}  # (source, confidence key) -> acceptance
         self.draft_cost: dict[str, _Ema] = {}  # seconds per draft step (one forward of the draft model)
         self.target_cost: dict[int, _Ema] = {}  # n tokens -> seconds of one target pass
-        self.spec_spt = _Cost(0.0)  # realized seconds per emitted token, steps where a paid drafter ran
-        self.plain_spt = _Cost(0.0)  # same, plain steps
+        self.plain_spt = _Cost(0.0)  # realized seconds per emitted token, plain steps (speculative ones: recent_spec)
         self.backoff = 0  # plain steps still to take before probing again
         self.probe_interval = self.probe_after
         self.request_probe_every = 1  # requests per request-start probe (doubles while probes find nothing)
         self.requests_to_skip = 0
         self.after_probe = False  # the next decision tells whether the last probe found speculation paying
-        self.recent_spec_steps = 0
         self.recent_spec: deque = deque(maxlen=self.guard_window)  # the last speculative steps' (seconds, tokens)
         self.probing = False
         self.last_was_probe = False
@@ -494,7 +492,6 @@ class AdaptivePolicy:
         """Upper bound on k for a paid drafter this step (0: decode plainly). behind: its catch-up, in tokens."""
         c = self.draft_step_cost(source)
         self.last_was_probe = False
-        self.paid_sources.add(source)
         forced = max(self.k_min, 1)
         if 1 not in self.target_cost:
             k = 0  # measure plain decoding's cost first: it is the bar speculation has to clear
@@ -586,15 +583,11 @@ class AdaptivePolicy:
             return
         steps = draft_steps if draft_steps is not None else max(n_drafted, 1)
         self.draft_cost.setdefault(paid, _Cost(0.0)).update(draft_time / max(steps, 1), self.rate)
-        self.spec_spt.update(spt, self.rate)
         self.recent_spec.append((draft_time + verify_time, max(n_emitted, 1)))
-        self.recent_spec_steps += 1
-        if (self.recent_spec_steps >= self.guard_window and self.plain_spt.weight
+        if (len(self.recent_spec) >= self.guard_window and self.plain_spt.weight
                 and self._recent_spec_spt() > self.plain_spt.value):  # plain_spt: s per token of plain steps
             self.backoff = self.probe_interval  # speculation measurably loses: decode plainly for a while
             self.probe_interval = min(self.probe_interval * 2, 256)
-            self.recent_spec_steps = 0
-            self.spec_spt = _Cost(0.0)
             self.recent_spec.clear()
-        elif self.recent_spec_steps >= self.guard_window:
+        elif len(self.recent_spec) >= self.guard_window:
             self.probe_interval = self.probe_after  # it pays again: forget earlier backoffs

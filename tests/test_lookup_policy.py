@@ -6,7 +6,7 @@ import pytest
 from speculant.drafters import CompositeDrafter, LookupDrafter, ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import SettingsError
-from speculant.policy import AdaptivePolicy, best_draft_length, expected_tokens
+from speculant.policy import AdaptivePolicy, _Ema, best_draft_length, expected_tokens
 from speculant.verify import SamplingParams
 
 from synthetic import TableBackend
@@ -170,7 +170,7 @@ def _cpu_policy(**kw):
 
 def _with_costs(policy, target_cost):
     for n in range(1, 10):
-        policy.target_cost[n] = type(policy.spec_spt)(target_cost(n), weight=100)
+        policy.target_cost[n] = _Ema(target_cost(n), weight=100)
     return policy
 
 
@@ -184,7 +184,7 @@ def test_budget_verifies_a_token_only_when_its_acceptance_pays_for_it():
     policy = _cpu_policy()
     assert policy.verify_price(1) == pytest.approx(0.5)
     for key, a in [("q0.95", 0.8), ("q<0.5", 0.3)]:
-        policy.key_alpha[("draft", key)] = type(policy.spec_spt)(a, weight=100)
+        policy.key_alpha[("draft", key)] = _Ema(a, weight=100)
     b = policy.budget(8)
     b.k_now = 8  # as if the draft model had been started
     # P(all accepted): 0.8, 0.64, 0.512 >= 0.5 are worth verifying; 0.41 is not
@@ -198,13 +198,13 @@ def test_budget_verifies_a_token_only_when_its_acceptance_pays_for_it():
 
 def test_budget_stops_paying_for_draft_steps_that_cannot_pay_back():
     policy = _cpu_policy()
-    policy.draft_cost["draft"] = type(policy.spec_spt)(0.4, weight=100)  # a draft step: 0.4 of a target step
-    policy.alpha["draft"] = type(policy.spec_spt)(0.9, weight=100)
+    policy.draft_cost["draft"] = _Ema(0.4, weight=100)  # a draft step: 0.4 of a target step
+    policy.alpha["draft"] = _Ema(0.9, weight=100)
     b = policy.budget(8)
     b.k_now = 8
     b.p_all = 0.95
     assert not b.more("draft")  # 0.95 * 0.9 = 0.855 < 0.4 + 0.5
-    policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
+    policy.draft_cost["draft"] = _Ema(0.05, weight=100)
     assert b.more("draft")  # 0.855 >= 0.05 + 0.5
 
 
@@ -228,7 +228,7 @@ def test_lookup_learns_from_proposals_it_did_not_verify():
     plain = Engine(target).generate(PROMPT, max_tokens=60).tokens
     eng = Engine(TableBackend(V, seed=0), LookupDrafter(ngram_max=2), draft_max=4, adaptive=True)
     for n in range(1, 10):  # a huge verify cost: nothing is worth verifying
-        eng.policy.target_cost[n] = type(eng.policy.spec_spt)(1.0 + 5.0 * (n - 1), weight=1e9)
+        eng.policy.target_cost[n] = _Ema(1.0 + 5.0 * (n - 1), weight=1e9)
     eng.policy.rate = 0.0
     out = eng.generate(PROMPT, max_tokens=60)
     assert out.tokens == plain and out.stats.drafted == 0
@@ -283,8 +283,8 @@ def test_stats_report_acceptance_by_confidence():
 def _losing_policy():
     """This CPU's costs, a draft step 0.45 of a target step, acceptance 0.5: plain decoding wins."""
     policy = _cpu_policy()
-    policy.draft_cost["draft"] = type(policy.spec_spt)(0.45, weight=100)
-    policy.alpha["draft"] = type(policy.spec_spt)(0.5, weight=100)
+    policy.draft_cost["draft"] = _Ema(0.45, weight=100)
+    policy.alpha["draft"] = _Ema(0.5, weight=100)
     return policy
 
 
@@ -303,14 +303,14 @@ def test_after_a_probe_the_model_decides_with_the_refreshed_estimates():
     _step(policy, k, k)  # fully accepted, but one good step does not make a draft step cost less:
     assert policy.draft_length("draft") == 0  # still plain
     cheap = _losing_policy()  # the same acceptance with a draft step of 0.05 target steps pays
-    cheap.draft_cost["draft"] = type(cheap.spec_spt)(0.05, weight=100)
-    cheap.alpha["draft"] = type(cheap.spec_spt)(0.8, weight=100)
+    cheap.draft_cost["draft"] = _Ema(0.05, weight=100)
+    cheap.alpha["draft"] = _Ema(0.8, weight=100)
     assert all(cheap.draft_length("draft") > 0 for _ in range(5))
 
 
 def test_probes_do_not_pay_for_long_catch_ups():
     policy = _losing_policy()
-    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 4% of a target step per token
+    policy.catchup_per_token = _Ema(0.04, weight=100)  # 4% of a target step per token
     policy.decode_time = 10.0  # allowance 1.5% of it + a quarter step = 0.4: 10 tokens
     policy.probing = True
     assert policy.draft_length("draft", behind=200) == 0 and not policy.last_was_probe
@@ -323,10 +323,10 @@ def test_where_drafting_usually_pays_a_probe_may_catch_up_one_target_step():
     requests says drafting pays, a probe may spend up to one target step (T(1) = 1.0 here) on the catch-up; where
     it says plain wins, or beyond one step, not."""
     paying = _losing_policy()
-    paying.draft_cost["draft"] = type(paying.spec_spt)(0.05, weight=100)
-    paying.alpha["draft"] = type(paying.spec_spt)(0.8, weight=100)
+    paying.draft_cost["draft"] = _Ema(0.05, weight=100)
+    paying.alpha["draft"] = _Ema(0.8, weight=100)
     for policy, behind, probes in [(paying, 20, True), (paying, 30, False), (_losing_policy(), 20, False)]:
-        policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 20 tokens: 0.8 of a step
+        policy.catchup_per_token = _Ema(0.04, weight=100)  # 20 tokens: 0.8 of a step
         policy.new_request()
         policy.decode_time = 2.0  # allowance 1.5% of it + a quarter step = 0.28: 7 tokens
         policy.backoff, policy.probing = 0, True
@@ -357,8 +357,8 @@ def test_request_start_probes_back_off_while_they_find_nothing():
     losing = probed_requests(_losing_policy(), 40, accept=False)
     assert [i for i, p in enumerate(losing) if p] == [0, 2, 6, 14, 30]  # gaps 2, 4, 8, 16 (the cap)
     cheap = _losing_policy()
-    cheap.draft_cost["draft"] = type(cheap.spec_spt)(0.05, weight=100)
-    cheap.alpha["draft"] = type(cheap.spec_spt)(0.8, weight=100)
+    cheap.draft_cost["draft"] = _Ema(0.05, weight=100)
+    cheap.alpha["draft"] = _Ema(0.8, weight=100)
     assert all(probed_requests(cheap, 10, accept=True, c=0.05))
 
 
@@ -373,7 +373,7 @@ def test_catch_up_allowance_is_per_request():
     """The 1.5% catch-up share counts this request's decode time: a long earlier request does not pay for
     a big catch-up in a short new one."""
     policy = _losing_policy()
-    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)
+    policy.catchup_per_token = _Ema(0.04, weight=100)
     policy.decode_time = 1000.0  # lifetime: allowance would cover 375 tokens
     policy.new_request()
     assert policy.decode_time == 0.0
@@ -403,7 +403,7 @@ def test_a_request_s_own_misses_stop_a_bucket_that_usually_pays():
     general (0.7), but two misses in this request bring it under the verify price (0.5) and the budget stops
     verifying them; shadows (unverified proposals) that hit bring it back; a new request starts afresh."""
     policy = _cpu_policy()
-    policy.key_alpha[("lookup", "n2")] = type(policy.spec_spt)(0.7, weight=100)
+    policy.key_alpha[("lookup", "n2")] = _Ema(0.7, weight=100)
     policy.new_request(0.0)
     assert policy.key_acceptance("lookup", "n2") == pytest.approx(0.7)
     assert policy.budget(4).take("lookup", "n2")
@@ -419,7 +419,7 @@ def test_a_request_s_own_misses_stop_a_bucket_that_usually_pays():
     policy.new_request(0.0)
     assert policy.key_acceptance("lookup", "n2") == pytest.approx(policy.key_alpha[("lookup", "n2")].value)
     # the draft model's overall acceptance (which sets k) is blended the same way
-    policy.alpha["draft"] = type(policy.spec_spt)(0.8, weight=100)
+    policy.alpha["draft"] = _Ema(0.8, weight=100)
     for _ in range(3):
         policy.observe("draft", 2, 0, 0.1, 1.5, 1, keys=["q0.8", "q0.8"], paid="draft")
     assert policy.acceptance("draft") < 0.5
@@ -431,12 +431,12 @@ def test_a_new_request_trusts_a_drafter_no_more_than_its_first_outcome_record():
     requests. A new request then only scores its first proposal (a shadow, free); a hit there starts
     verifying, a miss keeps it off."""
     policy = _cpu_policy()
-    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    policy.key_alpha[("lookup", "n4")] = _Ema(0.9, weight=100)
     for first_right in (False, True, False, False):
         policy.new_request(0.0)
         policy.observe_shadow("lookup", "n4", first_right)
         policy.observe_shadow("lookup", "n4", True)  # later outcomes do not enter the first-outcome record
-    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    policy.key_alpha[("lookup", "n4")] = _Ema(0.9, weight=100)
     policy.new_request(0.0)
     assert policy.key_acceptance("lookup", "n4") < 0.5 and not policy.budget(4).take("lookup", "n4")
     policy.observe_shadow("lookup", "n4", True)
@@ -446,7 +446,7 @@ def test_a_new_request_trusts_a_drafter_no_more_than_its_first_outcome_record():
     assert not policy.budget(4).take("lookup", "n4")
     # a drafter whose requests start well keeps its long-run estimate from the first token on
     fresh = _cpu_policy()
-    fresh.key_alpha[("lookup", "n4")] = type(fresh.spec_spt)(0.9, weight=100)
+    fresh.key_alpha[("lookup", "n4")] = _Ema(0.9, weight=100)
     for _ in range(4):
         fresh.new_request(0.0)
         fresh.observe("lookup", 2, 2, 0.0, 1.5, 3, keys=["n4", "n4+"])
@@ -485,7 +485,7 @@ def test_first_outcome_records_are_kept_per_confidence_bucket():
         policy.new_request(0.0)
         policy.observe_shadow("lookup", "n1", False)
         policy.observe_shadow("lookup", "n4", True)
-    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.9, weight=100)
+    policy.key_alpha[("lookup", "n4")] = _Ema(0.9, weight=100)
     policy.new_request(0.0)
     policy.observe_shadow("lookup", "n1", False)
     assert policy.key_acceptance("lookup", "n4") == pytest.approx(0.9)
@@ -501,7 +501,7 @@ def test_catch_up_counts_from_the_common_prefix():
     assert draft.behind([5, 4, 3, 2, 1]) == 5
     assert draft.behind([1, 2, 3, 7]) == 1
     policy = _losing_policy()
-    policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)
+    policy.catchup_per_token = _Ema(0.04, weight=100)
     policy.probing = True
     assert policy.draft_length("draft", behind=draft.behind([5, 4, 3, 2, 1] * 40)) == 0  # 200 tokens: refused
 
@@ -511,14 +511,14 @@ def test_a_draft_model_s_first_miss_in_a_request_is_only_one_miss():
     draft model whose requests often started with a miss, but which accepts 85% in the long run, starts each
     request from its long run; lookup with the same record is still capped."""
     policy = _cpu_policy()
-    policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
+    policy.draft_cost["draft"] = _Ema(0.05, weight=100)
     for _ in range(4):
         policy.new_request(0.0)
         policy.draft_length("draft")
         policy.observe("draft", 1, 0, 0.05, 1.5, 1, keys=["q0.9"], paid="draft")
         policy.observe_shadow("lookup", "n4", False)
-    policy.alpha["draft"] = type(policy.spec_spt)(0.85, weight=100)
-    policy.key_alpha[("lookup", "n4")] = type(policy.spec_spt)(0.85, weight=100)
+    policy.alpha["draft"] = _Ema(0.85, weight=100)
+    policy.key_alpha[("lookup", "n4")] = _Ema(0.85, weight=100)
     policy.new_request(0.0)
     assert policy.acceptance("draft") == pytest.approx(0.85)
     assert policy.key_acceptance("lookup", "n4") < 0.5
@@ -541,15 +541,15 @@ def test_a_long_request_may_catch_up_what_drafting_would_repay():
     four times that over the tokens the request has left; not in a short remainder, nor where plain wins."""
     def probes(policy, room, behind):
         policy.new_request(0.0)
-        policy.catchup_per_token = type(policy.spec_spt)(0.04, weight=100)  # 60 tokens: 2.4 target steps
+        policy.catchup_per_token = _Ema(0.04, weight=100)  # 60 tokens: 2.4 target steps
         policy.budget(room)
         policy.backoff, policy.probing = 0, True
         return policy.draft_length("draft", behind=behind) > 0
 
     def paying():
         policy = _cpu_policy()
-        policy.draft_cost["draft"] = type(policy.spec_spt)(0.05, weight=100)
-        policy.alpha["draft"] = type(policy.spec_spt)(0.8, weight=100)
+        policy.draft_cost["draft"] = _Ema(0.05, weight=100)
+        policy.alpha["draft"] = _Ema(0.8, weight=100)
         return policy
 
     gain = paying()._long_run_gain("draft")  # target steps saved per token
@@ -567,8 +567,8 @@ def test_a_request_whose_probe_hit_gets_a_few_more_looks():
     (as probes); two misses out of three end it, as does a drafter that could not pay at any likely acceptance."""
     def policy_with(c):
         policy = _with_costs(AdaptivePolicy(k_max=4), lambda n: 1.0 + 0.35 * (n - 1))
-        policy.draft_cost["draft"] = type(policy.spec_spt)(c, weight=100)
-        policy.alpha["draft"] = type(policy.spec_spt)(0.5, weight=100)
+        policy.draft_cost["draft"] = _Ema(c, weight=100)
+        policy.alpha["draft"] = _Ema(0.5, weight=100)
         policy.new_request(0.0)
         assert policy.draft_length("draft", behind=1) == 1 and policy.last_was_probe  # the request-start probe
         return policy
