@@ -191,6 +191,14 @@ def chunk_rows(rows: int):
     return _kernel_setting("speculant_mm_set_chunk_rows", rows, 0)
 
 
+def ggml_attention():
+    """Within this block the attention products of small passes take ggml's own loop (one dot product per
+    element) instead of ours, which shares each K / V row between the query columns that read it and computes the
+    same bits: an A/B over the same weights and cache in memory. Yields False (and changes nothing) on a build
+    without the switch."""
+    return _kernel_setting("speculant_mm_set_shared_attention", 0, 1)
+
+
 THP_ENV = "SPECULANT_THP"  # read by our build's ggml_aligned_malloc at every allocation (native/*.patch)
 
 

@@ -156,6 +156,31 @@ def test_how_threads_split_the_rows_changes_no_bit(qwen_target):
     assert np.array_equal(logits[0], logits[8]) and np.array_equal(logits[0], logits[64])
 
 
+def test_shared_attention_products_change_no_bit(qwen_target):
+    """Our attention products dot each K / V row with every query column that reads it (a head group's heads and
+    a pass's tokens) while it is converted once, by ggml_vec_dot_f16's operations per element: the logits are
+    ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail (positions not a
+    multiple of 64), and a token alone still gets the bits it gets in a pass."""
+    from speculant import native
+
+    toks = (qwen_target.tokenize(LONG_TEXT) * 3)[:330]
+    for context in (37, 300):
+        qwen_target.rewind(0)
+        for a in range(0, context, 64):
+            qwen_target.eval(toks[a:min(a + 64, context)], n_logits=0)
+        ours, ggml = {}, {}
+        for n in (1, 2, 3, 5, 8, 13):
+            qwen_target.rewind(context)
+            ours[n] = qwen_target.eval(toks[context:context + n], n_logits=n).copy()
+            with native.ggml_attention() as switched:
+                if not switched:
+                    pytest.skip("not our build")
+                qwen_target.rewind(context)
+                ggml[n] = qwen_target.eval(toks[context:context + n], n_logits=n).copy()
+            assert np.array_equal(ours[n], ggml[n]), (context, n)
+            assert np.array_equal(ours[n][0], ours[1][0]), (context, n)
+
+
 @pytest.mark.parametrize("stock", [False, True], ids=["invariant-prefill", "512-token-prefill"])
 def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
     """The server keeps its cache between requests. A prompt that extends an earlier request (its prompt, and

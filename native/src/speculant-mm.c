@@ -6,11 +6,16 @@
 // layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
 // are unpacked once for up to SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows), and integer sums are exact however they are formed
 // (VNNI or not, 256 or 512 bits), so every ISA level gives the same bits.
+//
+// Attention products (F16 K, and V transposed, against the queries; flash attention stays off) keep ggml's own
+// per-element operations (ggml_vec_dot_f16's) and only share work between the columns that read the same row:
+// speculant_mm_f16_chunk, at the end.
 #define GGML_COMMON_DECL_C
 #include "ggml-common.h"
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
 #include "simd-mappings.h"
+#include "vec.h"  // ggml_float, for the attention products
 
 #include "speculant-mm.h"
 
@@ -1328,6 +1333,193 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
     (void) type; (void) repacked; (void) n; (void) x; (void) y; (void) row_size; (void) ncols; (void) group;
     (void) reorder; (void) out; (void) out_ggml;
     return -1;
+}
+
+#endif
+
+// -- attention products: F16 K or V rows against the few query columns that share them ----------------------
+
+#if defined(GGML_SIMD) && !defined(__AVX512FP16__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)))
+#if defined(__AVX512F__) && GGML_F16_DOT_ARR == 4
+#define F16_BATCHED 1  // 16 reductions at once (f16_reduce16)
+#define F16_COLS 8     // columns at a time: a Qwen2.5 head group (6 query heads per KV head) in one
+#define F16_ROWS 4     // rows at a time (2 with more than 4 columns): at most 16 sums in 32 registers
+#else
+#define F16_COLS 4
+#define F16_ROWS 2
+#endif
+
+#ifdef F16_BATCHED
+// GGML_F16_DOT_VEC_REDUCE's last step for 16 sums at once: _mm512_reduce_add_ps's tree as GCC writes it (the
+// 256-bit halves added, then the 128-bit halves, then lanes 0 + 2 and 1 + 3, then those two), lane-parallel:
+// each add takes the same two values as in the one-at-a-time reduction, so out[p] has its bits
+static inline void f16_reduce16(const __m512 v[16], float out[16]) {
+    __m512 w[8];  // sums 2q and 2q+1: their 256-bit halves added, 8 lanes each
+    for (int q = 0; q < 8; ++q) {
+        w[q] = _mm512_add_ps(_mm512_shuffle_f32x4(v[2 * q], v[2 * q + 1], _MM_SHUFFLE(3, 2, 3, 2)),
+                             _mm512_shuffle_f32x4(v[2 * q], v[2 * q + 1], _MM_SHUFFLE(1, 0, 1, 0)));
+    }
+    __m512 z[4];  // sums 4m .. 4m+3: their 128-bit halves added (128-bit lane k: sum 4m + k)
+    for (int m = 0; m < 4; ++m) {
+        z[m] = _mm512_add_ps(_mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)),
+                             _mm512_shuffle_f32x4(w[2 * m], w[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)));
+    }
+    const __m512 y01 = _mm512_add_ps(_mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(1, 0, 1, 0)),  // lanes 0+2, 1+3
+                                     _mm512_shuffle_ps(z[0], z[1], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 y23 = _mm512_add_ps(_mm512_shuffle_ps(z[2], z[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                     _mm512_shuffle_ps(z[2], z[3], _MM_SHUFFLE(3, 2, 3, 2)));
+    const __m512 t = _mm512_add_ps(_mm512_shuffle_ps(y01, y23, _MM_SHUFFLE(2, 0, 2, 0)),  // and those two
+                                   _mm512_shuffle_ps(y01, y23, _MM_SHUFFLE(3, 1, 3, 1)));
+    float lanes[16];  // lane 4k + m: sum 4m + k
+    _mm512_storeu_ps(lanes, t);
+    for (int k = 0; k < 4; ++k) for (int m = 0; m < 4; ++m) out[4 * m + k] = lanes[4 * k + m];
+}
+#endif
+
+// rows r < R of x (f16, stride xs bytes) . columns c < NC of y (f16): out[c][r], each the value ggml_vec_dot_f16
+// gives, by its operations in its order: per lane group j of a step, FMAs over the steps in turn, then its
+// reduction and its scalar tail. Looping j outside the steps lets R x NC sums share each converted vector.
+static inline __attribute__((always_inline)) void f16_dots(const int NC, const int R, const int n, const char * x,
+                                                          size_t xs, const ggml_fp16_t * const * y,
+                                                          float out[F16_COLS][F16_ROWS]) {
+    const int np = n & ~(GGML_F16_DOT_STEP - 1);
+    GGML_F16_DOT_VEC sum[F16_ROWS][F16_COLS][GGML_F16_DOT_ARR];
+    for (int j = 0; j < GGML_F16_DOT_ARR; ++j) {
+        GGML_F16_DOT_VEC acc[F16_ROWS][F16_COLS];
+        for (int r = 0; r < R; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = GGML_F16_DOT_VEC_ZERO;
+        for (int i = 0; i < np; i += GGML_F16_DOT_STEP) {
+            GGML_F16_DOT_VEC ax[F16_ROWS], ay[F16_COLS];
+            for (int r = 0; r < R; ++r) {
+                ax[r] = GGML_F16_DOT_VEC_LOAD((const ggml_fp16_t *) (x + r * xs) + i + j * GGML_F16_DOT_EPR, j);
+            }
+            for (int c = 0; c < NC; ++c) ay[c] = GGML_F16_DOT_VEC_LOAD(y[c] + i + j * GGML_F16_DOT_EPR, j);
+            for (int r = 0; r < R; ++r) {
+                for (int c = 0; c < NC; ++c) acc[r][c] = GGML_F16_DOT_VEC_FMA(acc[r][c], ax[r], ay[c]);
+            }
+        }
+        for (int r = 0; r < R; ++r) for (int c = 0; c < NC; ++c) sum[r][c][j] = acc[r][c];
+    }
+#ifdef F16_BATCHED
+    __m512 v[16];  // the reduction's vector adds, as GGML_F32Cx16_REDUCE does them: (x0 + x2) + (x1 + x3)
+    for (int p = 0; p < 16; ++p) {
+        const int r = p / NC, c = p % NC;
+        v[p] = p < R * NC ? _mm512_add_ps(_mm512_add_ps(sum[r][c][0], sum[r][c][2]),
+                                          _mm512_add_ps(sum[r][c][1], sum[r][c][3]))
+                          : _mm512_setzero_ps();
+    }
+    float reduced[16];
+    f16_reduce16(v, reduced);
+#endif
+    for (int r = 0; r < R; ++r) {
+        const ggml_fp16_t * xr = (const ggml_fp16_t *) (x + r * xs);
+        for (int c = 0; c < NC; ++c) {
+            ggml_float sumf = 0.0;
+#ifdef F16_BATCHED
+            sumf = (ggml_float) reduced[r * NC + c];
+#else
+            GGML_F16_DOT_VEC_REDUCE(sumf, sum[r][c]);
+#endif
+            for (int i = np; i < n; ++i) {
+                sumf += (ggml_float) (GGML_CPU_FP16_TO_FP32(xr[i]) * GGML_CPU_FP16_TO_FP32(y[c][i]));
+            }
+            out[c][r] = (float) sumf;
+        }
+    }
+}
+
+// f16_dots over `rows` rows from x (stride xs), nc columns at once, into dst columns dcol[c][0 ..)
+static inline __attribute__((always_inline)) void f16_rows(const int NC, const int R, int64_t rows, int n,
+                                                          const char * x, size_t xs, const ggml_fp16_t * const * y,
+                                                          float * const * dcol) {
+    float out[F16_COLS][F16_ROWS];
+    int64_t r0 = 0;
+    for (; r0 + R <= rows; r0 += R) {
+        f16_dots(NC, R, n, x + r0 * xs, xs, y, out);
+        for (int c = 0; c < NC; ++c) for (int r = 0; r < R; ++r) dcol[c][r0 + r] = out[c][r];
+    }
+    for (; r0 < rows; ++r0) {
+        f16_dots(NC, 1, n, x + r0 * xs, xs, y, out);
+        for (int c = 0; c < NC; ++c) dcol[c][r0] = out[c][0];
+    }
+}
+
+#if F16_COLS == 8
+#define F16_BY_NC(nc, ...)                                           \
+    switch (nc) {                                                    \
+        case 1: f16_rows(1, F16_ROWS, __VA_ARGS__); break;           \
+        case 2: f16_rows(2, F16_ROWS, __VA_ARGS__); break;           \
+        case 3: f16_rows(3, F16_ROWS, __VA_ARGS__); break;           \
+        case 4: f16_rows(4, F16_ROWS, __VA_ARGS__); break;           \
+        case 5: f16_rows(5, F16_ROWS / 2, __VA_ARGS__); break;       \
+        case 6: f16_rows(6, F16_ROWS / 2, __VA_ARGS__); break;       \
+        case 7: f16_rows(7, F16_ROWS / 2, __VA_ARGS__); break;       \
+        default: f16_rows(8, F16_ROWS / 2, __VA_ARGS__); break;      \
+    }
+#else
+#define F16_BY_NC(nc, ...)                                           \
+    switch (nc) {                                                    \
+        case 1: f16_rows(1, F16_ROWS, __VA_ARGS__); break;           \
+        case 2: f16_rows(2, F16_ROWS, __VA_ARGS__); break;           \
+        case 3: f16_rows(3, F16_ROWS, __VA_ARGS__); break;           \
+        default: f16_rows(4, F16_ROWS, __VA_ARGS__); break;          \
+    }
+#endif
+
+static int64_t shared_attention = 1;
+
+void speculant_mm_set_shared_attention(int64_t on) {
+    shared_attention = on;
+}
+
+bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
+                            int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {
+    if (!shared_attention) {
+        return false;
+    }
+    const struct ggml_tensor * src0 = dst->src[0];
+    const struct ggml_tensor * src1 = dst->src[1];
+    if (src0->type != GGML_TYPE_F16 || src1->type != GGML_TYPE_F32) {  // F32 src1: wdata has its f16 rows
+        return false;
+    }
+    GGML_TENSOR_BINARY_OP_LOCALS
+    const int64_t r2 = ne12 / ne02;
+    const int64_t r3 = ne13 / ne03;
+    for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += 16) {  // 16 rows at a time stay in cache
+        const int64_t rows = MIN(iir0 + 16, ir0_end) - iir0;
+        for (int64_t ir1 = ir1_start; ir1 < ir1_end;) {
+            // a run of up to F16_COLS columns that read the same src0 plane (a query head group's tokens)
+            const int64_t i13 = ir1 / (ne12 * ne1);
+            const int64_t i12 = (ir1 - i13 * ne12 * ne1) / ne1;
+            const char * plane = (const char *) src0->data + (i12 / r2) * nb02 + (i13 / r3) * nb03;
+            const ggml_fp16_t * cols[F16_COLS];
+            float * dcol[F16_COLS];
+            int nc = 0;
+            for (; nc < F16_COLS && ir1 < ir1_end; ++nc, ++ir1) {
+                const int64_t j13 = ir1 / (ne12 * ne1);
+                const int64_t j12 = (ir1 - j13 * ne12 * ne1) / ne1;
+                const int64_t j11 = ir1 - j13 * ne12 * ne1 - j12 * ne1;
+                if (j12 / r2 != i12 / r2 || j13 / r3 != i13 / r3) {
+                    break;
+                }
+                cols[nc] = (const ggml_fp16_t *) ((const char *) wdata + (j11 + j12 * ne11 + j13 * ne12 * ne11) * row_size);
+                dcol[nc] = (float *) ((char *) dst->data + j11 * nb1 + j12 * nb2 + j13 * nb3) + iir0;
+            }
+            F16_BY_NC(nc, rows, (int) ne00, plane + iir0 * nb01, nb01, cols, dcol);
+        }
+    }
+    return true;
+}
+
+#else  // ggml's own loop (vec_dot_f16 per element)
+
+void speculant_mm_set_shared_attention(int64_t on) {
+    (void) on;
+}
+
+bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
+                            int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {
+    (void) dst; (void) wdata; (void) row_size; (void) ir0_start; (void) ir0_end; (void) ir1_start; (void) ir1_end;
+    return false;
 }
 
 #endif

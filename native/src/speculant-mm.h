@@ -81,6 +81,18 @@ GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void
 // (4); 0 when the build has no kernels.
 GGML_BACKEND_API int speculant_mm_max_group(int repacked);
 
+// dst rows [ir0_start, ir0_end) x flattened columns [ir1_start, ir1_end) of a matmul of an F16 src0 (an attention
+// product's K, or V transposed) by an F32 src1 whose f16 rows are in wdata (row_size bytes each), as ggml's
+// mul_mat_one_chunk indexes them: each element by the operations of ggml_vec_dot_f16, but every src0 row is
+// dotted with all the columns that share it (a query head group's heads and tokens) while it is converted once.
+// false when this build has no such kernel (then ggml's loop runs).
+// 0: ggml's loop computes the attention products instead (the same bits); 1: speculant_mm_f16_chunk (default).
+// For A/B runs over the same weights and cache in memory.
+GGML_BACKEND_API void speculant_mm_set_shared_attention(int64_t on);
+
+bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
+                            int64_t ir0_end, int64_t ir1_start, int64_t ir1_end);
+
 #ifdef __cplusplus
 }
 #endif
