@@ -91,6 +91,18 @@ class Drafter(ABC):
             state.accept(int(token))
         return len(tokens)
 
+    def budgeted(self, tokens: Sequence[int], keys: Sequence[str], budget: "DraftBudget") -> Draft:
+        """A free drafter's proposal (tokens [n], their confidence keys [n]) as a Draft: cut where the grammar
+        forbids a token, then where the budget refuses one; the first refused token becomes a shadow, so its
+        acceptance is still measured."""
+        cut = self.allowed_prefix(tokens)
+        tokens, keys = list(tokens[:cut]), list(keys[:cut])
+        for i, key in enumerate(keys):
+            if not budget.take(self.name, key):
+                return Draft(tokens[:i], None, self.name, keys=keys[:i],
+                             shadows=[Shadow(self.name, key, tokens[i])])
+        return Draft(tokens, None, self.name, keys=keys)
+
     def for_slot(self, i: int) -> "Drafter":
         """The drafter for concurrent request slot i (backends: Backend.slot): a copy of its own (a request's
         constraint is per slot); drafters with models or caches make theirs."""

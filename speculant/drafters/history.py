@@ -32,7 +32,7 @@ import numpy as np
 from ..errors import SettingsError
 from ..policy import DraftBudget, history_key
 from ..verify import SamplingParams
-from .base import Draft, Drafter, Shadow
+from .base import Draft, Drafter
 
 
 class _Node:
@@ -218,13 +218,7 @@ class HistoryDrafter(Drafter):
             self.begin(context)
         self._ingest(context)
         tokens, keys = self.continuation(budget.start(self.name, free=True, long=True))
-        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
-        tokens, keys = tokens[:cut], keys[:cut]
-        for i, key in enumerate(keys):
-            if not budget.take(self.name, key):
-                return Draft(tokens[:i], None, self.name, keys=keys[:i],
-                             shadows=[Shadow(self.name, key, tokens[i])])
-        return Draft(tokens, None, self.name, keys=keys)
+        return self.budgeted(tokens, keys, budget)
 
     def stats(self) -> dict:
         return {"outputs": len(self.outputs), "tokens": self.kept, "nodes": self.trie.nodes}

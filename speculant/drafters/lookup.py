@@ -12,7 +12,7 @@ from numpy.lib.stride_tricks import sliding_window_view
 from ..errors import SettingsError
 from ..policy import DraftBudget, ngram_key
 from ..verify import SamplingParams
-from .base import Draft, Drafter, Shadow
+from .base import Draft, Drafter
 
 
 class LookupDrafter(Drafter):
@@ -36,13 +36,7 @@ class LookupDrafter(Drafter):
         k = budget.start(self.name, free=True)
         tokens, n = self.match(context, k)
         keys = [ngram_key(n, i == 0) for i in range(len(tokens))]
-        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
-        tokens, keys = tokens[:cut], keys[:cut]
-        for i, key in enumerate(keys):
-            if not budget.take(self.name, key):
-                return Draft(tokens[:i], None, self.name, keys=keys[:i],
-                             shadows=[Shadow(self.name, key, tokens[i])])
-        return Draft(tokens, None, self.name, keys=keys)
+        return self.budgeted(tokens, keys, budget)
 
     def lookup(self, context: Sequence[int], k: int) -> list[int]:
         """Continuation (<= k tokens) of the most recent earlier match of the longest suffix n-gram."""

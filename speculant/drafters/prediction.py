@@ -26,7 +26,7 @@ import numpy as np
 from ..errors import SettingsError
 from ..policy import DraftBudget, run_key
 from ..verify import SamplingParams
-from .base import Draft, Drafter, Shadow
+from .base import Draft, Drafter
 
 
 class PredictionDrafter(Drafter):
@@ -103,10 +103,4 @@ class PredictionDrafter(Drafter):
         if self.j is None or self.j >= len(self.pred):
             return Draft([], None, self.name)
         tokens, keys = self.proposal(budget.start(self.name, free=True, long=True))
-        cut = self.allowed_prefix(tokens)  # under a grammar: not past a token it forbids
-        tokens, keys = tokens[:cut], keys[:cut]
-        for i, key in enumerate(keys):
-            if not budget.take(self.name, key):
-                return Draft(tokens[:i], None, self.name, keys=keys[:i],
-                             shadows=[Shadow(self.name, key, tokens[i])])
-        return Draft(tokens, None, self.name, keys=keys)
+        return self.budgeted(tokens, keys, budget)
