@@ -353,28 +353,27 @@ class AdaptivePolicy:
         hits, tries = counts
         return (self.request_weight * long_run + hits) / (self.request_weight + tries)
 
-    def _request_start(self, ident, long_run: float) -> float:
-        """Until this request's first outcome for `ident` (a free source, or a free source's confidence bucket)
-        is an accept: no more than its first-outcome record (a first miss makes this request look like those
+    def _request_start(self, source: str, ident, long_run: float) -> float:
+        """Until this request's first outcome for `ident` (a free source, or one of its confidence buckets, in
+        the current regime; `source` is the drafter's name) is an accept: no more than its first-outcome record (a first miss makes this request look like those
         where it never pays). Copying works in some requests and not at all in others; a draft model's
         acceptance varies far less between requests, so its first miss is only one miss (the record capped a
         draft model that accepts 84% on the next prompt at 0.67, and two early misses ended its drafting for
         the request)."""
-        source = ident[0] if isinstance(ident, tuple) else ident
-        if self.req_first.get(ident) or source.split("@")[0] in self.paid_sources:
+        if self.req_first.get(ident) or source in self.paid_sources:
             return long_run
         first = self.first_alpha.get(ident)
         return min(long_run, first.value) if first and first.weight >= 2 else long_run
 
     def acceptance(self, source: str) -> float:
         e = self.alpha.get(self._src(source))
-        long_run = self._request_start(self._src(source), e.value if e else self.prior_alpha)
+        long_run = self._request_start(source, self._src(source), e.value if e else self.prior_alpha)
         return self._blend(long_run, self.req_alpha.get(self._src(source)))
 
     def key_acceptance(self, source: str, key: str) -> float:
         ident = (self._src(source), key)
         e = self.key_alpha.get(ident)
-        long_run = self._request_start(ident, e.value if e else prior_acceptance(key))
+        long_run = self._request_start(source, ident, e.value if e else prior_acceptance(key))
         return self._blend(long_run, self.req_key_alpha.get(ident))
 
     def _request_outcome(self, ident, counts: dict, hits: int, tries: int) -> None:
