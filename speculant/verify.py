@@ -147,20 +147,35 @@ class TokenLogprob(NamedTuple):
 
 def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
     """log_softmax of the model's own logits (before any sampling setting, as OpenAI's and vLLM's default),
-    at each of the positions: logits [n, V], tokens [n] the token emitted at each."""
-    x = np.asarray(logits, dtype=np.float64)
-    x = x - x.max(axis=-1, keepdims=True)
-    logp = x - np.log(np.exp(x).sum(axis=-1, keepdims=True))  # [n, V]
+    at each of the positions: logits [n, V], tokens [n] the token emitted at each. Row by row in float64 (a
+    [n, V] float64 matrix of a 64-row pass is 78 MB: 4x slower), with the alternatives found by top_ids."""
     out = []
-    for row, token in zip(logp, tokens):
+    for row, token in zip(np.atleast_2d(logits), tokens):
+        x = row.astype(np.float64)  # [V]
+        x -= x.max()
+        log_z = np.log(np.exp(x).sum())
         top: tuple = ()
         if n_top > 0:
-            m = min(n_top, row.shape[0])
-            head = np.argpartition(-row, m - 1)[:m]
-            head = head[np.lexsort((head, -row[head]))]  # most likely first, ties by id
-            top = tuple((int(t), float(row[t])) for t in head)
-        out.append(TokenLogprob(int(token), float(row[token]), top))
+            top = tuple((int(t), float(x[t] - log_z)) for t in top_ids(row, min(n_top, len(row))))
+        out.append(TokenLogprob(int(token), float(x[token] - log_z), top))
     return out
+
+
+def top_ids(row: np.ndarray, n: int) -> np.ndarray:
+    """Ids of the n largest values of row [V], largest first, ties by id (the head of a stable argsort of
+    -row). Sorted among the values above a cut lowered until at least n are in: every value at least the n-th
+    largest is then in, and a 152k row costs ~0.1 ms instead of a full partition's ~2 ms."""
+    top = float(row.max())
+    low = float(np.min(row, where=row > -np.inf, initial=top))  # the smallest finite value
+    step = 4.0
+    while top - step > low:
+        ids = np.flatnonzero(row >= top - step)
+        if len(ids) >= n:
+            break
+        step *= 4.0
+    else:  # the cut is past every finite value (or the row holds NaN)
+        ids = np.arange(len(row))
+    return ids[np.lexsort((ids, -row[ids]))][:n]
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -193,6 +193,27 @@ def test_token_logprobs_rows_sum_to_one():
         assert len({t for t, _ in entry.top}) == 100
 
 
+def test_token_logprobs_match_a_plain_log_softmax_and_stable_sort():
+    """Row by row, with the alternatives searched above a cut: the values of a full log_softmax, and the
+    alternatives of a stable sort (ties by id, also at the n-th place), on rows full of ties."""
+    rng = np.random.default_rng(3)
+    for trial in range(60):
+        v = int(rng.choice([7, 300, 151936]))
+        logits = (rng.standard_normal((3, v)) * rng.uniform(0.05, 30)).astype(np.float32)
+        if trial % 2:
+            logits = np.round(logits)  # many ties
+        if trial % 5 == 0:
+            logits[:, rng.integers(0, v, 3)] = -np.inf  # banned tokens
+        tokens = rng.integers(0, v, 3)
+        n_top = int(rng.integers(0, 25))
+        for entry, row, token in zip(token_logprobs(logits, tokens, n_top), logits, tokens):
+            x = row.astype(np.float64) - row.max()
+            logp = x - np.log(np.exp(x).sum())
+            order = np.argsort(-logp, kind="stable")[:min(n_top, v)]
+            assert entry.token == token and entry.logprob == logp[token]
+            assert entry.top == tuple((int(t), float(logp[t])) for t in order)
+
+
 # -- the real models (llama.cpp) ------------------------------------------------------------------------------
 
 @pytest.mark.models
