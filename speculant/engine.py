@@ -16,7 +16,7 @@ from typing import Iterator, Optional, Sequence
 import numpy as np
 
 from . import chat, memory
-from .backends.base import Backend
+from .backends.base import Backend, common_prefix
 from .constraint import Constraint, MaskedRows
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
@@ -85,6 +85,7 @@ class Engine:
         self.adaptive = adaptive
         self.long_max = long_max
         self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
+        self._scored: tuple[list[int], int, list[TokenLogprob]] = ([], 0, [])  # prompt_logprobs: tokens, n_top, entries
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
@@ -153,22 +154,43 @@ class Engine:
             raise SettingsError(f"prediction token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
-    def prompt_logprobs(self, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
+    def prompt_logprobs(self, tokens: Sequence[int], n_top: int, stats: Optional[SpecStats] = None) -> list[TokenLogprob]:
         """Each prompt token's log-probability given the tokens before it, with its n_top likeliest alternatives
         (what /v1/completions' echo returns, and what evaluation harnesses score): tokens [n] -> n entries, the
         first with logprob None (nothing comes before it). Target passes over chunks of at most 64 tokens
         return all their logits; on our llama.cpp build those passes are batch-invariant, so each row has the
-        bits a one-token pass gives. A generation after it re-does the prompt the usual way (Backend.prefill
-        keeps only what computes as a fresh prefill would)."""
+        bits a one-token pass gives. There the entries of the prefix shared with the last prompt scored are
+        kept, and only the rest is evaluated on its cached positions: a harness scoring one context with each
+        of its answers processes the context once (stats.cached_prompt_tokens: the entries kept). A
+        generation after it re-does the prompt the usual way (Backend.prefill keeps only what computes as a
+        fresh prefill would)."""
         target = self.target
         chunk = min(64, getattr(target, "invariant_rows", 64) or 64)
-        target.rewind(0)
-        out = [TokenLogprob(int(tokens[0]), None, ())]
-        for a in range(0, len(tokens) - 1, chunk):
+        out = self._scored_prefix(tokens, n_top) or [TokenLogprob(int(tokens[0]), None, ())]
+        start = len(out) - 1  # row `start` predicts token start + 1: the cache holds tokens[:start]
+        if start:
+            target.prefill(tokens[:start])
+        else:
+            target.rewind(0)
+        for a in range(start, len(tokens) - 1, chunk):
             b = min(a + chunk, len(tokens) - 1)  # rows a..b-1 predict tokens a+1..b
             logits = target.eval(tokens[a:b], n_logits=b - a)  # [b - a, V]
             out += token_logprobs(logits, tokens[a + 1:b + 1], n_top)
-        return out
+        if stats is not None:
+            stats.cached_prompt_tokens = start
+        self._scored = ([int(t) for t in tokens], n_top, out[:])
+        return out[:len(tokens)]
+
+    def _scored_prefix(self, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
+        """The entries of the last prompt scored that `tokens` shares, with at most n_top alternatives each
+        (the alternatives are ordered by value, then id, so the first n_top of more are n_top's own); [] where
+        the runtime's passes are not batch-invariant (each row must be what a one-token pass gives)."""
+        scored_tokens, scored_top, entries = self._scored
+        if scored_top < n_top or not (getattr(self.target, "exact_numerics", False)
+                                      and getattr(self.target, "invariant_rows", 0)):
+            return []
+        shared = entries[:common_prefix(scored_tokens, tokens)]
+        return [e if len(e.top) <= n_top else e._replace(top=e.top[:n_top]) for e in shared]
 
     def _with_prediction(self, prediction, start: int):
         """The drafter and policy of a request: with a prediction, the prediction drafter goes first."""

@@ -713,7 +713,7 @@ class Worker:
             if job.echo and job.logprobs is not None:
                 try:
                     job.prompt_logprobs = await loop.run_in_executor(executor, engine.prompt_logprobs, job.tokens,
-                                                                     job.logprobs)
+                                                                     job.logprobs, result.stats)
                 except WorkerError as e:
                     raise worker_down(e) from None
             if job.max_tokens == 0:  # echo only: the prompt scored, nothing generated

@@ -4,7 +4,9 @@ import numpy as np
 import pytest
 
 from speculant.drafters.model import ModelDrafter
+from speculant.backends.base import common_prefix
 from speculant.engine import Engine
+from speculant.stats import SpecStats
 from speculant.verify import SamplingParams
 from speculant.vocab import check_compatible
 
@@ -222,6 +224,46 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
         assert naive.tobytes() != cold.tobytes()
     finally:
         qwen_target.prefill_chunk = default
+
+
+def test_scoring_keeps_the_entries_a_prompt_shares_with_the_last_one(small_target):
+    """Echo + logprobs as an evaluation harness sends it: one context with each of its answers. The entries of
+    the shared context are kept and only the answer is evaluated, on the context's cached positions, and every
+    entry is the one a fresh scoring of that prompt gives, bit for bit (with fewer alternatives too)."""
+    context = small_target.tokenize(LONG_TEXT)[:150]  # past two 64-token chunks, ending inside a third
+    answers = [context + small_target.tokenize(a, add_special=False) for a in (" yes, twice", " no", " maybe not")]
+    fresh = [Engine(small_target).prompt_logprobs(a, 3) for a in answers]  # a new engine scores from scratch
+    assert all(e.logprob is not None and len(e.top) == 3 for f in fresh for e in f[1:])
+
+    engine = Engine(small_target)
+    evaluated = []
+    real_eval = small_target.eval
+
+    def counting_eval(tokens, n_logits=1):
+        evaluated.append(len(tokens))
+        return real_eval(tokens, n_logits)
+
+    small_target.eval = counting_eval
+    try:
+        stats = SpecStats()
+        assert engine.prompt_logprobs(answers[0], 3, stats) == fresh[0] and stats.cached_prompt_tokens == 0
+        assert sum(evaluated) == len(answers[0]) - 1
+        for i in (1, 2, 0):
+            evaluated.clear()
+            assert engine.prompt_logprobs(answers[i], 3, stats) == fresh[i]
+            shared = max(common_prefix(answers[i], answers[j]) for j in range(3) if j != i)
+            assert stats.cached_prompt_tokens >= len(context) - 1 and sum(evaluated) <= len(answers[i]) - shared
+        evaluated.clear()  # fewer alternatives: the first of each entry's
+        assert engine.prompt_logprobs(answers[1], 1) == [e._replace(top=e.top[:1]) for e in fresh[1]]
+        assert sum(evaluated) <= len(answers[1]) - len(context)
+        evaluated.clear()  # more alternatives than kept: all evaluated again
+        assert [e._replace(top=e.top[:3]) for e in engine.prompt_logprobs(answers[2], 5)] == fresh[2]
+        assert sum(evaluated) == len(answers[2]) - 1
+        # a generation in between moves the cache; the entries stay the prompt's own
+        engine.generate(answers[0], max_tokens=4)
+        assert engine.prompt_logprobs(answers[1], 3) == fresh[1]
+    finally:
+        small_target.eval = real_eval
 
 
 def _chat(engine, prompt):

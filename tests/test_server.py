@@ -393,6 +393,17 @@ def test_echo_scores_the_prompt_and_batches_and_token_ids(server, client):
     assert all(len(top) in (2, 3) and top[tok] == tl for top, tok, tl in zip(lp.top_logprobs[1:], lp.tokens[1:],
                                                                            lp.token_logprobs[1:]))
 
+    # an evaluation harness scores each answer to a question: the question's entries are kept (the slot whose
+    # cache holds the longest prefix, of 32 tokens or more, takes the request), not evaluated again
+    question = "Read the passage and answer. " * 6 + "Which city is the capital of France?"
+    first, second = (client.completions.create(model=MODEL, prompt=question + answer, max_tokens=0, echo=True,
+                                               logprobs=2) for answer in (" Paris", " Lyon"))
+    shared = len(_post(server, "/tokenize", {"content": question}).json()["tokens"])
+    assert shared >= 32 and first.usage.prompt_tokens_details.cached_tokens < shared
+    assert second.usage.prompt_tokens_details.cached_tokens >= shared - 1
+    assert second.choices[0].logprobs.token_logprobs[:shared] == first.choices[0].logprobs.token_logprobs[:shared]
+    assert second.choices[0].logprobs.top_logprobs[:shared] == first.choices[0].logprobs.top_logprobs[:shared]
+
     gen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
     both = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=1, echo=True)
     assert both.choices[0].text == PROMPT + gen.choices[0].text  # ids prompt: the same answer, echoed
