@@ -108,14 +108,18 @@ class Engine:
 
     def share_cache(self, source: "Engine", context: Sequence[int]) -> int:
         """Take another slot's prompt cache where it holds more of `context`: the target's KV stream is copied,
-        and the draft model's (Backend.copy_prefix), so a prompt another slot processed is not processed again.
-        The bits are the ones this slot would compute. Returns the target positions this slot now holds."""
+        and the draft model's (Backend.copy_prefix), so a prompt another slot processed is not processed again,
+        and the entries of the prompt it last scored (prompt_logprobs). The bits are the ones this slot would
+        compute. Returns the target positions this slot now holds."""
         copy_prefix = getattr(self.target, "copy_prefix", None)
         if copy_prefix is None or source is self:
             return 0
         held = copy_prefix(source.target, context)
         if self.drafter is not None and source.drafter is not None:
             self.drafter.share_cache(source.drafter, context)
+        scored = source._scored  # one assignment there: a consistent snapshot, even while source runs
+        if common_prefix(scored[0], context) > common_prefix(self._scored[0], context):
+            self._scored = scored
         return held
 
     # -- prompts ------------------------------------------------------------------------------------------

@@ -423,6 +423,19 @@ def _prompt_job(job: Job, prompt) -> Job:
     return dataclasses.replace(job, prompt=prompt, tokens=[], more_prompts=[])
 
 
+def _wait_for_shared_prefixes(prompts: list[Job]) -> None:
+    """A prompt of a batch that shares REUSE_MIN tokens or more with an earlier one waits until that one's
+    prompt is processed (its first token; a scoring's end), then copies that slot's cache and scored entries
+    (Engine.share_cache) instead of processing the prefix again at the same time on the same cores. An
+    evaluation harness batches each question's answers this way."""
+    for b, later in enumerate(prompts[1:], 1):
+        shared, a = max((common_prefix(prompts[a].tokens, later.tokens), -a) for a in range(b))
+        if shared >= REUSE_MIN:
+            earlier = prompts[-a]
+            earlier.started = earlier.started or asyncio.Event()
+            later.after = earlier.started
+
+
 def _echo_text(job: Job, engine) -> str:
     """The prompt as echo returns it: the text given, or the ids' text."""
     return job.prompt if isinstance(job.prompt, str) else engine.target.detokenize(job.prompt)
@@ -1003,6 +1016,7 @@ def create_app(engine, cfg: ServerConfig):
             jobs[a].started = asyncio.Event()
             for other in jobs[a + 1:a + job.n]:
                 other.after = jobs[a].started
+        _wait_for_shared_prefixes(jobs[::job.n])
         results = [Result("", [], SpecStats()) for _ in jobs]
         formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
         echoed = [_echo_text(j, engine) if j.echo else "" for j in jobs]

@@ -403,6 +403,17 @@ def test_echo_scores_the_prompt_and_batches_and_token_ids(server, client):
     assert second.usage.prompt_tokens_details.cached_tokens >= shared - 1
     assert second.choices[0].logprobs.token_logprobs[:shared] == first.choices[0].logprobs.token_logprobs[:shared]
     assert second.choices[0].logprobs.top_logprobs[:shared] == first.choices[0].logprobs.top_logprobs[:shared]
+    # the answers in one batch (two slots): the later ones wait for the first, then copy its cache and entries
+    other = "Read the text and reply. " * 6 + "Which river runs through Paris?"
+    answers = (" The Seine", " The Rhine", " The Loire")
+    batch = client.completions.create(model=MODEL, prompt=[other + a for a in answers], max_tokens=0, echo=True,
+                                      logprobs=2)
+    shared = len(_post(server, "/tokenize", {"content": other}).json()["tokens"])
+    alone = [client.completions.create(model=MODEL, prompt=other + a, max_tokens=0, echo=True, logprobs=2)
+             for a in answers]
+    assert [c.logprobs.token_logprobs for c in batch.choices] == [a.choices[0].logprobs.token_logprobs for a in alone]
+    assert [c.logprobs.top_logprobs for c in batch.choices] == [a.choices[0].logprobs.top_logprobs for a in alone]
+    assert batch.usage.prompt_tokens_details.cached_tokens >= 2 * (shared - 1)
 
     gen = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, logprobs=1)
     both = client.completions.create(model=MODEL, prompt=ids, max_tokens=8, temperature=0, logprobs=1, echo=True)
