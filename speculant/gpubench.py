@@ -252,6 +252,10 @@ def step_costs(opts) -> dict:
         _free()
     if on_cuda:
         _say(f"  peak GPU memory {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB")
+    failed = [shape if "failed" in rows else f"{shape}/{label}" for shape, rows in table.items()
+              for label, r in ({"": rows} if "failed" in rows else rows).items() if "failed" in r]
+    if failed:  # the numbers that were measured stay results; the summary says what was not
+        raise StepFailed(f"{len(failed)} setups failed: {', '.join(failed)}"[:300], table)
     return table
 
 

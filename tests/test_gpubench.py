@@ -44,3 +44,24 @@ def test_a_failing_step_does_not_stop_the_others(tmp_path):
     assert res["status"]["replay"].startswith("FAILED") and "does not exist" in res["status"]["replay"]
     assert res["status"]["env"].startswith("ok") and res["status"]["identity"].startswith("ok")
     assert "summary:" in r.stdout
+
+
+def test_the_costs_step_fails_when_a_setup_failed(monkeypatch):
+    """One setup failing (a CUDA error in graph capture, say) keeps the other rows but fails the step, so the
+    summary of the one GPU run cannot read 'ok' over missing numbers."""
+    import argparse
+
+    import speculant.backends.torch_static as torch_static
+    from speculant import gpubench
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("CUDA error: operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch_static, "StaticTorchBackend", broken)
+    opts = argparse.Namespace(device="cpu", cost_shapes=["tiny-draft"], repeats=1, existing_backend=False,
+                              over_budget=lambda: False)
+    with pytest.raises(gpubench.StepFailed, match="tiny-draft/ours eager, 16 rows") as failed:
+        gpubench.step_costs(opts)
+    rows = failed.value.result["tiny-draft"]
+    assert "stream is capturing" in rows["ours eager, 16 rows"]["failed"]
+    assert set(rows["transformers eager sdpa"]) == set(gpubench.PASS_SIZES)  # the other rows stay
