@@ -136,10 +136,11 @@ def replay(doc: dict, target, draft, *, categories=None, variants=None, warmup: 
             and (not categories or r["category"] in categories) and (not variants or r["variant"] in variants)]
     if not runs:
         raise SettingsError("the trace has no speculative runs to replay (after --categories / --variants)")
-    if warmup:  # graph capture and allocator growth stay out of the timings
-        replay_run(runs[0], target, draft)
-        with _Rows(target, None):
-            replay_plain(runs[0], target)
+    if warmup:  # graph capture and allocator growth stay out of the timings: every run once, for the (rows,
+        for r in runs:  # KV blocks) classes of its passes (a later, longer run would capture while timed)
+            replay_run(r, target, draft)
+            with _Rows(target, None):
+                replay_plain(r, target)
     groups: dict = {}
     for r in runs:
         spec = replay_run(r, target, draft)
