@@ -268,7 +268,8 @@ class Engine:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt
             drafter.constrain(constraint)
-            if policy.wants_draft_prefill(drafter.paid, target.sharing()):  # not if it will not draft
+            # not if it will not draft: a one-token request (a harness's echo scoring) never does
+            if max_tokens > 1 and policy.wants_draft_prefill(drafter.paid, target.sharing()):
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()

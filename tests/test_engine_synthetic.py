@@ -94,6 +94,17 @@ def test_stops_on_eos_and_token_limit():
     assert len(r.tokens) == 7 and r.finish_reason == "length"
 
 
+def test_a_one_token_request_leaves_the_draft_model_alone():
+    """Its one token comes from the prompt's last pass, so nothing is drafted and the draft model's prompt
+    processing would be paid for nothing (evaluation harnesses score with echo and max_tokens 1)."""
+    engine = make_engine(4)
+    r = engine.generate(PROMPT * 10, max_tokens=1)
+    assert r.tokens == Engine(TableBackend(V, seed=0)).generate(PROMPT * 10, max_tokens=1).tokens
+    assert engine.drafter.backend.tokens == [] and r.stats.drafted == 0
+    r = engine.generate(PROMPT * 10, max_tokens=2)
+    assert len(engine.drafter.backend.tokens) >= len(PROMPT * 10) - 1
+
+
 def test_stop_strings_cut_the_text_and_stream_nothing_past_them():
     eng = make_engine(4)
     full = eng.generate(PROMPT, max_tokens=30)
