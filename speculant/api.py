@@ -217,12 +217,13 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
              history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
-             logprobs: Optional[int] = None) -> Result:
+             logprobs: Optional[int] = None, suffix: Optional[str] = None) -> Result:
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`.
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
     logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N
-    fills result.logprobs with each token's log-probability and N alternatives."""
+    fills result.logprobs with each token's log-probability and N alternatives. suffix: fill in the middle
+    between prompt and suffix (a code model with FIM tokens; Engine.fim_prompt)."""
     params = SamplingParams(temperature, top_k, top_p, min_p, seed,
                             logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -230,7 +231,11 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
                          adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history)
     try:
+        if suffix is not None and chat:
+            raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
+        if suffix is not None:
+            text = engine.fim_prompt(prompt, suffix)
         return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat,
                                prediction=prediction, logprobs=logprobs)
     finally:

@@ -198,6 +198,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--logprobs", type=int, default=None, metavar="N",
                    help="with --json: also each token's log-probability under the target and its N most likely "
                         "alternatives (0..20), as \"logprobs\": [{token, logprob, top: [[token, logprob], ...]}]")
+    g.add_argument("--suffix", metavar="FILE", default=None,
+                   help="fill in the middle: the text after the cursor (the prompt is the text before it); the "
+                        "model writes what goes between (code models with FIM tokens, e.g. Qwen2.5-Coder)")
     g.add_argument("--prediction", metavar="FILE", default=None,
                    help="predicted output (e.g. the file being edited): drafted first wherever the output follows "
                         "it; lossless ('-' for stdin)")
@@ -338,7 +341,7 @@ def _read_text(path: str, flag: str) -> str:
         raise SettingsError(f"{flag} {path}: {e.strerror if isinstance(e, OSError) else e}") from None
 
 
-def _read_prediction(path: Optional[str]) -> Optional[str]:
+def _read_prediction(path: Optional[str], what: str = "prediction") -> Optional[str]:
     if path is None:
         return None
     if path == "-":
@@ -347,9 +350,9 @@ def _read_prediction(path: Optional[str]) -> Optional[str]:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as e:
-        raise SpeculantError(f"cannot read prediction file {path}: {e.strerror}") from None
+        raise SpeculantError(f"cannot read {what} file {path}: {e.strerror}") from None
     except UnicodeDecodeError:
-        raise SpeculantError(f"prediction file {path} is not UTF-8 text") from None
+        raise SpeculantError(f"{what} file {path} is not UTF-8 text") from None
 
 
 def cmd_generate(args) -> int:
@@ -368,14 +371,19 @@ def cmd_generate(args) -> int:
     seed = sampling_seed(args.seed)
     params = sampling_params(args, seed)
     prediction = _read_prediction(args.prediction)
+    suffix = _read_prediction(args.suffix, "suffix")
+    if suffix is not None and args.chat:
+        raise SettingsError("--suffix fills in the middle of a text: it does not go with --chat")
     prompt = _read_prompt(args)
-    if not prompt.strip():
+    if not prompt.strip() and suffix is None:
         raise SettingsError("the prompt is empty")
     gbnf = _read_grammar(args)
     engine = engine_from_args(args)
     try:
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
         text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
+        if suffix is not None:
+            text = engine.fim_prompt(prompt, suffix)
         result = Result("", [], SpecStats())
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full

@@ -127,8 +127,13 @@ class Engine:
         return chat.render(self.target.chat_template(), messages, bos_token=self.target.bos_token,
                            eos_token=self.target.eos_token, tools=tools)
 
-    def tokenize_prompt(self, prompt: str | Sequence[int], *, is_chat: bool = False) -> list[int]:
-        if isinstance(prompt, str):
+    def tokenize_prompt(self, prompt: str | Sequence[int], *, is_chat: bool = False,
+                        suffix: Optional[str | Sequence[int]] = None) -> list[int]:
+        """The prompt's token ids (text or ids). With a suffix, a fill-in-the-middle prompt: the model writes
+        what goes between the prompt and the suffix (fim_prompt)."""
+        if suffix is not None:
+            tokens = self.fim_prompt(prompt, suffix)
+        elif isinstance(prompt, str):
             if not prompt.strip() and not is_chat:
                 raise SettingsError("the prompt is empty")
             bos = self.target.bos_token
@@ -147,6 +152,24 @@ class Engine:
                 f"shorten the prompt or raise --ctx-size"
             )
         return tokens
+
+    def fim_prompt(self, prefix: str | Sequence[int], suffix: str | Sequence[int]) -> list[int]:
+        """Fill in the middle, in the prefix-suffix-middle order of the code models that have it (Qwen2.5-Coder,
+        StarCoder; llama-server's /infill): [BOS] <prefix token> prefix <suffix token> suffix <middle token>.
+        The model then writes the middle and ends it with an end-of-generation token."""
+        fim = self.target.fim_tokens()
+        if fim is None:
+            raise SettingsError(f"{self.target.name} has no fill-in-the-middle tokens, so a suffix cannot be used; "
+                                f"a code model has them (qwen2.5-coder-1.5b-instruct)")
+        pre, suf, mid = fim
+        parts = []
+        for part in (prefix, suffix):
+            ids = self.target.tokenize(part, add_special=False) if isinstance(part, str) else [int(t) for t in part]
+            bad = [t for t in ids if not 0 <= t < self.target.n_vocab]
+            if bad:
+                raise SettingsError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+            parts.append(ids)
+        return self.target.tokenize("", add_special=True) + [pre] + parts[0] + [suf] + parts[1] + [mid]
 
     def prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
         """A predicted output (text, or token ids) -> token ids (no BOS: it is a piece of the output)."""

@@ -129,6 +129,7 @@ class Job:
     cut: bool = False  # generation stopped early because the server is shutting down
     more_prompts: list = field(default_factory=list)  # /v1/completions: the batch's other prompts (str or ids)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
+    suffix: Optional[str] = None  # /v1/completions: fill in the middle, between the prompt and this
     prompt_logprobs: Optional[list] = None  # with echo and logprobs: the prompt's TokenLogprobs (Worker.run)
     # n > 1: the first choice processes the prompt (then sets `started`); the others wait for it (`after`)
     # and take its cache (Worker.run)
@@ -227,7 +228,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     n = _get_int(body, "n", 1, lo=1, hi=MAX_N)
     if body.get("best_of") not in (None, 1):
         raise _bad("only best_of=1 is supported", "best_of", "unsupported_value")
-    for name in ("suffix", "functions", "function_call") + (("echo",) if chat else ("tools", "tool_choice")):
+    for name in (("suffix", "echo") if chat else ("tools", "tool_choice")) + ("functions", "function_call"):
         if body.get(name) not in (None, False, {}, []):
             raise _bad(f"'{name}' is not supported by this server{'' if chat else ' on /v1/completions'}"
                        f"{'; use tools' if name.startswith('function') else ''}", name, "unsupported_parameter")
@@ -282,9 +283,14 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         max_tokens = _get_int(body, "max_completion_tokens" if max_tokens is not None else "max_tokens",
                               cfg.max_tokens, lo=1)
     else:
-        batch = _get_prompts(body.get("prompt"))
+        suffix = body.get("suffix")
+        if suffix is not None and not isinstance(suffix, str):
+            raise _bad("'suffix' must be a string", "suffix", "invalid_type")
+        batch = _get_prompts(body.get("prompt"), empty_ok=suffix is not None)  # fill in at a file's start
         prompt = batch[0]
         echo = _get_bool(body, "echo", False)
+        if echo and suffix is not None:
+            raise _bad("'echo' cannot be used with 'suffix'", "echo", "unsupported_value")
         max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
 
     temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
@@ -323,22 +329,22 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
               tools=tools if tools is not None and tools.active else None)
     if not chat:
-        job.echo = echo
+        job.echo, job.suffix = echo, suffix
         job.more_prompts = batch[1:]
         if len(batch) * n > MAX_N * 4:
             raise _bad(f"{len(batch)} prompts x n={n} choices is more than {MAX_N * 4}", "n")
     return job
 
 
-def _get_prompts(prompt) -> list:
+def _get_prompts(prompt, empty_ok: bool = False) -> list:
     """/v1/completions' prompt: a string, an array of token ids, or an array of either (a batch) -> the
-    prompts, each a str or a list of ids."""
+    prompts, each a str or a list of ids (empty only where empty_ok)."""
     def one(p, where: str):
         if isinstance(p, str):
-            if not p.strip():
+            if not p.strip() and not empty_ok:
                 raise _bad(f"{where} is empty", "prompt")
             return p
-        if isinstance(p, list) and p and all(_is_int(t) for t in p):
+        if isinstance(p, list) and (p or empty_ok) and all(_is_int(t) for t in p):
             return list(p)
         raise _bad(f"{where} must be a string or a non-empty array of token ids", "prompt", "invalid_type")
 
@@ -666,7 +672,7 @@ class Worker:
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
         def work():
-            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat)
+            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat, suffix=job.suffix)
             job.constraint = _constraint(job, self.engine)
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
@@ -1006,7 +1012,8 @@ def create_app(engine, cfg: ServerConfig):
             raise worker_down(e) from None
         except SpeculantError as e:
             grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
-            raise _bad(str(e), job.grammar_param if grammar_error else None) from None
+            fim_error = job is not None and job.suffix is not None and "fill-in-the-middle" in str(e)
+            raise _bad(str(e), job.grammar_param if grammar_error else "suffix" if fim_error else None) from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created_at = int(time.time())
         kind = "chat.completion" if chat else "text_completion"

@@ -77,6 +77,9 @@ def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     (["--grammar-file", "/no/such/file.gbnf"], "No such file"),
     (["-j", "{not json"], "not valid JSON"),
     (["-jf", "/no/such/schema.json"], "No such file"),
+    (["--suffix", "/no/such/suffix.py"], "cannot read suffix file"),
+    (["--suffix", __file__], "no fill-in-the-middle tokens"),  # SmolLM2 has none
+    (["--suffix", __file__, "--chat"], "does not go with --chat"),
 ])
 def test_bad_settings_get_a_clear_error(small, args, fragment):
     assert_clean_error(run("generate", "-m", small, "-p", "hi", *args), fragment)

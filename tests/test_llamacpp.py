@@ -283,6 +283,32 @@ def test_greedy_identity_qwen_pair(kind, qwen_target, qwen_draft):
         assert out.stats.drafted > 0
 
 
+def test_fill_in_the_middle_qwen(qwen_target, qwen_draft, small_target):
+    """A suffix makes a fill-in-the-middle prompt (Qwen2.5-Coder's <|fim_prefix|> ... <|fim_suffix|> ...
+    <|fim_middle|>): the model writes the missing middle and ends it; speculative output (draft model, or prompt
+    lookup copying from the suffix) is plain decoding's. A model without the tokens is refused clearly."""
+    from speculant.drafters import CompositeDrafter, LookupDrafter
+    from speculant.errors import SettingsError
+
+    prefix = 'def mean(values):\n    """The arithmetic mean of a non-empty list."""\n'
+    suffix = "\n\n\ndef variance(values):\n    m = mean(values)\n    return sum((v - m) ** 2 for v in values) / len(values)\n"
+    plain = Engine(qwen_target)
+    tokens = plain.fim_prompt(prefix, suffix)
+    pre, suf, mid = qwen_target.fim_tokens()
+    assert [qwen_target.token_text(t) for t in (pre, suf, mid)] == [b"<|fim_prefix|>", b"<|fim_suffix|>",
+                                                                     b"<|fim_middle|>"]
+    assert tokens[0] == pre and tokens[-1] == mid and tokens.count(suf) == 1
+    assert plain.tokenize_prompt(prefix, suffix=suffix) == tokens
+    reference = plain.generate(tokens, max_tokens=60)
+    assert reference.finish_reason == "stop" and "return" in reference.text and "sum(values)" in reference.text
+    for drafter in (ModelDrafter(qwen_draft, qwen_target.n_vocab),
+                    CompositeDrafter(LookupDrafter(), ModelDrafter(qwen_draft, qwen_target.n_vocab))):
+        out = Engine(qwen_target, drafter, draft_max=4).generate(tokens, max_tokens=60)
+        assert out.tokens == reference.tokens and out.stats.drafted > 0
+    with pytest.raises(SettingsError, match="no fill-in-the-middle tokens"):
+        Engine(small_target).fim_prompt(prefix, suffix)
+
+
 @pytest.mark.parametrize("k", [1, 4, 8])
 def test_greedy_identity_smollm2_drafting_for_itself(k, small_target, small_draft_same_numerics):
     plain = Engine(small_target)

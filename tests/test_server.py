@@ -615,6 +615,11 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, None),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"model": MODEL, "prompt": "def f():", "suffix": "\nf()\n"}, 400, "suffix"),  # no FIM tokens
+    ("/v1/completions", {"model": MODEL, "prompt": "def f():", "suffix": 3}, 400, "suffix"),
+    ("/v1/completions", {"model": MODEL, "prompt": "def f():", "suffix": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "suffix": "x"},
+     400, "suffix"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "echo": True},
      400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),

@@ -125,6 +125,10 @@ class Backend(ABC):
     @abstractmethod
     def vocab_info(self) -> VocabInfo: ...
 
+    def fim_tokens(self) -> Optional[tuple[int, int, int]]:
+        """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None where it has none."""
+        return None
+
     @property
     @abstractmethod
     def bos_token(self) -> str: ...

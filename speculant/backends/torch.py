@@ -47,6 +47,8 @@ from .base import Backend, VocabInfo
 # llama.cpp treats these texts as end-of-generation / end-of-turn when the GGUF does not say (llama-vocab.cpp)
 _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "<EOT>", "_<EOT>",
               "<｜end▁of▁sentence｜>")
+_FIM_TEXTS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder (prefix, suffix, middle)
+              ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder
 _EOG_TEXTS = _EOT_TEXTS + ("<|eom_id|>", "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 _LOCK = threading.Lock()
 
@@ -457,6 +459,13 @@ class TorchBackend(Backend):
 
     def chat_template(self) -> Optional[str]:
         return getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
+
+    def fim_tokens(self) -> Optional[tuple[int, int, int]]:
+        vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
+        for texts in _FIM_TEXTS:
+            if all(t in vocab for t in texts):
+                return tuple(vocab[t] for t in texts)
+        return None
 
     def _text_of(self, tid: Optional[int]) -> str:
         if tid is None or self.tokenizer is None:
