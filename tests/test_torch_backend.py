@@ -123,3 +123,9 @@ def test_mixed_runtimes_greedy_identity(tb, lb, lb_draft, plain):
     draft = LayerSubsetBackend(tb, list(range(15)))
     r = Engine(lb, ModelDrafter(draft, lb.n_vocab), draft_max=3).generate(PROMPT, max_tokens=N_GEN)
     assert r.tokens == plain[1] and r.stats.drafted > 0
+
+
+def test_fill_in_the_middle_tokens_agree_with_llama_cpp(tb, lb):
+    """SmolLM2 has none by llama.cpp's reading of its GGUF; the torch backend, which looks them up by text,
+    must not find some either (a suffix is then refused on both runtimes alike)."""
+    assert tb.fim_tokens() == lb.fim_tokens()

@@ -54,3 +54,14 @@ def test_mixed_runtime_greedy_identity_qwen(qwen):
         draft.close()
     assert spec.stats.drafted > 0 and spec.stats.accepted > 0
     assert spec.tokens == plain.tokens, (qwen.detokenize(plain.tokens), qwen.detokenize(spec.tokens))
+
+
+def test_fill_in_the_middle_tokens_are_llama_cpps(qwen):
+    """The torch backend finds the FIM tokens by their texts; llama.cpp reads them from the GGUF."""
+    from speculant.api import load_backend
+
+    ref = load_backend(TARGET, n_ctx=256, threads=2)
+    try:
+        assert qwen.fim_tokens() == ref.fim_tokens() is not None
+    finally:
+        ref.close()
