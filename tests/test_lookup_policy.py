@@ -472,8 +472,8 @@ def test_draft_model_skips_the_prompt_when_the_request_will_not_draft():
     eng.policy.requests_to_skip = 0  # this request starts with a probe: the draft model prefills the prompt
     assert eng.generate(PROMPT, max_tokens=12).tokens == plain
     assert len(draft.tokens) >= len(eng.tokenize_prompt(PROMPT)) - 1
-    fixed_draft = TableBackend(V, seed=1)
-    Engine(TableBackend(V, seed=0), ModelDrafter(fixed_draft, V), draft_max=4).generate(PROMPT, max_tokens=1)
+    fixed_draft = TableBackend(V, seed=1)  # (a one-token request never drafts, so it never prefills either)
+    Engine(TableBackend(V, seed=0), ModelDrafter(fixed_draft, V), draft_max=4).generate(PROMPT, max_tokens=2)
     assert len(fixed_draft.tokens) >= len(eng.tokenize_prompt(PROMPT)) - 1
 
 
