@@ -233,9 +233,10 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     try:
         if suffix is not None and chat:
             raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")
-        text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
+        else:
+            text = engine.chat_prompt([{"role": "user", "content": prompt}]) if chat else prompt
         return engine.generate(text, max_tokens=max_tokens, params=params, stop=stop, is_chat=chat,
                                prediction=prediction, logprobs=logprobs)
     finally:

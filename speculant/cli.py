@@ -381,9 +381,10 @@ def cmd_generate(args) -> int:
     engine = engine_from_args(args)
     try:
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
-        text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
+        else:
+            text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full

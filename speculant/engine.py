@@ -140,10 +140,7 @@ class Engine:
             add_special = not (is_chat and bos and prompt.startswith(bos))  # the template wrote BOS already
             tokens = self.target.tokenize(prompt, add_special=add_special)
         else:
-            tokens = [int(t) for t in prompt]
-            bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
-            if bad:
-                raise SettingsError(f"prompt token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+            tokens = self._checked_ids(prompt, "prompt token id")
         if not tokens:
             raise SettingsError("the prompt is empty")
         if len(tokens) >= self.target.n_ctx:
@@ -164,21 +161,22 @@ class Engine:
         pre, suf, mid = fim
         parts = []
         for part in (prefix, suffix):
-            ids = self.target.tokenize(part, add_special=False) if isinstance(part, str) else [int(t) for t in part]
-            bad = [t for t in ids if not 0 <= t < self.target.n_vocab]
-            if bad:
-                raise SettingsError(f"token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
-            parts.append(ids)
+            parts.append(self.target.tokenize(part, add_special=False) if isinstance(part, str)
+                         else self._checked_ids(part, "token id"))
         return self.target.tokenize("", add_special=True) + [pre] + parts[0] + [suf] + parts[1] + [mid]
 
     def prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
         """A predicted output (text, or token ids) -> token ids (no BOS: it is a piece of the output)."""
         if isinstance(prediction, str):
             return self.target.tokenize(prediction, add_special=False) if prediction else []
-        tokens = [int(t) for t in prediction]
+        return self._checked_ids(prediction, "prediction token id")
+
+    def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:
+        """Token ids as ints, each checked to be in the target's vocabulary (`what` names them in the error)."""
+        tokens = [int(t) for t in ids]
         bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
         if bad:
-            raise SettingsError(f"prediction token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+            raise SettingsError(f"{what} {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         return tokens
 
     def prompt_logprobs(self, tokens: Sequence[int], n_top: int, stats: Optional[SpecStats] = None) -> list[TokenLogprob]:
@@ -206,7 +204,7 @@ class Engine:
         if stats is not None:
             stats.cached_prompt_tokens = start
         self._scored = ([int(t) for t in tokens], n_top, out[:])
-        return out[:len(tokens)]
+        return out
 
     def _scored_prefix(self, tokens: Sequence[int], n_top: int) -> list[TokenLogprob]:
         """The entries of the last prompt scored that `tokens` shares, with at most n_top alternatives each
