@@ -53,6 +53,7 @@ class Result:
     stats: SpecStats
     finish_reason: str = "length"  # "stop" (EOS or stop string) | "length" (token limit or context full)
     message: str = ""  # a note for the user, e.g. that the context window filled up (finish_reason "length")
+    stop_string: str = ""  # the stop string that ended the generation, if one did
     from_draft: list[bool] = field(default_factory=list)
     sources: list[str] = field(default_factory=list)  # [i] the drafter that proposed token i, "" for the target's
     logprobs: Optional[list[TokenLogprob]] = None  # [i] token i's logprob and alternatives, when asked for
@@ -164,6 +165,55 @@ class Engine:
             parts.append(self.target.tokenize(part, add_special=False) if isinstance(part, str)
                          else self._checked_ids(part, "token id"))
         return self.target.tokenize("", add_special=True) + [pre] + parts[0] + [suf] + parts[1] + [mid]
+
+    def infill_prompt(self, prefix: str, suffix: str, *, extra: Sequence[tuple[str, str]] = (), middle: str = "",
+                      room: int = 0) -> tuple[list[int], bool]:
+        """llama-server's /infill prompt: code completion at a cursor with other files as context. The extra
+        chunks ((filename, text): files the editor has open, snippets it saw) come first, in the repository-level
+        layout where the model has its tokens (Qwen2.5-Coder: <|repo_name|>myproject, then <|file_sep|>name and
+        the text of each chunk, then <|file_sep|>filename for the file being edited; llama-server's names), else
+        each after a "--- snippet ---" line; then fim_prompt(prefix + middle, suffix), `middle` being the text of
+        the cursor's line before it. To leave `room` positions of the context for the output, the prefix keeps
+        its end, the suffix its start (at least a quarter of what is left) and the chunks those at the end that
+        fit whole. Returns the tokens and whether anything was cut."""
+        fim, repo = self.target.fim_tokens(), self.target.fim_repo_tokens()
+        if fim is None:
+            raise SettingsError(f"{self.target.name} has no fill-in-the-middle tokens, so it cannot fill in code; "
+                                f"a code model has them (qwen2.5-coder-1.5b-instruct)")
+        pre, suf, mid = fim
+
+        def tok(text: str) -> list[int]:
+            return self.target.tokenize(text, add_special=False) if text else []
+
+        bos = self.target.tokenize("", add_special=True)
+        chunks, head, tail = [], [], []  # [i] chunk i's tokens; before the chunks; between them and the prefix
+        if repo is not None:
+            head = [repo[0]] + tok("myproject\n")
+            tail = [repo[1]] + tok("filename\n")
+            chunks = [[repo[1]] + tok(name + "\n") + tok(text) for name, text in extra]
+        else:
+            chunks = [tok("\n\n--- snippet ---\n\n") + tok(text) for _, text in extra]
+        prefix_ids, suffix_ids = tok(prefix + middle), tok(suffix)
+        avail = self.target.n_ctx - room - len(bos) - 3
+        if avail < 1:
+            raise ContextOverflowError(f"the context window ({self.target.n_ctx} tokens) leaves no room for the "
+                                       f"code around the cursor after {room} for the output; raise --ctx-size")
+        overhead = len(head) + len(tail)
+        # the code around the cursor gets at least half, the chunks what they need of the rest
+        code = avail if not chunks else max(avail // 2, avail - overhead - sum(map(len, chunks)))
+        n_suffix = min(len(suffix_ids), max(code // 4, code - len(prefix_ids)))
+        n_prefix = min(len(prefix_ids), code - n_suffix)
+        left = avail - n_suffix - n_prefix - overhead
+        kept = []  # the chunks at the end that fit whole
+        for chunk in reversed(chunks):
+            if len(chunk) > left:
+                break
+            kept.insert(0, chunk)
+            left -= len(chunk)
+        cut = n_prefix < len(prefix_ids) or n_suffix < len(suffix_ids) or len(kept) < len(chunks)
+        context = (head + [t for c in kept for t in c] + tail) if kept else []
+        tokens = bos + context + [pre] + prefix_ids[len(prefix_ids) - n_prefix:] + [suf] + suffix_ids[:n_suffix] + [mid]
+        return tokens, cut
 
     def prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:
         """A predicted output (text, or token ids) -> token ids (no BOS: it is a piece of the output)."""
@@ -370,7 +420,7 @@ class Engine:
                         lp_given = max(lp_given, n_out)
                     yield event
                     if stopped:
-                        result.finish_reason = "stop"
+                        result.finish_reason, result.stop_string = "stop", text.matched
                         return
                     if stats.generated_tokens >= max_tokens:
                         result.finish_reason = "length"
@@ -423,6 +473,7 @@ class _TextTracker:
         self.text = ""  # everything decoded (up to a stop string, once found)
         self.emitted = 0  # how much of self.text was handed out
         self.stopped = False
+        self.matched = ""  # the stop string found
         self.starts: list[int] = []  # where each token's text begins in self.text
         self.n_tokens_kept = 0  # once stopped: the tokens that begin before the stop string
 
@@ -434,7 +485,7 @@ class _TextTracker:
             at = self.text.find(s, max(0, before - len(s) + 1))
             if at >= 0:
                 self.text = self.text[:at]
-                self.stopped = True
+                self.stopped, self.matched = True, s
                 self.n_tokens_kept = sum(start < at for start in self.starts)
                 return self._emit(len(self.text)), True
         hold = max((_overlap(self.text, s) for s in self.stop), default=0)

@@ -131,6 +131,9 @@ class Job:
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
     suffix: Optional[str] = None  # /v1/completions: fill in the middle, between the prompt and this
     prompt_logprobs: Optional[list] = None  # with echo and logprobs: the prompt's TokenLogprobs (Worker.run)
+    infill: Optional[dict] = None  # /infill: Engine.infill_prompt's arguments (the prompt is built from them)
+    truncated: bool = False  # /infill: the prompt was cut to fit the context
+    stop_rule: Any = None  # /infill: InfillStop, which can end the generation on what its text says
     # n > 1: the first choice processes the prompt (then sets `started`); the others wait for it (`after`)
     # and take its cache (Worker.run)
     started: Any = None  # asyncio.Event
@@ -293,38 +296,12 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             raise _bad("'echo' cannot be used with 'suffix'", "echo", "unsupported_value")
         max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
 
-    temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
-    top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
-    min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
-    top_k = _get_int(body, "top_k", cfg.top_k, lo=0)
-    seed = _get_int(body, "seed", cfg.seed)
-    if seed is not None:
-        seed %= 1 << 64  # OpenAI seeds are signed 64-bit; numpy wants a non-negative one
-    stop = body.get("stop")
-    if stop is None:
-        stop = list(cfg.stop)
-    elif isinstance(stop, str):
-        stop = [stop]
-    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
-        if len(stop) > MAX_STOP:
-            raise _bad(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", "stop")
-    else:
-        raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+    params, stop = _get_sampling(body, cfg), _get_stop(body, cfg)
     stream = _get_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
     include_usage = bool(opts and opts.get("include_usage") is True)
-    presence = _get_num(body, "presence_penalty", cfg.presence_penalty, -2.0, 2.0)
-    frequency = _get_num(body, "frequency_penalty", cfg.frequency_penalty, -2.0, 2.0)
-    repetition = _get_num(body, "repetition_penalty", cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
-    logit_bias = _get_logit_bias(body, cfg)
-    try:
-        params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
-                                presence_penalty=presence, frequency_penalty=frequency,
-                                repetition_penalty=repetition)
-    except SpeculantError as e:
-        raise _bad(str(e)) from None
     job = Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
               tools=tools if tools is not None and tools.active else None)
@@ -334,6 +311,153 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         if len(batch) * n > MAX_N * 4:
             raise _bad(f"{len(batch)} prompts x n={n} choices is more than {MAX_N * 4}", "n")
     return job
+
+
+def _get_sampling(body: dict, cfg: ServerConfig, *, repetition: str = "repetition_penalty",
+                  random_seed: Optional[int] = None) -> SamplingParams:
+    """The sampling fields (the server's defaults for those left out). repetition: the field's name
+    (llama-server's own endpoints say repeat_penalty); random_seed: a seed that asks for a random one."""
+    temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
+    top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
+    min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
+    top_k = _get_int(body, "top_k", cfg.top_k, lo=0)
+    seed = _get_int(body, "seed", cfg.seed)
+    if seed is not None and seed == random_seed:
+        seed = None
+    if seed is not None:
+        seed %= 1 << 64  # OpenAI seeds are signed 64-bit; numpy wants a non-negative one
+    presence = _get_num(body, "presence_penalty", cfg.presence_penalty, -2.0, 2.0)
+    frequency = _get_num(body, "frequency_penalty", cfg.frequency_penalty, -2.0, 2.0)
+    repeat = _get_num(body, repetition, cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
+    logit_bias = _get_logit_bias(body, cfg)
+    try:
+        return SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
+                              presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat)
+    except SpeculantError as e:
+        raise _bad(str(e)) from None
+
+
+def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:
+    stop = body.get("stop")
+    if stop is None:
+        return list(cfg.stop)
+    if isinstance(stop, str):
+        return [stop]
+    if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        if len(stop) > MAX_STOP:
+            raise _bad(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", "stop")
+        return stop
+    raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
+
+
+class InfillStop:
+    """llama-server's stopping rules of /infill, applied to the text as it comes (Worker._run):
+    n_indent: a line after the first that begins with less indentation (spaces, tabs) ends the completion
+    before its first other character (an empty line too), as the end of the block being written;
+    t_max_ms: once generation has run that long, the completion ends as soon as it has a new line."""
+
+    def __init__(self, n_indent: int = 0, t_max_ms: float = 0.0, clock=time.monotonic):
+        self.n_indent, self.t_max_ms, self.clock = n_indent, t_max_ms, clock
+        self.text = ""  # what was kept so far
+        self.line = None  # where the line being checked begins in text (None: before the first new line)
+        self.t0: Optional[float] = None  # when the first piece came (generation had started)
+        self.ended = ""  # the rule that ended the completion: "n_indent" or "t_max_predict_ms"
+
+    def add(self, piece: str) -> tuple[str, bool]:
+        """The part of `piece` to keep, and whether the completion ends with it."""
+        if self.t0 is None:
+            self.t0 = self.clock()
+        begin = start = len(self.text)
+        self.text += piece
+        if self.n_indent > 0:
+            while True:
+                if self.line is None:
+                    nl = self.text.find("\n", start)
+                    if nl < 0:
+                        break
+                    self.line = nl + 1
+                at = self.line
+                while at < len(self.text) and self.text[at] in " \t":
+                    at += 1
+                if at == len(self.text):  # only indentation so far
+                    break
+                if at - self.line < self.n_indent:
+                    self.text, self.ended = self.text[:at], "n_indent"
+                    return self.text[begin:], True
+                start, self.line = at, None
+        if self.t_max_ms > 0 and (self.clock() - self.t0) * 1000 > self.t_max_ms and "\n" in self.text:
+            self.ended = "t_max_predict_ms"
+        return piece, bool(self.ended)
+
+
+def parse_infill(body: Any, cfg: ServerConfig, n_ctx: int) -> tuple[Job, Optional[list]]:
+    """llama-server's /infill request -> a Job whose prompt Worker.tokenize builds (Engine.infill_prompt), and
+    the response fields asked for (None: all). Raises APIError on anything wrong."""
+    if not isinstance(body, dict):
+        raise _bad("the request body must be a JSON object", None, "invalid_type")
+    model = body.get("model")
+    if model is not None and model not in (cfg.model_id, ""):
+        raise APIError(404, f"the model {json.dumps(model)[:80]} does not exist; this server serves "
+                       f"'{cfg.model_id}'", param="model", code="model_not_found")
+    texts = {}
+    for name in ("input_prefix", "input_suffix", "prompt"):
+        v = body.get(name, "" if name == "prompt" else None)
+        if v is None:
+            raise _bad(f"'{name}' is required (a string; it may be empty)", name, "missing_required_parameter")
+        if not isinstance(v, str):
+            raise _bad(f"'{name}' must be a string", name, "invalid_type")
+        texts[name] = v
+    extra = body.get("input_extra") or []
+    if not isinstance(extra, list):
+        raise _bad("'input_extra' must be an array of {\"filename\": string, \"text\": string} objects",
+                   "input_extra", "invalid_type")
+    chunks = []
+    for i, c in enumerate(extra):
+        if not isinstance(c, dict) or not isinstance(c.get("text"), str) or \
+                not isinstance(c.get("filename", "tmp"), str):
+            raise _bad(f"input_extra[{i}] must be an object with a string 'text' (and a string 'filename')",
+                       "input_extra", "invalid_type")
+        chunks.append((c.get("filename", "tmp"), c["text"]))
+    name = "n_predict" if body.get("n_predict") is not None else "max_tokens"
+    max_tokens = _get_int(body, name, cfg.max_tokens, lo=-1)
+    if max_tokens == 0:
+        raise _bad(f"'{name}' must be -1 (until the end or a full context) or >= 1", name)
+    if max_tokens == -1:
+        max_tokens = n_ctx
+    if _get_int(body, "n_probs", 0, lo=0):
+        raise _bad("'n_probs' is not supported on /infill; /v1/completions gives logprobs", "n_probs",
+                   "unsupported_parameter")
+    n_indent = _get_int(body, "n_indent", 0, lo=0)
+    t_max = _get_num(body, "t_max_predict_ms", 0.0, 0.0, 1e9)
+    _get_num(body, "t_max_prompt_ms", 0.0, -1.0, 1e9)  # accepted (prompt processing is never cut short)
+    fields = body.get("response_fields")
+    if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
+        raise _bad("'response_fields' must be an array of strings", "response_fields", "invalid_type")
+    job = Job("", False, max_tokens, _get_sampling(body, cfg, repetition="repeat_penalty", random_seed=-1),
+              [s for s in _get_stop(body, cfg) if s], _get_bool(body, "stream", False), False,
+              grammar=_get_grammar(body))
+    job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
+                  "extra": chunks, "room": min(max_tokens, n_ctx // 4)}
+    if n_indent or t_max:
+        job.stop_rule = InfillStop(n_indent, t_max)
+    return job, fields
+
+
+def _fields(res: dict, paths: Optional[list]) -> dict:
+    """llama-server's response_fields: only those paths ("timings/prompt_n" reads res["timings"]["prompt_n"]),
+    each under its path; paths that are not there are left out."""
+    if not paths:
+        return res
+    out = {}
+    for path in paths:
+        v = res
+        for key in path.split("/"):
+            if not isinstance(v, dict) or key not in v:
+                break
+            v = v[key]
+        else:
+            out[path] = v
+    return out
 
 
 def _get_prompts(prompt, empty_ok: bool = False) -> list:
@@ -672,7 +796,10 @@ class Worker:
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
         def work():
-            job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat, suffix=job.suffix)
+            if job.infill is not None:
+                job.tokens, job.truncated = self.engine.infill_prompt(**job.infill)
+            else:
+                job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat, suffix=job.suffix)
             job.constraint = _constraint(job, self.engine)
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
@@ -756,6 +883,12 @@ class Worker:
                 if event is _DONE:
                     finished = True
                     break
+                if job.stop_rule is not None:
+                    event.text, ended = job.stop_rule.add(event.text)
+                    if ended:  # the rule's text is the answer (the generator's is cut when it is closed)
+                        finished, result.finish_reason = True, "stop"
+                        yield event
+                        break
                 yield event
         finally:
             if gen is not None:
@@ -993,6 +1126,110 @@ def create_app(engine, cfg: ServerConfig):
         metrics.requests.labels("/detokenize", "200").inc()
         log_request(request, "200", t0)
         return {"content": engine.target.detokenize(tokens)}
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        """llama-server's code completion at a cursor (llama.vim, llama.vscode): input_prefix, input_suffix,
+        input_extra (other files), prompt (the cursor's line before it) -> {"content", "stop_type", "timings",
+        ...}; streamed as llama-server streams it (data: events, the last with "stop": true)."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        job = None
+        try:
+            job, fields = parse_infill(body, cfg, engine.target.n_ctx)
+            await worker.tokenize(job)
+        except ContextOverflowError as e:
+            raise APIError(400, str(e), param="input_prefix", code="context_length_exceeded") from None
+        except WorkerError as e:
+            raise worker_down(e) from None
+        except SpeculantError as e:
+            grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
+            raise _bad(str(e), "grammar" if grammar_error else None) from None
+        result = Result("", [], SpecStats())
+
+        def response(final: bool, content: str) -> dict:
+            stats, rule = result.stats, job.stop_rule
+            if rule is not None and rule.ended or result.finish_reason == "length":
+                stop_type = "limit"
+            else:
+                stop_type = "word" if result.stop_string else "eos" if stats.ended_by_eog else "none"
+            out = {"index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": final,
+                   "model": cfg.model_id, "tokens_predicted": stats.generated_tokens,
+                   "tokens_evaluated": len(job.tokens)}
+            if not final:
+                return out
+            prompt_n = len(job.tokens) - stats.cached_prompt_tokens
+            timings = {"prompt_n": prompt_n, "prompt_ms": stats.prefill_time * 1000,
+                       "prompt_per_second": prompt_n / stats.prefill_time if stats.prefill_time else 0.0,
+                       "predicted_n": stats.generated_tokens, "predicted_ms": stats.decode_time * 1000,
+                       "predicted_per_second": stats.tokens_per_s}
+            if stats.drafted:
+                timings.update(draft_n=stats.drafted, draft_n_accepted=stats.accepted)
+            return {**out, "tokens_cached": len(job.tokens) + stats.generated_tokens, "truncated": job.truncated,
+                    "stop_type": stop_type, "stopping_word": result.stop_string,
+                    "has_new_line": "\n" in (rule.text if rule is not None and rule.ended else result.text),
+                    "generation_settings": {"n_predict": job.max_tokens, "temperature": job.params.temperature,
+                                            "top_k": job.params.top_k, "top_p": job.params.top_p,
+                                            "min_p": job.params.min_p, "seed": job.params.seed,
+                                            "stop": job.stop, "n_indent": rule.n_indent if rule else 0,
+                                            "t_max_predict_ms": rule.t_max_ms if rule else 0},
+                    "timings": timings, "speculative": stats.to_dict()}
+
+        def answer() -> str:  # the completion's text (a rule that ended it holds what it kept)
+            rule = job.stop_rule
+            return rule.text if rule is not None and rule.ended else result.text
+
+        def done(status: str) -> None:
+            metrics.requests.labels("/infill", status).inc()
+            metrics.latency.observe(time.perf_counter() - t0)
+            log_request(request, status, t0, result.stats, job.max_tokens)
+
+        if job.stream:
+            if worker.closing or worker.waiting + 1 > worker.max_queue + len(worker.free):
+                raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
+                               code="server_overloaded")
+
+            async def sse():
+                status = "200"
+                try:
+                    async with aclosing(worker.run(job, result)) as events:
+                        async for event in events:
+                            if event.text:
+                                yield f"data: {json.dumps(response(False, event.text), ensure_ascii=False)}\n\n"
+                    if job.cut:
+                        raise APIError(503, "the server shut down before this completion finished",
+                                       type="server_error", code="shutting_down")
+                    yield f"data: {json.dumps(response(True, ''), ensure_ascii=False)}\n\n"
+                except APIError as e:
+                    status = str(e.status)
+                    yield f"data: {json.dumps(e.body())}\n\n"
+                except SpeculantError as e:
+                    status = "400"
+                    yield f"data: {json.dumps(_bad(str(e)).body())}\n\n"
+                except (asyncio.CancelledError, GeneratorExit):
+                    status = "499"
+                    raise
+                except Exception as e:  # a bug: tell the client in-band, keep serving
+                    _LOG.exception("infill failed")
+                    status = "500"
+                    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                                   code="internal_error")
+                    yield f"data: {json.dumps(err.body())}\n\n"
+                finally:
+                    done(status)
+
+            return StreamingResponse(sse(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+        async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
+            async for _ in events:
+                pass
+        if job.cut:
+            raise APIError(503, "the server shut down before this completion finished", type="server_error",
+                           code="shutting_down")
+        done("200")
+        return _fields(response(True, answer()), fields)
 
     async def completion(request: Request, chat: bool):
         endpoint = request.url.path

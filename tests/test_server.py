@@ -640,6 +640,29 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": 5}, 400, "grammar"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": 'root ::= "a"',
                          "response_format": {"type": "json_object"}}, 400, "grammar"),
+    # llama-server's /infill (SmolLM2 has no fill-in-the-middle tokens: the first; the others fail before that)
+    ("/infill", {"input_prefix": "def f():\n", "input_suffix": "\nf()\n"}, 400, None),
+    ("/infill", "not json", 400, None),
+    ("/infill", [], 400, None),
+    ("/infill", {"input_suffix": ""}, 400, "input_prefix"),
+    ("/infill", {"input_prefix": "", "input_suffix": None}, 400, "input_suffix"),
+    ("/infill", {"input_prefix": 1, "input_suffix": ""}, 400, "input_prefix"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "prompt": ["x"]}, 400, "prompt"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "input_extra": {"text": "x"}}, 400, "input_extra"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a.py"}]}, 400, "input_extra"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "input_extra": [{"text": "x", "filename": 3}]}, 400,
+     "input_extra"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": 0}, 400, "n_predict"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": -2}, 400, "n_predict"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_probs": 3}, 400, "n_probs"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_indent": -1}, 400, "n_indent"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "t_max_predict_ms": "x"}, 400, "t_max_predict_ms"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "response_fields": "content"}, 400, "response_fields"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "repeat_penalty": 0}, 400, "repeat_penalty"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "temperature": 3}, 400, "temperature"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "stop": [1]}, 400, "stop"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "grammar": 5}, 400, "grammar"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "model": "gpt-4"}, 404, "model"),
 ]
 
 
@@ -684,6 +707,8 @@ def test_auth(server):
         bad.completions.create(model=MODEL, prompt="hi", max_tokens=2)
     r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}]},
               key=None)
+    assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+    r = _post(server, "/infill", {"input_prefix": "", "input_suffix": ""}, key="wrong")
     assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(server + "/health").status_code == 200  # health and metrics stay open
 

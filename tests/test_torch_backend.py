@@ -129,3 +129,4 @@ def test_fill_in_the_middle_tokens_agree_with_llama_cpp(tb, lb):
     """SmolLM2 has none by llama.cpp's reading of its GGUF; the torch backend, which looks them up by text,
     must not find some either (a suffix is then refused on both runtimes alike)."""
     assert tb.fim_tokens() == lb.fim_tokens()
+    assert tb.fim_repo_tokens() == lb.fim_repo_tokens()

@@ -63,5 +63,6 @@ def test_fill_in_the_middle_tokens_are_llama_cpps(qwen):
     ref = load_backend(TARGET, n_ctx=256, threads=2)
     try:
         assert qwen.fim_tokens() == ref.fim_tokens() is not None
+        assert qwen.fim_repo_tokens() == ref.fim_repo_tokens() is not None
     finally:
         ref.close()

@@ -129,6 +129,11 @@ class Backend(ABC):
         """The model's fill-in-the-middle tokens (prefix, suffix, middle), or None where it has none."""
         return None
 
+    def fim_repo_tokens(self) -> Optional[tuple[int, int]]:
+        """The tokens of repository-level fill in the middle (repository name, file separator; Qwen2.5-Coder's
+        <|repo_name|> and <|file_sep|>), or None where the model has none."""
+        return None
+
     @property
     @abstractmethod
     def bos_token(self) -> str: ...

@@ -419,6 +419,10 @@ class LlamaCppBackend(Backend):
         ids = tuple(int(f(self._vocab)) for f in (ll.llama_vocab_fim_pre, ll.llama_vocab_fim_suf, ll.llama_vocab_fim_mid))
         return ids if all(0 <= t < self.n_vocab for t in ids) else None
 
+    def fim_repo_tokens(self) -> Optional[tuple[int, int]]:
+        ids = tuple(int(f(self._vocab)) for f in (ll.llama_vocab_fim_rep, ll.llama_vocab_fim_sep))
+        return ids if all(0 <= t < self.n_vocab for t in ids) else None
+
     def vocab_info(self) -> VocabInfo:
         v = self._vocab
         kinds = {1: "spm", 2: "bpe", 3: "wpm", 4: "ugm", 5: "rwkv", 6: "plamo2"}

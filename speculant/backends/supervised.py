@@ -64,7 +64,7 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
                 "invariant_rows": backend.invariant_rows, "exact_numerics": backend.exact_numerics,
                 "n_device_layers": n_device_layers, "chat_template": backend.chat_template(),
                 "bos_token": backend.bos_token, "eos_token": backend.eos_token, "add_bos": backend.add_bos(),
-                "fim_tokens": backend.fim_tokens(),
+                "fim_tokens": backend.fim_tokens(), "fim_repo_tokens": backend.fim_repo_tokens(),
                 "eog": eog, "vocab_info": backend.vocab_info(),
                 "pieces": [backend.token_bytes(t) for t in range(backend.n_vocab)]}
     except BaseException as e:  # noqa: BLE001  (reported to the parent, which raises it)
@@ -252,6 +252,9 @@ class SupervisedBackend(Backend):
 
     def fim_tokens(self) -> Optional[tuple[int, int, int]]:
         return self._info["fim_tokens"]
+
+    def fim_repo_tokens(self) -> Optional[tuple[int, int]]:
+        return self._info["fim_repo_tokens"]
 
     def metadata(self, key: str) -> Optional[str]:
         return self._call("metadata", key, what="reading metadata")

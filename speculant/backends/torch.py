@@ -49,6 +49,7 @@ _EOT_TEXTS = ("<|eot_id|>", "<|im_end|>", "<|end|>", "<end_of_turn>", "<|endofte
               "<｜end▁of▁sentence｜>")
 _FIM_TEXTS = (("<|fim_prefix|>", "<|fim_suffix|>", "<|fim_middle|>"),  # Qwen2.5-Coder (prefix, suffix, middle)
               ("<fim_prefix>", "<fim_suffix>", "<fim_middle>"))  # StarCoder
+_FIM_REPO_TEXTS = (("<|repo_name|>", "<|file_sep|>"), ("<reponame>", "<file_sep>"))  # (repository, file separator)
 _EOG_TEXTS = _EOT_TEXTS + ("<|eom_id|>", "<|end_of_text|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>")
 _LOCK = threading.Lock()
 
@@ -461,8 +462,16 @@ class TorchBackend(Backend):
         return getattr(self.tokenizer, "chat_template", None) if self.tokenizer is not None else None
 
     def fim_tokens(self) -> Optional[tuple[int, int, int]]:
+        return self._ids_of_texts(_FIM_TEXTS)
+
+    def fim_repo_tokens(self) -> Optional[tuple[int, int]]:
+        # only with fill-in-the-middle tokens, as llama.cpp reads them (SmolLM2 has <reponame> but no FIM)
+        return self._ids_of_texts(_FIM_REPO_TEXTS) if self.fim_tokens() is not None else None
+
+    def _ids_of_texts(self, families: tuple) -> Optional[tuple]:
+        """The ids of the first family of special-token texts that the tokenizer has all of, or None."""
         vocab = self.tokenizer.get_vocab() if self.tokenizer is not None else {}
-        for texts in _FIM_TEXTS:
+        for texts in families:
             if all(t in vocab for t in texts):
                 return tuple(vocab[t] for t in texts)
         return None

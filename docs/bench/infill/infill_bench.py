@@ -1,0 +1,77 @@
+"""Code completion at a cursor as editor plugins ask llama-server's /infill for it, plain against speculative.
+
+Each case takes one of the package's sample source files (speculant/data/code), cuts out 3 lines and puts the
+cursor in the middle of the first of them, as if the user were typing it: the prompt is Engine.infill_prompt's
+(the one /infill builds) with the text before the cursor as prefix and middle (the cursor's line), the text
+after the cut as suffix, and the other sample files of the same language as input_extra chunks (the files an
+editor has open; llama.vim sends chunks of them). Four engines over one target, interleaved case by case (the
+order rotates): plain decoding, prompt lookup (which copies from the other files as well as from around the
+cursor), the draft model, and lookup then the draft model (the draft ones adaptive). Greedy; every speculative
+output must equal plain decoding's (checked). Prints tokens/s per case, the totals' speedups and a JSON line.
+Usage: python docs/bench/infill/infill_bench.py [max tokens per case (default 64)] [cases per file (default 3)]
+"""
+import json
+import sys
+from importlib.resources import files
+
+from speculant import models
+from speculant.api import load_backend, load_drafter
+from speculant.engine import Engine
+
+
+def cases(per_file: int):
+    """(name, prefix, middle, suffix, extra): per file, 3-line gaps at evenly spaced places past the header, the
+    cursor halfway into the gap's first line; extra: the other files with the same extension."""
+    paths = sorted(files("speculant").joinpath("data/code").iterdir(), key=lambda p: p.name)
+    out = []
+    for path in paths:
+        lines = path.read_text(encoding="utf-8").splitlines(keepends=True)
+        extra = [(p.name, p.read_text(encoding="utf-8")) for p in paths
+                 if p.name != path.name and p.suffix == path.suffix]
+        for j in range(per_file):
+            at = 8 + (len(lines) - 16) * (j + 1) // (per_file + 1)
+            line = lines[at]
+            indent = len(line) - len(line.lstrip())
+            cursor = indent + (len(line) - indent) // 2
+            out.append((f"{path.name}:{at}", "".join(lines[:at]), line[:cursor], "".join(lines[at + 3:]), extra))
+    return out
+
+
+def main(max_tokens=64, per_file=3):
+    target = load_backend(models.DEFAULT_TARGET, n_ctx=4096, threads=2)
+    engines = {"plain": Engine(target),
+               "lookup": Engine(target, load_drafter(target, "lookup"), draft_max=4, adaptive=True),
+               "draft": Engine(target, load_drafter(target, models.DEFAULT_DRAFT, threads=2), draft_max=4,
+                               adaptive=True),
+               "lookup+draft": Engine(target, load_drafter(target, models.DEFAULT_DRAFT, lookup=True, threads=2),
+                                      draft_max=4, adaptive=True)}
+    totals = {name: [0, 0.0] for name in engines}
+    rows = []
+    for i, (name, prefix, middle, suffix, extra) in enumerate(cases(per_file)):
+        prompt, cut = engines["plain"].infill_prompt(prefix, suffix, extra=extra, middle=middle, room=max_tokens)
+        assert not cut
+        order = list(engines)[i % 4:] + list(engines)[:i % 4]
+        got = {}
+        for way in order:
+            target.rewind(0)  # each engine processes the prompt itself (prefill is not timed below)
+            r = engines[way].generate(prompt, max_tokens=max_tokens)
+            got[way] = r
+            totals[way][0] += r.stats.generated_tokens
+            totals[way][1] += r.stats.decode_time
+        assert all(got[w].tokens == got["plain"].tokens for w in got), f"{name}: speculative output differs"
+        rows.append({"case": name, "prompt_tokens": len(prompt), "tokens": len(got["plain"].tokens),
+                     **{w: round(got[w].stats.tokens_per_s, 2) for w in got},
+                     "accepted": {w: [got[w].stats.accepted, got[w].stats.drafted] for w in got if w != "plain"}})
+        print(f"{name:22s} {len(prompt):5d} prompt tokens, {len(got['plain'].tokens):3d} written: "
+              + ", ".join(f"{w} {got[w].stats.tokens_per_s:6.2f}" for w in engines) + " tok/s"
+              + "  (accepted/drafted: " + ", ".join(f"{w} {got[w].stats.accepted}/{got[w].stats.drafted}"
+                                                    for w in engines if w != "plain") + ")", flush=True)
+    speed = {w: t[0] / t[1] for w, t in totals.items()}
+    print("totals: " + ", ".join(f"{w} {s:.2f} tok/s ({s / speed['plain']:.2f}x)" for w, s in speed.items())
+          + "; outputs identical to plain: yes")
+    print(json.dumps({"max_tokens": max_tokens, "cases": rows,
+                      "tokens_per_s": {w: round(s, 2) for w, s in speed.items()}}))
+
+
+if __name__ == "__main__":
+    main(*(int(a) for a in sys.argv[1:]))
