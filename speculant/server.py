@@ -390,28 +390,34 @@ class InfillStop:
         return piece, bool(self.ended)
 
 
-def parse_infill(body: Any, cfg: ServerConfig, n_ctx: int) -> tuple[Job, Optional[list]]:
-    """llama-server's /infill request -> a Job whose prompt Worker.tokenize builds (Engine.infill_prompt), and
-    the response fields asked for (None: all). Raises APIError on anything wrong."""
+def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> tuple[Job, Optional[list]]:
+    """A request to llama-server's own endpoints -> a Job, and the response fields asked for (None: all).
+    infill (/infill): the prompt is built when tokenized (Worker.tokenize: Engine.infill_prompt); else
+    (/completion) `prompt` is a string or token ids. Raises APIError on anything wrong."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     model = body.get("model")
     if model is not None and model not in (cfg.model_id, ""):
         raise APIError(404, f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                        f"'{cfg.model_id}'", param="model", code="model_not_found")
-    texts = {}
-    for name in ("input_prefix", "input_suffix", "prompt"):
+    texts, chunks, prompt = {}, [], ""
+    if not infill:
+        batch = _get_prompts(body.get("prompt"))
+        if len(batch) > 1:
+            raise _bad("/completion takes one prompt (a string or token ids); /v1/completions takes a batch",
+                       "prompt", "unsupported_value")
+        prompt = batch[0]
+    for name in ("input_prefix", "input_suffix", "prompt") if infill else ():
         v = body.get(name, "" if name == "prompt" else None)
         if v is None:
             raise _bad(f"'{name}' is required (a string; it may be empty)", name, "missing_required_parameter")
         if not isinstance(v, str):
             raise _bad(f"'{name}' must be a string", name, "invalid_type")
         texts[name] = v
-    extra = body.get("input_extra") or []
+    extra = body.get("input_extra") or [] if infill else []
     if not isinstance(extra, list):
         raise _bad("'input_extra' must be an array of {\"filename\": string, \"text\": string} objects",
                    "input_extra", "invalid_type")
-    chunks = []
     for i, c in enumerate(extra):
         if not isinstance(c, dict) or not isinstance(c.get("text"), str) or \
                 not isinstance(c.get("filename", "tmp"), str):
@@ -424,20 +430,19 @@ def parse_infill(body: Any, cfg: ServerConfig, n_ctx: int) -> tuple[Job, Optiona
         raise _bad(f"'{name}' must be -1 (until the end or a full context) or >= 1", name)
     if max_tokens == -1:
         max_tokens = n_ctx
-    if _get_int(body, "n_probs", 0, lo=0):
-        raise _bad("'n_probs' is not supported on /infill; /v1/completions gives logprobs", "n_probs",
-                   "unsupported_parameter")
+    n_probs = _get_int(body, "n_probs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
     n_indent = _get_int(body, "n_indent", 0, lo=0)
     t_max = _get_num(body, "t_max_predict_ms", 0.0, 0.0, 1e9)
     _get_num(body, "t_max_prompt_ms", 0.0, -1.0, 1e9)  # accepted (prompt processing is never cut short)
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _bad("'response_fields' must be an array of strings", "response_fields", "invalid_type")
-    job = Job("", False, max_tokens, _get_sampling(body, cfg, repetition="repeat_penalty", random_seed=-1),
+    job = Job(prompt, False, max_tokens, _get_sampling(body, cfg, repetition="repeat_penalty", random_seed=-1),
               [s for s in _get_stop(body, cfg) if s], _get_bool(body, "stream", False), False,
-              grammar=_get_grammar(body))
-    job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
-                  "extra": chunks, "room": min(max_tokens, n_ctx // 4)}
+              grammar=_get_grammar(body), logprobs=n_probs or None)
+    if infill:
+        job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
+                      "extra": chunks, "room": min(max_tokens, n_ctx // 4)}
     if n_indent or t_max:
         job.stop_rule = InfillStop(n_indent, t_max)
     return job, fields
@@ -1127,28 +1132,39 @@ def create_app(engine, cfg: ServerConfig):
         log_request(request, "200", t0)
         return {"content": engine.target.detokenize(tokens)}
 
-    @app.post("/infill")
-    async def infill(request: Request):
-        """llama-server's code completion at a cursor (llama.vim, llama.vscode): input_prefix, input_suffix,
-        input_extra (other files), prompt (the cursor's line before it) -> {"content", "stop_type", "timings",
-        ...}; streamed as llama-server streams it (data: events, the last with "stop": true)."""
+    def probabilities(entries) -> list:
+        """llama-server's completion_probabilities (n_probs) of TokenLogprob entries."""
+        def one(token: int, logprob: float) -> dict:
+            raw = engine.target.token_bytes(token)
+            return {"id": token, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
+                    "logprob": logprob}
+        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+
+    async def native(request: Request, infill: bool):
+        """llama-server's own completion endpoints: /completion (a prompt) and /infill (code completion at a
+        cursor, for llama.vim and llama.vscode: input_prefix, input_suffix, input_extra (other files), prompt
+        (the cursor's line before it)) -> {"content", "stop_type", "timings", ...}; streamed as llama-server
+        streams them (data: events, the last with "stop": true)."""
+        endpoint = request.url.path
         t0 = request.state.t0 = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
         job = None
         try:
-            job, fields = parse_infill(body, cfg, engine.target.n_ctx)
+            job, fields = parse_native(body, cfg, engine.target.n_ctx, infill=infill)
             await worker.tokenize(job)
         except ContextOverflowError as e:
-            raise APIError(400, str(e), param="input_prefix", code="context_length_exceeded") from None
+            raise APIError(400, str(e), param="input_prefix" if infill else "prompt",
+                           code="context_length_exceeded") from None
         except WorkerError as e:
             raise worker_down(e) from None
         except SpeculantError as e:
             grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
             raise _bad(str(e), "grammar" if grammar_error else None) from None
         result = Result("", [], SpecStats())
+        entries = []  # with n_probs: the TokenLogprobs of the tokens handed out
 
-        def response(final: bool, content: str) -> dict:
+        def response(final: bool, content: str, probs=None) -> dict:
             stats, rule = result.stats, job.stop_rule
             if rule is not None and rule.ended or result.finish_reason == "length":
                 stop_type = "limit"
@@ -1157,6 +1173,8 @@ def create_app(engine, cfg: ServerConfig):
             out = {"index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": final,
                    "model": cfg.model_id, "tokens_predicted": stats.generated_tokens,
                    "tokens_evaluated": len(job.tokens)}
+            if job.logprobs is not None:
+                out["completion_probabilities"] = probabilities(entries if probs is None else probs)
             if not final:
                 return out
             prompt_n = len(job.tokens) - stats.cached_prompt_tokens
@@ -1181,7 +1199,7 @@ def create_app(engine, cfg: ServerConfig):
             return rule.text if rule is not None and rule.ended else result.text
 
         def done(status: str) -> None:
-            metrics.requests.labels("/infill", status).inc()
+            metrics.requests.labels(endpoint, status).inc()
             metrics.latency.observe(time.perf_counter() - t0)
             log_request(request, status, t0, result.stats, job.max_tokens)
 
@@ -1195,12 +1213,14 @@ def create_app(engine, cfg: ServerConfig):
                 try:
                     async with aclosing(worker.run(job, result)) as events:
                         async for event in events:
-                            if event.text:
-                                yield f"data: {json.dumps(response(False, event.text), ensure_ascii=False)}\n\n"
+                            if event.text or event.logprobs:
+                                entries.extend(event.logprobs)
+                                event_json = response(False, event.text, event.logprobs)
+                                yield f"data: {json.dumps(event_json, ensure_ascii=False)}\n\n"
                     if job.cut:
                         raise APIError(503, "the server shut down before this completion finished",
                                        type="server_error", code="shutting_down")
-                    yield f"data: {json.dumps(response(True, ''), ensure_ascii=False)}\n\n"
+                    yield f"data: {json.dumps(response(True, '', []), ensure_ascii=False)}\n\n"
                 except APIError as e:
                     status = str(e.status)
                     yield f"data: {json.dumps(e.body())}\n\n"
@@ -1211,7 +1231,7 @@ def create_app(engine, cfg: ServerConfig):
                     status = "499"
                     raise
                 except Exception as e:  # a bug: tell the client in-band, keep serving
-                    _LOG.exception("infill failed")
+                    _LOG.exception("%s failed", endpoint)
                     status = "500"
                     err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
                                    code="internal_error")
@@ -1223,13 +1243,25 @@ def create_app(engine, cfg: ServerConfig):
                                      headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
         async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
-            async for _ in events:
-                pass
+            async for event in events:
+                entries.extend(event.logprobs)
         if job.cut:
             raise APIError(503, "the server shut down before this completion finished", type="server_error",
                            code="shutting_down")
         done("200")
         return _fields(response(True, answer()), fields)
+
+    @app.post("/infill")
+    async def infill(request: Request):
+        return await native(request, infill=True)
+
+    @app.post("/completion")
+    async def native_completion(request: Request):
+        return await native(request, infill=False)
+
+    @app.post("/completions")
+    async def native_completions(request: Request):
+        return await native(request, infill=False)
 
     async def completion(request: Request, chat: bool):
         endpoint = request.url.path

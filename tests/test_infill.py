@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from speculant.engine import Engine
 from speculant.errors import ContextOverflowError, SettingsError
-from speculant.server import InfillStop, ServerConfig, _fields, parse_infill
+from speculant.server import InfillStop, ServerConfig, _fields, parse_native
 
 from synthetic import TableBackend
 
@@ -151,14 +151,15 @@ def test_response_fields_and_request_fields():
         {"content": "x", "timings/prompt_n": 3}
     assert _fields(res, None) is res and _fields(res, []) is res
     cfg = ServerConfig("m", max_tokens=128)
-    job, fields = parse_infill({"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": -1,
+    job, fields = parse_native({"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": -1,
                                 "seed": -1, "repeat_penalty": 1.1, "samplers": ["top_k", "infill"],
                                 "cache_prompt": True, "t_max_prompt_ms": 500, "n_indent": 2,
-                                "input_extra": [{"text": "t"}], "response_fields": ["content"]}, cfg, 1000)
+                                "input_extra": [{"text": "t"}], "response_fields": ["content"]}, cfg, 1000,
+                                infill=True)
     assert job.max_tokens == 1000 and job.params.seed is None and job.params.repetition_penalty == 1.1
     assert job.infill == {"prefix": "a", "suffix": "b", "middle": "c", "extra": [("tmp", "t")], "room": 250}
     assert job.stop_rule.n_indent == 2 and fields == ["content"]
-    job, _ = parse_infill({"input_prefix": "", "input_suffix": "", "seed": 7}, cfg, 1000)
+    job, _ = parse_native({"input_prefix": "", "input_suffix": "", "seed": 7}, cfg, 1000, infill=True)
     assert job.max_tokens == 128 and job.params.seed == 7 and job.stop_rule is None
     assert job.infill["room"] == 128
 
@@ -252,6 +253,9 @@ def test_infill_answers_as_completions_over_the_same_prompt(server, tokenizer):
     t = res["timings"]
     assert t["predicted_n"] == res["tokens_predicted"] > 0 and t["prompt_n"] <= len(tokens)
     assert res["speculative"]["generated_tokens"] == res["tokens_predicted"]
+    probs = _infill(server, n_probs=1)["completion_probabilities"]  # llama-server's logprobs
+    assert len(probs) == res["tokens_predicted"] and b"".join(bytes(p["bytes"]) for p in probs).decode() == \
+        res["content"] and all(p["top_logprobs"][0]["id"] == p["id"] for p in probs)  # greedy: each the top one
     # streamed as llama-server streams it: content pieces, then a last event with stop and the timings
     events = []
     with httpx.stream("POST", server + "/infill", json={**BODY, "stream": True}, timeout=120) as r:

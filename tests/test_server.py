@@ -224,6 +224,37 @@ def test_logprobs_chat_and_completions(server, client):
         cut.choices[0].logprobs.tokens
 
 
+def test_llama_server_completion_endpoint(server, client):
+    """llama-server's own /completion (and /completions): the answer /v1/completions gives, in llama-server's
+    objects (content, stop_type, timings, completion_probabilities with n_probs), streamed as llama-server
+    streams it (no [DONE]); a prompt of token ids too."""
+    ref = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, logprobs=2)
+    r = _post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, "n_probs": 2})
+    assert r.status_code == 200, r.text
+    res = r.json()
+    assert res["content"] == ref.choices[0].text and res["stop"] is True and res["stop_type"] == "limit"
+    assert res["tokens_predicted"] == 16 and res["tokens_evaluated"] == ref.usage.prompt_tokens
+    assert res["timings"]["predicted_n"] == 16 and res["truncated"] is False
+    probs = res["completion_probabilities"]
+    assert [p["logprob"] for p in probs] == ref.choices[0].logprobs.token_logprobs
+    assert b"".join(bytes(p["bytes"]) for p in probs).decode() == res["content"]
+    assert all(len(p["top_logprobs"]) == 2 and p["top_logprobs"][0]["id"] == p["id"] for p in probs)  # greedy
+    events = []
+    with httpx.stream("POST", server + "/completions", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={"prompt": PROMPT, "n_predict": 16, "temperature": 0, "n_probs": 2, "stream": True}) as s:
+        for line in s.iter_lines():
+            if line:
+                events.append(json.loads(line.removeprefix("data: ")))
+    assert [e["stop"] for e in events][-1] is True and not any(e["stop"] for e in events[:-1])
+    assert "".join(e["content"] for e in events) == res["content"]
+    assert [p for e in events for p in e["completion_probabilities"]] == probs
+    ids = _post(server, "/tokenize", {"content": PROMPT, "add_special": True}).json()["tokens"]
+    by_ids = _post(server, "/completion", {"prompt": ids, "n_predict": 16, "temperature": 0,
+                                           "stop": [res["content"][4:8]]}).json()
+    assert by_ids["content"] == res["content"][:4 + res["content"][4:].index(res["content"][4:8])]
+    assert by_ids["stop_type"] == "word" and by_ids["stopping_word"] == res["content"][4:8]
+
+
 def test_logit_bias_and_penalties_as_the_cli(client):
     """The request fields do what the CLI flags do (the CLI decodes with the same drafts), and they change the
     answer."""
@@ -654,7 +685,7 @@ BAD = [
      "input_extra"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": 0}, 400, "n_predict"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": -2}, 400, "n_predict"),
-    ("/infill", {"input_prefix": "", "input_suffix": "", "n_probs": 3}, 400, "n_probs"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_probs": -1}, 400, "n_probs"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_indent": -1}, 400, "n_indent"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "t_max_predict_ms": "x"}, 400, "t_max_predict_ms"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "response_fields": "content"}, 400, "response_fields"),
@@ -663,6 +694,11 @@ BAD = [
     ("/infill", {"input_prefix": "", "input_suffix": "", "stop": [1]}, 400, "stop"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "grammar": 5}, 400, "grammar"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "model": "gpt-4"}, 404, "model"),
+    ("/completion", {"n_predict": 4}, 400, "prompt"),
+    ("/completion", {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/completion", {"prompt": "hi", "n_probs": 21}, 400, "n_probs"),
+    ("/completion", {"prompt": "hi", "input_extra": 5, "n_predict": "x"}, 400, "n_predict"),
+    ("/completions", {"prompt": "word " * 2000}, 400, "prompt"),
 ]
 
 
