@@ -339,9 +339,17 @@ class Engine:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt
             drafter.constrain(constraint)
-            # not if it will not draft: a one-token request (a harness's echo scoring) never does
-            if max_tokens > 1 and policy.wants_draft_prefill(drafter.paid, target.sharing()):
+            # not if it will not draft (a one-token request, as a harness's echo scoring, never does), nor where
+            # drafting could not earn back the draft model's prompt processing (a long new prompt, a short answer)
+            behind = drafter.prepare_cost(context)
+            evaluated = n_prompt - 1 - stats.cached_prompt_tokens  # what the target's prefill just evaluated
+            if max_tokens > 1 and policy.wants_draft_prefill(
+                    drafter.paid, target.sharing(), behind=behind,
+                    max_tokens=min(max_tokens, target.n_ctx - n_prompt),
+                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self._draft_share()):
+                t = time.perf_counter()
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
+                policy.observe_draft_prefill(behind, time.perf_counter() - t)
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()
         try:
@@ -439,6 +447,11 @@ class Engine:
         for _ in self.stream(prompt, result=result, **kwargs):
             pass
         return result
+
+    def _draft_share(self) -> Optional[float]:
+        if not hasattr(self, "_share"):
+            self._share = memory.draft_share(self)  # file sizes: once
+        return self._share
 
     def close(self) -> None:
         if self.drafter:

@@ -8,6 +8,7 @@ and shared, repacked copies, KV cache, compute buffers; speculant/plan.py), comp
 from __future__ import annotations
 
 import functools
+import os
 import resource
 import sys
 from typing import Optional
@@ -62,6 +63,19 @@ def _draft_backends(drafter) -> list:
         return [b for d in inner for b in _draft_backends(d)]
     backend = getattr(drafter, "backend", None)
     return [backend] if backend is not None else []
+
+
+def draft_share(engine) -> Optional[float]:
+    """The draft models' weights over the target's (file sizes): about what their prompt processing costs
+    beside the target's, before it was timed. None where a model has no file (torch from a checkpoint)."""
+    sizes = []
+    for backend in [engine.target] + _draft_backends(engine.drafter):
+        path = getattr(backend, "path", None)
+        try:
+            sizes.append(os.path.getsize(path))
+        except (TypeError, OSError):
+            return None
+    return sum(sizes[1:]) / sizes[0] if len(sizes) > 1 and sizes[0] > 0 else None
 
 
 def engine_models(engine, draft_max: Optional[int] = None) -> dict:

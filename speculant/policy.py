@@ -189,10 +189,13 @@ class FixedPolicy:
     def draft_length(self, source: str) -> int:
         return self.k
 
-    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1, **costs) -> bool:
         return True
 
     def observe(self, *args, **kwargs) -> None:
+        pass
+
+    def observe_draft_prefill(self, n_tokens: int, seconds: float) -> None:
         pass
 
     def new_request(self, temperature: float = 0.0) -> None:
@@ -414,17 +417,50 @@ class AdaptivePolicy:
         self.regime = regime_of(temperature)
         self.req_alpha, self.req_key_alpha, self.req_first = {}, {}, {}
 
-    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1) -> bool:
+    def wants_draft_prefill(self, source: Optional[str], sharing: int = 1, *, behind: int = 0,
+                            max_tokens: Optional[int] = None,
+                            target_prefill: Optional[tuple[float, int]] = None,
+                            draft_share: Optional[float] = None) -> bool:
         """Should the paid drafter process the new prompt? Only if this request may draft: it starts with a
         probe, or the model says drafting pays, and no other request decodes beside it (sharing: see budget).
         Otherwise the prompt's prefill costs the draft model's share of time to first token for nothing (and
-        later probes in this request find it too far behind)."""
+        later probes in this request find it too far behind). Nor where the `behind` tokens it would evaluate
+        cost more than drafting could save over the request's `max_tokens`: at the expected acceptance, and
+        when probing even with every draft accepted (an editor's code completion: ~500 new prompt tokens for
+        a 30-token answer). target_prefill: (seconds, tokens) of the target's prefill of this prompt, and
+        draft_share (the draft's weights over the target's), to price the draft model's before it was timed."""
         if sharing > 1:
             return False
-        if source is None or self.probing or 1 not in self.target_cost:
+        if source is None or 1 not in self.target_cost:
+            return True
+        if behind > 0 and max_tokens is not None:
+            cost = behind * self._draft_prefill_per_token(source, target_prefill, draft_share)
+            alpha = 1.0 if self.probing else self.acceptance(source)
+            if cost > max_tokens * self._gain(source, alpha):
+                return False
+        if self.probing:
             return True
         return best_draft_length(self.acceptance(source), self.draft_step_cost(source), self.target_time,
                                  self.k_min, self.k_max) > 0
+
+    def observe_draft_prefill(self, n_tokens: int, seconds: float) -> None:
+        """The draft model processed a prompt's n_tokens in `seconds` (prices later prefills and catch-ups)."""
+        if n_tokens >= 16:  # a few tokens cost more each (a pass's fixed costs): not a prefill's price
+            self.catchup_per_token.update(seconds / n_tokens, self.rate)
+
+    def _draft_prefill_per_token(self, source: str, target_prefill: Optional[tuple[float, int]],
+                                 draft_share: Optional[float] = None) -> float:
+        """Seconds per token of the draft model's prompt processing: measured (prefills and catch-ups), else
+        the target's just now scaled by the step costs' ratio (or the weights', before a draft step was timed),
+        else 0 (unknown: no reason to skip)."""
+        if self.catchup_per_token.weight:
+            return self.catchup_per_token.value
+        if target_prefill is None or target_prefill[1] < 16:
+            return 0.0
+        seconds, n = target_prefill
+        c = self.draft_step_cost(source)
+        share = c / self.target_time(1) if c > 0 and self.target_time(1) > 0 else draft_share or 0.0
+        return seconds / n * share
 
     def _catchup_affordable(self, source: str, behind: int) -> bool:
         """A probe after many plain steps makes the draft model prefill them all first; allow that only
@@ -456,7 +492,11 @@ class AdaptivePolicy:
         """Seconds per token that drafting with the best k saves over plain decoding, at the source's acceptance
         over all requests (0 where plain decoding wins)."""
         e = self.alpha.get(self._src(source))
-        alpha, c = e.value if e else self.prior_alpha, self.draft_step_cost(source)
+        return self._gain(source, e.value if e else self.prior_alpha)
+
+    def _gain(self, source: str, alpha: float) -> float:
+        """Seconds per token that drafting with the best k saves over plain decoding at acceptance alpha."""
+        c = self.draft_step_cost(source)
         k = best_draft_length(alpha, c, self.target_time, self.k_min, self.k_max)
         if k == 0:
             return 0.0

@@ -322,6 +322,15 @@ def test_greedy_identity_smollm2_drafting_for_itself(k, small_target, small_draf
         assert out.stats.accepted == out.stats.drafted
 
 
+def test_draft_share_is_the_weights_ratio(qwen_target, qwen_draft):
+    """What prices the draft model's prompt processing before it was timed (policy.wants_draft_prefill)."""
+    from speculant.memory import draft_share
+
+    share = draft_share(Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab)))
+    assert share == pytest.approx(qwen_draft.path.stat().st_size / qwen_target.path.stat().st_size) and 0.1 < share < 0.6
+    assert draft_share(Engine(qwen_target)) is None
+
+
 def test_caches_stay_consistent_after_rejections(qwen_target, qwen_draft):
     """Continuing a speculative run (caches full of rejected drafts) equals a fresh run on the same text."""
     spec = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=6)

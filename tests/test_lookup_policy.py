@@ -477,6 +477,69 @@ def test_draft_model_skips_the_prompt_when_the_request_will_not_draft():
     assert len(fixed_draft.tokens) >= len(eng.tokenize_prompt(PROMPT)) - 1
 
 
+def test_draft_prefill_must_pay_for_itself_over_the_answer():
+    """A long new prompt for a short answer (an editor's code completion: ~500 new tokens, 32 out): the draft
+    model's prompt processing costs more than drafting could save even with every draft accepted, so it is
+    skipped; a short prompt or a long answer keeps it. Its price: measured prefills, else the target's
+    prefill scaled by the step costs."""
+    policy = _cpu_policy(k_max=4)  # T(n) = 1 + 0.5 (n - 1) s
+    policy.draft_cost["draft"] = _Ema(0.2, weight=100)
+    policy.alpha["draft"] = _Ema(0.9, weight=100)
+    policy.new_request(0.0)
+    # before any draft step was timed: priced by the draft's weights over the target's
+    bare = _cpu_policy(k_max=4)
+    bare.new_request(0.0)
+    assert bare.wants_draft_prefill("draft", behind=1000, max_tokens=4, target_prefill=(10.0, 1000))  # unknown
+    assert not bare.wants_draft_prefill("draft", behind=1000, max_tokens=4, target_prefill=(10.0, 1000),
+                                        draft_share=0.3)  # 3 s, where 4 tokens save at most 4 x 0.4 s
+    assert bare.wants_draft_prefill("draft", behind=1000, max_tokens=40, target_prefill=(10.0, 1000),
+                                    draft_share=0.3)
+    best = policy._gain("draft", 1.0)  # seconds per token at best
+    assert 0 < best < 1 and policy._gain("draft", 0.9) < best
+    # not yet measured: the target's prefill (2 s for 100 tokens) x 0.2 (the draft step's share) = 0.004 s a token
+    prefill = (2.0, 100)
+    assert policy.probing
+    assert not policy.wants_draft_prefill("draft", behind=int(32 * best / 0.004) + 10, max_tokens=32,
+                                          target_prefill=prefill)
+    assert policy.wants_draft_prefill("draft", behind=int(32 * best / 0.004) - 10, max_tokens=32,
+                                      target_prefill=prefill)
+    assert policy.wants_draft_prefill("draft", behind=500, max_tokens=4000, target_prefill=prefill)
+    policy.observe_draft_prefill(500, 0.5)  # measured: 0.001 s a token
+    assert policy.wants_draft_prefill("draft", behind=int(32 * best / 0.004) + 10, max_tokens=32)
+    policy.observe_draft_prefill(3, 1.0)  # a few tokens say nothing of a prefill's price
+    assert policy.catchup_per_token.value == pytest.approx(0.001)
+    policy.probing = False  # not probing: at the expected acceptance, which saves less
+    n = int(32 * policy._gain("draft", 0.9) / 0.001)
+    assert policy.wants_draft_prefill("draft", behind=n - 5, max_tokens=32)
+    assert not policy.wants_draft_prefill("draft", behind=n + 5, max_tokens=32)
+    assert policy.wants_draft_prefill("draft")  # nothing to weigh: as before
+
+
+def test_engine_skips_a_draft_prefill_that_cannot_pay():
+    """Through the engine: a probing request whose new prompt would cost the draft model more than its answer
+    can save leaves the draft model alone (and decodes plainly: catching up costs as much); the output is the
+    target's either way."""
+    target = TableBackend(V, seed=0)
+    prompt = " ".join(str(3 + i % 5) for i in range(120))
+    plain = Engine(target).generate(prompt, max_tokens=6).tokens
+    draft = TableBackend(V, seed=1)
+    eng = Engine(TableBackend(V, seed=0), ModelDrafter(draft, V), draft_max=4, adaptive=True)
+
+    def policy():  # (a fresh one each time: this machine's microsecond passes would be timed into it)
+        p = _cpu_policy(k_max=4)
+        p.draft_cost["draft"] = _Ema(0.2, weight=100)
+        p.alpha["draft"] = _Ema(0.95, weight=100)  # drafting pays: ~0.2 s a token saved
+        p.catchup_per_token = _Ema(0.05, weight=100)  # 120 tokens: 6 s, more than 6 tokens can save
+        return p
+
+    eng.policy = policy()
+    out = eng.generate(prompt, max_tokens=6)
+    assert out.tokens == plain and draft.tokens == [] and out.stats.drafted == 0
+    eng.policy = policy()
+    out = eng.generate(prompt, max_tokens=200)  # a long answer: worth it
+    assert len(draft.tokens) >= 119 and out.tokens[:6] == plain
+
+
 def test_first_outcome_records_are_kept_per_confidence_bucket():
     """Short n-gram matches miss first in every request, long ones hit: a 1-gram miss does not make the
     request's 4-gram copies look doubtful."""

@@ -65,6 +65,10 @@ class Drafter(ABC):
     def prepare(self, context: Sequence[int]) -> None:
         """Process the prompt before decoding starts (a draft model's prefill); optional."""
 
+    def prepare_cost(self, context: Sequence[int]) -> int:
+        """How many tokens `prepare(context)` would evaluate with a model (0 for a free drafter)."""
+        return 0
+
     def begin(self, context: Sequence[int]) -> None:
         """A request starts with this prompt (always called, unlike prepare); optional."""
 

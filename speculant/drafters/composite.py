@@ -61,6 +61,9 @@ class CompositeDrafter(Drafter):
         for d in self.drafters:
             d.prepare(context)
 
+    def prepare_cost(self, context: Sequence[int]) -> int:
+        return sum(d.prepare_cost(context) for d in self.drafters)
+
     def share_cache(self, source: Drafter, context: Sequence[int]) -> None:
         if isinstance(source, CompositeDrafter) and len(source.drafters) == len(self.drafters):
             for mine, theirs in zip(self.drafters, source.drafters):

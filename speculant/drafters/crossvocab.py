@@ -160,6 +160,10 @@ class CrossVocabDrafter(Drafter):
         if draft_context and len(draft_context) > 1:
             self.backend.sync(draft_context[:-1], n_logits=0)
 
+    def prepare_cost(self, context: Sequence[int]) -> int:
+        draft_context = self._draft_context(context)
+        return self.backend.behind(draft_context[:-1]) if draft_context and len(draft_context) > 1 else 0
+
     def for_slot(self, i: int) -> "CrossVocabDrafter":
         if i == 0:
             return self

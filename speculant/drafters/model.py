@@ -136,5 +136,8 @@ class ModelDrafter(Drafter):
     def prepare(self, context: Sequence[int]) -> None:
         self.backend.sync(self._ids(context[:-1]), n_logits=0)  # the prompt, as for the target: part of the prefill
 
+    def prepare_cost(self, context: Sequence[int]) -> int:
+        return self.backend.behind(self._ids(context[:-1]))
+
     def close(self) -> None:
         self.backend.close()
