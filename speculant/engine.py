@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import bisect
 import codecs
+import functools
 import threading
 import time
 from dataclasses import dataclass, field
@@ -174,8 +175,9 @@ class Engine:
         the text of each chunk, then <|file_sep|>filename for the file being edited; llama-server's names), else
         each after a "--- snippet ---" line; then fim_prompt(prefix + middle, suffix), `middle` being the text of
         the cursor's line before it. To leave `room` positions of the context for the output, the prefix keeps
-        its end, the suffix its start (at least a quarter of what is left) and the chunks those at the end that
-        fit whole. Returns the tokens and whether anything was cut."""
+        its end and the suffix its start (at least a quarter of the code's share, which is at least half of what
+        is left), and of the chunks those at the end that fit whole. Returns the tokens and whether anything was
+        cut."""
         fim, repo = self.target.fim_tokens(), self.target.fim_repo_tokens()
         if fim is None:
             raise SettingsError(f"{self.target.name} has no fill-in-the-middle tokens, so it cannot fill in code; "
@@ -341,12 +343,12 @@ class Engine:
             drafter.constrain(constraint)
             # not if it will not draft (a one-token request, as a harness's echo scoring, never does), nor where
             # drafting could not earn back the draft model's prompt processing (a long new prompt, a short answer)
-            behind = drafter.prepare_cost(context)
+            behind = drafter.prepare_cost(context) if max_tokens > 1 else 0
             evaluated = n_prompt - 1 - stats.cached_prompt_tokens  # what the target's prefill just evaluated
             if max_tokens > 1 and policy.wants_draft_prefill(
                     drafter.paid, target.sharing(), behind=behind,
                     max_tokens=min(max_tokens, target.n_ctx - n_prompt),
-                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self._draft_share()):
+                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self.draft_share):
                 t = time.perf_counter()
                 drafter.prepare(context)  # the draft model's prompt processing is prefill too
                 policy.observe_draft_prefill(behind, time.perf_counter() - t)
@@ -448,10 +450,10 @@ class Engine:
             pass
         return result
 
-    def _draft_share(self) -> Optional[float]:
-        if not hasattr(self, "_share"):
-            self._share = memory.draft_share(self)  # file sizes: once
-        return self._share
+    @functools.cached_property
+    def draft_share(self) -> Optional[float]:
+        """The draft models' weights over the target's (memory.draft_share), read once."""
+        return memory.draft_share(self)
 
     def close(self) -> None:
         if self.drafter:
