@@ -1177,11 +1177,14 @@ def create_app(engine, cfg: ServerConfig):
                 out["completion_probabilities"] = probabilities(entries if probs is None else probs)
             if not final:
                 return out
-            prompt_n = len(job.tokens) - stats.cached_prompt_tokens
-            timings = {"prompt_n": prompt_n, "prompt_ms": stats.prefill_time * 1000,
-                       "prompt_per_second": prompt_n / stats.prefill_time if stats.prefill_time else 0.0,
-                       "predicted_n": stats.generated_tokens, "predicted_ms": stats.decode_time * 1000,
-                       "predicted_per_second": stats.tokens_per_s}
+            prompt_n, prompt_ms = len(job.tokens) - stats.cached_prompt_tokens, stats.prefill_time * 1000
+            predicted_n, predicted_ms = stats.generated_tokens, stats.decode_time * 1000
+            timings = {"prompt_n": prompt_n, "prompt_ms": prompt_ms,
+                       "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
+                       "prompt_per_second": 1000 * prompt_n / prompt_ms if prompt_ms else 0.0,
+                       "predicted_n": predicted_n, "predicted_ms": predicted_ms,
+                       "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
+                       "predicted_per_second": 1000 * predicted_n / predicted_ms if predicted_ms else 0.0}
             if stats.drafted:
                 timings.update(draft_n=stats.drafted, draft_n_accepted=stats.accepted)
             return {**out, "tokens_cached": len(job.tokens) + stats.generated_tokens, "truncated": job.truncated,

@@ -252,6 +252,9 @@ def test_infill_answers_as_completions_over_the_same_prompt(server, tokenizer):
     assert res["stop_type"] == ("eos" if same["choices"][0]["finish_reason"] == "stop" else "limit")
     t = res["timings"]
     assert t["predicted_n"] == res["tokens_predicted"] > 0 and t["prompt_n"] <= len(tokens)
+    assert set(t) >= {"prompt_ms", "prompt_per_token_ms", "prompt_per_second", "predicted_ms",
+                      "predicted_per_token_ms", "predicted_per_second"}  # what llama.vim shows
+    assert t["predicted_per_token_ms"] == pytest.approx(t["predicted_ms"] / t["predicted_n"])
     assert res["speculative"]["generated_tokens"] == res["tokens_predicted"]
     probs = _infill(server, n_probs=1)["completion_probabilities"]  # llama-server's logprobs
     assert len(probs) == res["tokens_predicted"] and b"".join(bytes(p["bytes"]) for p in probs).decode() == \
