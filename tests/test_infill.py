@@ -298,5 +298,5 @@ def test_infill_stopping_rules_and_fields(server, tokenizer):
 def test_infill_cuts_what_does_not_fit(server):
     prefix = "".join(f"value_{i} = {i}\n" for i in range(400))  # ~3000 tokens: over the 1024 context
     res = _infill(server, input_prefix=prefix, n_predict=16)
-    assert res["truncated"] is True and res["tokens_evaluated"] <= CTX - 16
-    assert res["content"]
+    assert res["truncated"] is True and res["tokens_evaluated"] <= CTX - 16 and res["stop"] is True
+    assert _infill(server, n_predict=16)["truncated"] is False
