@@ -732,6 +732,21 @@ def worker_down(e: Exception) -> APIError:
     return APIError(503, str(e), type="server_error", code="worker_down")
 
 
+def request_error(e: SpeculantError, job: Optional["Job"], prompt_param: str) -> APIError:
+    """A request failed while parsed or tokenized: the API error to answer with. prompt_param: the field that
+    overflows the context; a grammar or fill-in-the-middle failure names the field it came from."""
+    if isinstance(e, ContextOverflowError):
+        return APIError(400, str(e), param=prompt_param, code="context_length_exceeded")
+    if isinstance(e, WorkerError):
+        return worker_down(e)
+    message, param = str(e), None
+    if job is not None and job.grammar is not None and "grammar" in message:
+        param = job.grammar_param
+    elif job is not None and job.suffix is not None and "fill-in-the-middle" in message:
+        param = "suffix"
+    return _bad(message, param)
+
+
 def _step(gen):
     try:
         return next(gen)
@@ -1140,6 +1155,52 @@ def create_app(engine, cfg: ServerConfig):
                     "logprob": logprob}
         return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
 
+    def first_token_timer(t0: float):
+        """on_token() for each token event: observes the time to the first one."""
+        pending = [True]
+
+        def on_token() -> None:
+            if pending[0]:
+                metrics.ttft.observe(time.perf_counter() - t0)
+                pending[0] = False
+        return on_token
+
+    def check_stream_room(n_jobs: int) -> None:
+        """A stream fails here, before its 200 starts, when the queue is full or the server is closing."""
+        if worker.closing or worker.waiting + n_jobs > worker.max_queue + len(worker.free):
+            raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
+                           code="server_overloaded")
+
+    def event_stream(events: AsyncIterator[str], endpoint: str, done) -> StreamingResponse:
+        """Server-sent events. An error after the 200 has started goes in-band, as a last `data:` event with
+        the error object (where OpenAI's and llama-server's clients read it); done(status) when it ends."""
+        async def guarded():
+            status = "200"
+            try:
+                async with aclosing(events) as inner:
+                    async for event in inner:
+                        yield event
+            except APIError as e:
+                status = str(e.status)
+                yield f"data: {json.dumps(e.body())}\n\n"
+            except SpeculantError as e:
+                status = "400"
+                yield f"data: {json.dumps(_bad(str(e)).body())}\n\n"
+            except (asyncio.CancelledError, GeneratorExit):
+                status = "499"  # the client went away
+                raise
+            except Exception as e:  # a bug: tell the client in-band, keep serving
+                _LOG.exception("%s failed", endpoint)
+                status = "500"
+                err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
+                               code="internal_error")
+                yield f"data: {json.dumps(err.body())}\n\n"
+            finally:
+                done(status)
+
+        return StreamingResponse(guarded(), media_type="text/event-stream",
+                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
     async def native(request: Request, infill: bool):
         """llama-server's own completion endpoints: /completion (a prompt) and /infill (code completion at a
         cursor, for llama.vim and llama.vscode: input_prefix, input_suffix, input_extra (other files), prompt
@@ -1153,16 +1214,11 @@ def create_app(engine, cfg: ServerConfig):
         try:
             job, fields = parse_native(body, cfg, engine.target.n_ctx, infill=infill)
             await worker.tokenize(job)
-        except ContextOverflowError as e:
-            raise APIError(400, str(e), param="input_prefix" if infill else "prompt",
-                           code="context_length_exceeded") from None
-        except WorkerError as e:
-            raise worker_down(e) from None
         except SpeculantError as e:
-            grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
-            raise _bad(str(e), "grammar" if grammar_error else None) from None
+            raise request_error(e, job, "input_prefix" if infill else "prompt") from None
         result = Result("", [], SpecStats())
         entries = []  # with n_probs: the TokenLogprobs of the tokens handed out
+        on_token = first_token_timer(t0)
 
         def response(final: bool, content: str, probs=None) -> dict:
             stats, rule = result.stats, job.stop_rule
@@ -1207,46 +1263,26 @@ def create_app(engine, cfg: ServerConfig):
             log_request(request, status, t0, result.stats, job.max_tokens)
 
         if job.stream:
-            if worker.closing or worker.waiting + 1 > worker.max_queue + len(worker.free):
-                raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
-                               code="server_overloaded")
+            check_stream_room(1)
 
             async def sse():
-                status = "200"
-                try:
-                    async with aclosing(worker.run(job, result)) as events:
-                        async for event in events:
-                            if event.text or event.logprobs:
-                                entries.extend(event.logprobs)
-                                event_json = response(False, event.text, event.logprobs)
-                                yield f"data: {json.dumps(event_json, ensure_ascii=False)}\n\n"
-                    if job.cut:
-                        raise APIError(503, "the server shut down before this completion finished",
-                                       type="server_error", code="shutting_down")
-                    yield f"data: {json.dumps(response(True, '', []), ensure_ascii=False)}\n\n"
-                except APIError as e:
-                    status = str(e.status)
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                except SpeculantError as e:
-                    status = "400"
-                    yield f"data: {json.dumps(_bad(str(e)).body())}\n\n"
-                except (asyncio.CancelledError, GeneratorExit):
-                    status = "499"
-                    raise
-                except Exception as e:  # a bug: tell the client in-band, keep serving
-                    _LOG.exception("%s failed", endpoint)
-                    status = "500"
-                    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
-                                   code="internal_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
-                finally:
-                    done(status)
+                async with aclosing(worker.run(job, result)) as events:
+                    async for event in events:
+                        on_token()
+                        if event.text or event.logprobs:
+                            entries.extend(event.logprobs)
+                            event_json = response(False, event.text, event.logprobs)
+                            yield f"data: {json.dumps(event_json, ensure_ascii=False)}\n\n"
+                if job.cut:
+                    raise APIError(503, "the server shut down before this completion finished",
+                                   type="server_error", code="shutting_down")
+                yield f"data: {json.dumps(response(True, '', []), ensure_ascii=False)}\n\n"
 
-            return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(sse(), endpoint, done)
 
         async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
             async for event in events:
+                on_token()
                 entries.extend(event.logprobs)
         if job.cut:
             raise APIError(503, "the server shut down before this completion finished", type="server_error",
@@ -1277,15 +1313,8 @@ def create_app(engine, cfg: ServerConfig):
             prompts = [job] + [_prompt_job(job, p) for p in job.more_prompts]  # a batch: one job per prompt
             for one in prompts:
                 await worker.tokenize(one)
-        except ContextOverflowError as e:
-            raise APIError(400, str(e), param="messages" if chat else "prompt",
-                           code="context_length_exceeded") from None
-        except WorkerError as e:
-            raise worker_down(e) from None
         except SpeculantError as e:
-            grammar_error = job is not None and job.grammar is not None and "grammar" in str(e)
-            fim_error = job is not None and job.suffix is not None and "fill-in-the-middle" in str(e)
-            raise _bad(str(e), job.grammar_param if grammar_error else "suffix" if fim_error else None) from None
+            raise request_error(e, job, "messages" if chat else "prompt") from None
         rid = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex[:24]
         created_at = int(time.time())
         kind = "chat.completion" if chat else "text_completion"
@@ -1318,12 +1347,7 @@ def create_app(engine, cfg: ServerConfig):
                 obj["usage"] = usage
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
-        first_token = [True]
-
-        def on_token() -> None:
-            if first_token[0]:
-                metrics.ttft.observe(time.perf_counter() - t0)
-                first_token[0] = False
+        on_token = first_token_timer(t0)
 
         def done_metrics(status: str) -> None:
             metrics.requests.labels(endpoint, status).inc()
@@ -1335,10 +1359,7 @@ def create_app(engine, cfg: ServerConfig):
                             code="shutting_down")
 
         if job.stream:
-            # fail early (before the 200 starts) when the queue is full or the server is closing
-            if worker.closing or worker.waiting + len(jobs) > worker.max_queue + len(worker.free):
-                raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
-                               code="server_overloaded")
+            check_stream_room(len(jobs))
 
             async def sse():
                 sent = [0] * len(jobs)  # characters of each choice's text sent
@@ -1356,7 +1377,6 @@ def create_app(engine, cfg: ServerConfig):
                     except Exception as e:
                         await queue.put((i, e))
 
-                status = "200"
                 tasks = []
                 try:
                     if chat:
@@ -1403,36 +1423,17 @@ def create_app(engine, cfg: ServerConfig):
                                 sent[i] = ready
                                 pending[i] = []
                     if any(j.cut for j in jobs):
-                        status = "503"
-                        yield f"data: {json.dumps(cut_error().body())}\n\n"
-                        return
+                        raise cut_error()
                     if job.include_usage:
                         yield chunk([], _usage(results, job.n))
                     yield "data: [DONE]\n\n"
-                except APIError as e:
-                    status = str(e.status)
-                    yield f"data: {json.dumps(e.body())}\n\n"
-                except SpeculantError as e:
-                    status = "400"
-                    yield f"data: {json.dumps(_bad(str(e)).body())}\n\n"
-                except (asyncio.CancelledError, GeneratorExit):
-                    status = "499"  # the client went away
-                    raise
-                except Exception as e:  # a bug: tell the client in-band, keep serving
-                    _LOG.exception("generation failed")
-                    status = "500"
-                    err = APIError(500, f"internal error: {type(e).__name__}", type="server_error",
-                                   code="internal_error")
-                    yield f"data: {json.dumps(err.body())}\n\n"
                 finally:
                     for t in tasks:  # a client gone: each choice stops after its step in flight
                         t.cancel()
                     if tasks:
                         await asyncio.gather(*tasks, return_exceptions=True)
-                    done_metrics(status)
 
-            return StreamingResponse(sse(), media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return event_stream(sse(), endpoint, done_metrics)
 
         async def consume(i: int) -> None:
             async with aclosing(worker.run(jobs[i], results[i], request.is_disconnected)) as events:
