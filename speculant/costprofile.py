@@ -97,6 +97,18 @@ def load(backend) -> Optional[dict[int, float]]:
         return None
 
 
+def one_pass_seconds(backend) -> Optional[float]:
+    """T(1) in seconds as this backend's cached profile measured it, or None (no profile, or switched off)."""
+    if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0" or not hasattr(backend, "path"):
+        return None
+    try:
+        data = json.loads(profile_path(backend).read_text())
+        ms = float(data["measured_ms"]["1"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return ms / 1000 if ms > 0 else None
+
+
 def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, float]]:
     """r(n) for a llama.cpp backend: cached, else measured now (quick) and cached; None where it cannot be
     measured (another runtime) or SPECULANT_COST_PROFILE=0. Measuring empties the backend's cache."""

@@ -93,7 +93,7 @@ class Engine:
             self.policy = FixedPolicy(0)
         elif adaptive:
             self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max),
-                                         cost_prior=target.cost_profile())
+                                         cost_prior=target.cost_profile(), t1_prior=target.one_pass_seconds())
         else:
             self.policy = FixedPolicy(draft_max)
 
@@ -279,7 +279,8 @@ class Engine:
         if drafter is None:  # no drafter of its own: the prediction still gets an adaptive policy
             if self.prediction_policy is None:
                 self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1,
-                                                         cost_prior=self.target.cost_profile())
+                                                         cost_prior=self.target.cost_profile(),
+                                                         t1_prior=self.target.one_pass_seconds())
             return pred, self.prediction_policy
         return CompositeDrafter(pred, drafter), policy
 

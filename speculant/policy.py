@@ -248,6 +248,7 @@ class AdaptivePolicy:
     request_weight: float = 3.0  # the long-run acceptance counts as this many of the request's own outcomes
     prior_cost_weight: float = 2.0  # a pass size's first timings are shrunk toward the prior, as this many samples
     cost_prior: Optional[dict] = None  # n -> T(n) / T(1) measured on this machine (costprofile.py), or None
+    t1_prior: Optional[float] = None  # seconds of a one-token target pass as that profile measured it, or None
     adaptive: bool = field(default=True, init=False)
 
     def __post_init__(self):
@@ -431,14 +432,22 @@ class AdaptivePolicy:
         draft_share (the draft's weights over the target's), to price the draft model's before it was timed."""
         if sharing > 1:
             return False
-        if source is None or 1 not in self.target_cost:
+        if source is None:
             return True
+        timed = 1 in self.target_cost
+        if not timed and not (self.t1_prior and draft_share):
+            return True  # nothing to price the savings with
         if behind > 0 and max_tokens is not None:
             cost = behind * self._draft_prefill_per_token(source, target_prefill, draft_share)
             alpha = 1.0 if self.probing else self.acceptance(source)
-            if cost > max_tokens * self._gain(source, alpha):
+            if timed:
+                gain = self._gain(source, alpha)
+            else:  # a process's first request: T(1) as the cost profile measured it, a draft step at the
+                # draft's share of the weights
+                gain = self.t1_prior * self._gain(source, alpha, draft_step=draft_share)
+            if cost > max_tokens * gain:
                 return False
-        if self.probing:
+        if not timed or self.probing:
             return True
         return best_draft_length(self.acceptance(source), self.draft_step_cost(source), self.target_time,
                                  self.k_min, self.k_max) > 0
@@ -494,9 +503,10 @@ class AdaptivePolicy:
         e = self.alpha.get(self._src(source))
         return self._gain(source, e.value if e else self.prior_alpha)
 
-    def _gain(self, source: str, alpha: float) -> float:
-        """Seconds per token that drafting with the best k saves over plain decoding at acceptance alpha."""
-        c = self.draft_step_cost(source)
+    def _gain(self, source: str, alpha: float, draft_step: Optional[float] = None) -> float:
+        """Seconds per token that drafting with the best k saves over plain decoding at acceptance alpha (in
+        units of T(1) before the target is timed, with draft_step the draft step's cost in those units)."""
+        c = self.draft_step_cost(source) if draft_step is None else draft_step
         k = best_draft_length(alpha, c, self.target_time, self.k_min, self.k_max)
         if k == 0:
             return 0.0

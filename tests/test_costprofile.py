@@ -73,10 +73,12 @@ def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys
         stored = json.loads(costprofile.profile_path(b).read_text())
         assert stored["threads"] == 1 and set(stored["measured_ms"]) == {str(n) for n in costprofile.QUICK_SIZES}
         assert b.cost_profile() == prof and "measuring" not in capsys.readouterr().err  # cached now
-        assert Engine(b, _NullDrafter(), draft_max=4, adaptive=True).policy.cost_prior == prof
+        policy = Engine(b, _NullDrafter(), draft_max=4, adaptive=True).policy
+        assert policy.cost_prior == prof
+        assert b.one_pass_seconds() == pytest.approx(stored["measured_ms"]["1"] / 1000) == policy.t1_prior
         # another thread count is another profile (the shape depends on it)
         b.n_threads = 2
-        assert costprofile.load(b) is None
+        assert costprofile.load(b) is None and b.one_pass_seconds() is None
     finally:
         b.close()
 
@@ -87,7 +89,7 @@ def test_profile_can_be_switched_off(home, monkeypatch):
     class Fake:
         path = "/nonexistent.gguf"
 
-    assert costprofile.get(Fake()) is None
+    assert costprofile.get(Fake()) is None and costprofile.one_pass_seconds(Fake()) is None
 
 
 class _NullDrafter:

@@ -515,6 +515,36 @@ def test_draft_prefill_must_pay_for_itself_over_the_answer():
     assert policy.wants_draft_prefill("draft")  # nothing to weigh: as before
 
 
+def test_first_draft_prefill_priced_by_the_cost_profile():
+    """A process's first request (a server's, every CLI run's) comes before the target was timed: the savings
+    are priced by T(1) as the cost profile measured it and a draft step at the draft's share of the weights
+    (probing: every draft accepted). Without that T(1) (or the share) there is nothing to price with: the draft
+    model prefills, as before."""
+    profile = {n: 1.0 + 0.5 * (n - 1) for n in range(1, 17)}
+    fresh = AdaptivePolicy(k_max=4, cost_prior=profile, t1_prior=0.04)  # a 40 ms target step
+    fresh.new_request(0.0)
+    assert fresh.probing and not fresh.target_cost
+    per_token = fresh.t1_prior * fresh._gain("draft", 1.0, draft_step=0.3)  # seconds saved per token at best
+    assert 0 < per_token < 0.04
+    # ~1600 new prompt tokens (an editor's first request: the open files too) at 0.3 x 14 ms each, 32 out
+    prefill = (1600 * 0.014, 1600)
+    assert not fresh.wants_draft_prefill("draft", behind=1600, max_tokens=32, target_prefill=prefill,
+                                         draft_share=0.3)
+    n = int(1600 * 0.014 * 0.3 / per_token)  # the answer length at which it pays
+    assert not fresh.wants_draft_prefill("draft", behind=1600, max_tokens=n - 2, target_prefill=prefill,
+                                         draft_share=0.3)
+    assert fresh.wants_draft_prefill("draft", behind=1600, max_tokens=n + 2, target_prefill=prefill,
+                                     draft_share=0.3)
+    assert fresh.wants_draft_prefill("draft", behind=50, max_tokens=256, target_prefill=(0.7, 50),
+                                     draft_share=0.3)  # a chat prompt
+    unknown = AdaptivePolicy(k_max=4, cost_prior=profile)  # no T(1): as before
+    unknown.new_request(0.0)
+    assert unknown.wants_draft_prefill("draft", behind=1600, max_tokens=32, target_prefill=prefill,
+                                       draft_share=0.3)
+    assert fresh.wants_draft_prefill("draft", behind=1600, max_tokens=32, target_prefill=prefill)  # no share
+    assert not fresh.wants_draft_prefill("draft", 2, behind=50, max_tokens=256)  # beside another request
+
+
 def test_engine_skips_a_draft_prefill_that_cannot_pay():
     """Through the engine: a probing request whose new prompt would cost the draft model more than its answer
     can save leaves the draft model alone (and decodes plainly: catching up costs as much); the output is the

@@ -170,5 +170,9 @@ class Backend(ABC):
         """T(n) / T(1) measured on this machine (costprofile.py), the adaptive policy's prior; None: unknown."""
         return None
 
+    def one_pass_seconds(self) -> Optional[float]:
+        """T(1) in seconds as that profile measured it (prices a process's first draft-model prefill); None."""
+        return None
+
     def close(self) -> None:
         """Release the model (optional)."""

@@ -349,6 +349,11 @@ class LlamaCppBackend(Backend):
 
         return costprofile.get(self)
 
+    def one_pass_seconds(self) -> Optional[float]:
+        from .. import costprofile
+
+        return costprofile.one_pass_seconds(self)
+
     def tokenize(self, text: str, add_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 16
