@@ -168,7 +168,7 @@ class Engine:
         return self.target.tokenize("", add_special=True) + [pre] + parts[0] + [suf] + parts[1] + [mid]
 
     def infill_prompt(self, prefix: str, suffix: str, *, extra: Sequence[tuple[str, str]] = (), middle: str = "",
-                      room: int = 0) -> tuple[list[int], bool]:
+                      room: int = 0, spm: bool = False) -> tuple[list[int], bool]:
         """llama-server's /infill prompt: code completion at a cursor with other files as context. The extra
         chunks ((filename, text): files the editor has open, snippets it saw) come first, in the repository-level
         layout where the model has its tokens (Qwen2.5-Coder: <|repo_name|>myproject, then <|file_sep|>name and
@@ -176,7 +176,9 @@ class Engine:
         each after a "--- snippet ---" line; then fim_prompt(prefix + middle, suffix), `middle` being the text of
         the cursor's line before it. To leave `room` positions of the context for the output, the prefix keeps
         its end and the suffix its start (at least a quarter of the code's share, which is at least half of what
-        is left), and of the chunks those at the end that fit whole. Returns the tokens and whether anything was
+        is left), and of the chunks those at the end that fit whole. spm: the suffix before the prefix
+        (llama-server's --spm-infill, for models trained that way: as the user types, only the cursor's line
+        changes at the end of the prompt, so the rest stays cached). Returns the tokens and whether anything was
         cut."""
         fim, repo = self.target.fim_tokens(), self.target.fim_repo_tokens()
         if fim is None:
@@ -214,7 +216,8 @@ class Engine:
             left -= len(chunk)
         cut = n_prefix < len(prefix_ids) or n_suffix < len(suffix_ids) or len(kept) < len(chunks)
         context = (head + [t for c in kept for t in c] + tail) if kept else []
-        tokens = bos + context + [pre] + prefix_ids[len(prefix_ids) - n_prefix:] + [suf] + suffix_ids[:n_suffix] + [mid]
+        before, after = [pre] + prefix_ids[len(prefix_ids) - n_prefix:], [suf] + suffix_ids[:n_suffix]
+        tokens = bos + context + (after + before if spm else before + after) + [mid]
         return tokens, cut
 
     def prediction_tokens(self, prediction: str | Sequence[int]) -> list[int]:

@@ -92,6 +92,7 @@ class ServerConfig:
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
     parallel: int = 1  # requests decoded at once (slots), each on its own sequence of the shared models
+    spm_infill: bool = False  # /infill's prompt: suffix, prefix, middle (llama-server's --spm-infill)
     # defaults for fields a request leaves out (from the serve flags)
     max_tokens: int = 128
     temperature: float = 0.0
@@ -442,7 +443,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
               grammar=_get_grammar(body), logprobs=n_probs or None)
     if infill:
         job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
-                      "extra": chunks, "room": min(max_tokens, n_ctx // 4)}
+                      "extra": chunks, "room": min(max_tokens, n_ctx // 4), "spm": cfg.spm_infill}
     if n_indent or t_max:
         job.stop_rule = InfillStop(n_indent, t_max)
     return job, fields
@@ -1493,6 +1494,10 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                    help=f"requests decoded at once (default {DEFAULT_PARALLEL}; 1 for the torch backend, --rpc, "
                         "--self-spec and --draft-vocab), each with its own -c tokens of KV cache: their passes "
                         "merge into one, and each output is the one it would be alone")
+    p.add_argument("--spm-infill", action="store_true",
+                   help="/infill's prompt puts the suffix before the prefix (suffix/prefix/middle), as some code "
+                        "models are trained (llama-server's flag); then while the user types only the cursor's "
+                        "line is evaluated again. Default: prefix/suffix/middle (Qwen2.5-Coder's order)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a free slot; more get 503 (default 64)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
@@ -1586,7 +1591,7 @@ def cmd_serve(args) -> int:
                              f"(0..{engine.target.n_vocab - 1})")
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
-        max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel,
+        max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop), presence_penalty=defaults.presence_penalty,

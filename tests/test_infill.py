@@ -54,6 +54,16 @@ def test_repository_level_layout():
     assert engine.infill_prompt("def f():\n", "\nf()\n")[0] == engine.fim_prompt("def f():\n", "\nf()\n")
 
 
+def test_suffix_prefix_middle_layout():
+    """--spm-infill: the suffix before the prefix; typing on the cursor's line changes only the prompt's end."""
+    engine = Engine(CharBackend(repo=True))
+    tokens, _ = engine.infill_prompt("def f():\n", "\nf()\n", extra=[("a.py", "A")], middle="    ", spm=True)
+    assert tokens == ([REPO] + chars("myproject\n") + [SEP] + chars("a.py\nA") + [SEP] + chars("filename\n")
+                      + [SUF] + chars("\nf()\n") + [PRE] + chars("def f():\n    ") + [MID])
+    typed, _ = engine.infill_prompt("def f():\n", "\nf()\n", extra=[("a.py", "A")], middle="    re", spm=True)
+    assert typed[:len(tokens) - 1] == tokens[:-1]
+
+
 def test_snippet_layout_without_repository_tokens():
     tokens, _ = Engine(CharBackend(repo=False)).infill_prompt("p", "s", extra=[("a.py", "A"), ("b.py", "B")])
     snippet = chars("\n\n--- snippet ---\n\n")
@@ -157,11 +167,15 @@ def test_response_fields_and_request_fields():
                                 "input_extra": [{"text": "t"}], "response_fields": ["content"]}, cfg, 1000,
                                 infill=True)
     assert job.max_tokens == 1000 and job.params.seed is None and job.params.repetition_penalty == 1.1
-    assert job.infill == {"prefix": "a", "suffix": "b", "middle": "c", "extra": [("tmp", "t")], "room": 250}
+    assert job.infill == {"prefix": "a", "suffix": "b", "middle": "c", "extra": [("tmp", "t")], "room": 250,
+                          "spm": False}
     assert job.stop_rule.n_indent == 2 and fields == ["content"]
     job, _ = parse_native({"input_prefix": "", "input_suffix": "", "seed": 7}, cfg, 1000, infill=True)
     assert job.max_tokens == 128 and job.params.seed == 7 and job.stop_rule is None
     assert job.infill["room"] == 128
+    job, _ = parse_native({"input_prefix": "", "input_suffix": ""}, ServerConfig("m", spm_infill=True), 1000,
+                          infill=True)
+    assert job.infill["spm"] is True
 
 
 # -- real models -------------------------------------------------------------------------------------------------
@@ -199,8 +213,7 @@ SERVER_MODEL = "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0"
 CTX = 1024
 
 
-@pytest.fixture(scope="module")
-def server():
+def _serve(*flags):
     import signal
     import subprocess
     import sys
@@ -212,13 +225,18 @@ def server():
     if not models.cached_path(SERVER_MODEL).exists():
         pytest.skip(f"{SERVER_MODEL} not pulled")
     exe = str(Path(sys.executable).with_name("speculant"))
-    proc, url = spawn_local(["-m", SERVER_MODEL, "-md", "lookup", "-c", str(CTX), "-t", "1", "-np", "1"],
+    proc, url = spawn_local(["-m", SERVER_MODEL, "-md", "lookup", "-c", str(CTX), "-t", "1", "-np", "1", *flags],
                             timeout=180, exe=exe, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     yield url
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
     out = proc.stdout.read()
     assert proc.returncode == 0 and "Traceback" not in out, out
+
+
+@pytest.fixture(scope="module")
+def server():
+    yield from _serve()
 
 
 @pytest.fixture(scope="module")
@@ -300,3 +318,29 @@ def test_infill_cuts_what_does_not_fit(server):
     res = _infill(server, input_prefix=prefix, n_predict=16)
     assert res["truncated"] is True and res["tokens_evaluated"] <= CTX - 16 and res["stop"] is True
     assert _infill(server, n_predict=16)["truncated"] is False
+
+
+@pytest.fixture(scope="module")
+def spm_server():
+    yield from _serve("--spm-infill")
+
+
+@pytest.mark.models
+def test_spm_infill_evaluates_only_what_was_typed(server, spm_server, tokenizer):
+    """--spm-infill: the prompt is suffix, prefix, middle (the same answer as /v1/completions over it), so the
+    next keystroke's request evaluates only the end of the cursor's line; in the default order the suffix after
+    it is evaluated again."""
+    tokens, _ = tokenizer.infill_prompt(PREFIX, SUFFIX, extra=EXTRA, middle=MIDDLE, room=48, spm=True)
+    res = _infill(spm_server)
+    assert res["tokens_evaluated"] == len(tokens)
+    same = httpx.post(spm_server + "/v1/completions", json={"prompt": tokens, "max_tokens": 48, "temperature": 0},
+                      timeout=120).json()
+    assert res["content"] == same["choices"][0]["text"]
+    suffix_tokens = len(tokenizer.target.tokenize(SUFFIX, add_special=False))
+    for url, at_most in ((spm_server, 6), (server, None)):
+        _infill(url)  # the cursor's line so far, then the user types on
+        typed = _infill(url, prompt=MIDDLE + "return")["timings"]["prompt_n"]
+        if at_most is not None:
+            assert typed <= at_most
+        else:
+            assert typed > suffix_tokens
