@@ -205,8 +205,8 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     except BaseException:
         target.close()
         raise
-    return Engine(target, drafter, draft_max=draft_max if drafter else 0, adaptive=adaptive, draft_min=draft_min,
-                  long_max=long_max)
+    # (without a drafter draft_max still bounds a request's prediction when not adaptive)
+    return Engine(target, drafter, draft_max=draft_max, adaptive=adaptive, draft_min=draft_min, long_max=long_max)
 
 
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,

@@ -86,7 +86,7 @@ class Engine:
         self.draft_min = draft_min
         self.adaptive = adaptive
         self.long_max = long_max
-        self.prediction_policy: Optional[AdaptivePolicy] = None  # an engine without a drafter, given a prediction
+        self.prediction_policy = None  # the policy of an engine without a drafter, given a prediction
         self._scored: tuple[list[int], int, list[TokenLogprob]] = ([], 0, [])  # prompt_logprobs: tokens, n_top, entries
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
         if drafter is None or draft_max == 0:
@@ -279,11 +279,12 @@ class Engine:
         if not tokens:
             return drafter, policy
         pred = PredictionDrafter(tokens, start)
-        if drafter is None:  # no drafter of its own: the prediction still gets an adaptive policy
+        if drafter is None:  # no drafter of its own: the prediction still gets a policy (adaptive unless asked)
             if self.prediction_policy is None:
-                self.prediction_policy = AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1,
-                                                         cost_prior=self.target.cost_profile(),
-                                                         t1_prior=self.target.one_pass_seconds())
+                self.prediction_policy = (
+                    AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1, cost_prior=self.target.cost_profile(),
+                                   t1_prior=self.target.one_pass_seconds())
+                    if self.adaptive else FixedPolicy(self.draft_max))
             return pred, self.prediction_policy
         return CompositeDrafter(pred, drafter), policy
 

@@ -16,8 +16,11 @@ def test_prediction_file_gives_the_same_output_and_supplies_tokens(small, tmp_pa
     pred = tmp_path / "pred.txt"
     pred.write_text(plain["text"])
     r = json.loads(run(*BASE, "--prediction", str(pred)).stdout)
+    assert r["tokens"] == plain["tokens"]  # adaptive: drafting may not pay on this CPU (smollm2 on 2 AVX2 cores:
+    # a pass over 2 tokens costs 2 over 1), so whether the prediction supplies tokens is the policy's call
+    r = json.loads(run(*BASE, "--prediction", str(pred), "--no-adapt", "--draft-max", "8").stdout)
     assert r["tokens"] == plain["tokens"]
-    assert r["stats"]["accepted_by_source"].get("prediction", 0) > 0
+    assert r["stats"]["accepted_by_source"].get("prediction", 0) > 0  # --no-adapt: it drafts every step
     pred.write_text("completely unrelated text " * 10)
     assert json.loads(run(*BASE, "--prediction", str(pred)).stdout)["tokens"] == plain["tokens"]
     assert_clean_error(run(*BASE, "--prediction", str(tmp_path / "missing.txt")), "prediction file")

@@ -251,6 +251,17 @@ def test_greedy_identity_with_a_prediction(kind):
     assert [s for s in r.sources if s] == ["prediction"] * r.stats.accepted_by_source["prediction"]
 
 
+def test_a_prediction_alone_drafts_draft_max_every_step_without_adapting():
+    """--no-adapt with a prediction and no drafter of its own: every step drafts up to --draft-max tokens of it
+    (the adaptive policy may judge drafting a loss on this machine and draft nothing)."""
+    plain = _plain()
+    eng = Engine(TableBackend(V, seed=0), draft_max=3, adaptive=False)
+    r = eng.generate(PROMPT, max_tokens=60, prediction=plain)
+    assert isinstance(eng.prediction_policy, FixedPolicy) and r.tokens == plain
+    assert r.stats.accepted_by_source["prediction"] >= 40 and max(r.stats.draft_lengths) == 3
+    assert isinstance(Engine(TableBackend(V, seed=0), adaptive=True)._with_prediction(plain, 0)[1], AdaptivePolicy)
+
+
 def test_prediction_composes_with_history_lookup_and_a_draft_model():
     plain = _plain()
     drafter = CompositeDrafter(HistoryDrafter(), LookupDrafter(), ModelDrafter(TableBackend(V, seed=1), V))
