@@ -7,7 +7,8 @@ after the gap as input_suffix, the other sample files of the language as input_e
 indentation, n_predict 32, greedy. The two servers get each request in turn (which goes first alternates); their
 answers must be identical. Prints per server the wall time per request, the prompt tokens evaluated (not
 cached) and their time, the tokens written and the decoding time.
-Usage: python docs/bench/infill/typing_bench.py [cases (default 4)]
+With --spm-infill both servers get that flag (the suffix before the prefix: only the cursor's line is new).
+Usage: python docs/bench/infill/typing_bench.py [cases (default 4)] [--spm-infill]
 """
 import subprocess
 import sys
@@ -25,16 +26,17 @@ from speculant.server import spawn_local  # noqa: E402
 SERVE = ["-m", models.DEFAULT_TARGET, "-c", "4096", "-t", "2", "-np", "1"]
 
 
-def main(n_cases=4):
+def main(n_cases=4, flags=()):
     exe = str(Path(sys.executable).with_name("speculant"))
     servers = {}
     for name, extra in (("plain", []), ("lookup+draft", ["-md", models.DEFAULT_DRAFT, "--lookup"])):
-        proc, url = spawn_local(SERVE + extra, timeout=300, exe=exe, stdout=subprocess.DEVNULL,
+        proc, url = spawn_local(SERVE + list(flags) + extra, timeout=300, exe=exe, stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL)
         servers[name] = (proc, url)
     totals = {name: {"wall": 0.0, "prompt_n": 0, "prompt_ms": 0.0, "predicted_n": 0, "predicted_ms": 0.0}
               for name in servers}
     n_requests = 0
+    first = {}  # the servers' first request: (wall s, prompt ms)
     try:
         # cases with other files and a cursor after some text, spread over the files
         picked = [c for c in cases(3) if c[4] and c[2].strip()][::2][:n_cases]
@@ -52,6 +54,7 @@ def main(n_cases=4):
                     r = httpx.post(servers[name][1] + "/infill", json=body, timeout=600).json()
                     wall = time.perf_counter() - t
                     got[name] = r["content"]
+                    first.setdefault(name, (wall, r["timings"]["prompt_ms"]))
                     tot = totals[name]
                     tot["wall"] += wall
                     for key in ("prompt_n", "prompt_ms", "predicted_n", "predicted_ms"):
@@ -68,10 +71,13 @@ def main(n_cases=4):
               f"tokens evaluated in {t['prompt_ms'] / n_requests / 1000:5.2f} s, {t['predicted_n'] / n_requests:5.1f} "
               f"written in {t['predicted_ms'] / n_requests / 1000:5.2f} s "
               f"({t['predicted_n'] / (t['predicted_ms'] / 1000):5.2f} tokens/s)")
+    print("first request (the server's policy has timed nothing yet): " + ", ".join(
+        f"{name} {w:.2f} s ({p / 1000:.2f} s prompt processing)" for name, (w, p) in first.items()))
     plain, spec = totals["plain"], totals["lookup+draft"]
     print(f"{n_requests} requests, answers identical; lookup+draft over plain: wall {plain['wall'] / spec['wall']:.2f}x, "
           f"decoding {plain['predicted_ms'] / spec['predicted_ms']:.2f}x")
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    main(*(int(a) for a in sys.argv[1:] if not a.startswith("-")),
+         flags=[a for a in sys.argv[1:] if a.startswith("-")])
