@@ -88,12 +88,19 @@ def save(backend, times_ms: dict[int, float], source: str) -> Path:
     return path
 
 
+def _stored(backend) -> Optional[dict]:
+    """The cached profile file of this backend's key, parsed; None where there is none (or it is unreadable)."""
+    try:
+        return json.loads(profile_path(backend).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 def load(backend) -> Optional[dict[int, float]]:
     """The cached r(n) for this backend's key, or None."""
     try:
-        data = json.loads(profile_path(backend).read_text())
-        return {int(n): float(v) for n, v in data["ratio"].items()}
-    except (OSError, ValueError, KeyError, TypeError):
+        return {int(n): float(v) for n, v in _stored(backend)["ratio"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
         return None
 
 
@@ -102,9 +109,8 @@ def one_pass_seconds(backend) -> Optional[float]:
     if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0" or not hasattr(backend, "path"):
         return None
     try:
-        data = json.loads(profile_path(backend).read_text())
-        ms = float(data["measured_ms"]["1"])
-    except (OSError, ValueError, KeyError, TypeError):
+        ms = float(_stored(backend)["measured_ms"]["1"])
+    except (KeyError, TypeError, ValueError):
         return None
     return ms / 1000 if ms > 0 else None
 
