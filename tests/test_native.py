@@ -94,17 +94,20 @@ def test_no_instruction_set_is_hard_coded():
 
 # -- the kernels, on random blocks ----------------------------------------------------------------------------
 
-Q4_0, Q5_0, Q8_0, Q4_K, Q6_K = 2, 6, 8, 12, 14  # ggml type ids
-BLOCK_BYTES = {Q4_0: 18, Q5_0: 22, Q8_0: 34, Q4_K: 144, Q6_K: 210}
-BLOCK_VALUES = {Q4_0: 32, Q5_0: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
-SCALE_OFFSETS = {Q4_0: (0,), Q5_0: (0,), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}  # fp16 scales in a block
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q6_K = 2, 3, 6, 7, 8, 12, 14  # ggml type ids
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q4_K: 144, Q6_K: 210}
+BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q4_K: 256, Q6_K: 256}
+# fp16 scales (and Q4_1/Q5_1 minimums) in a block
+SCALE_OFFSETS = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q4_K: (0, 2), Q6_K: (208,)}
+WITH_MIN = {Q4_1, Q5_1}  # their activations are q8_1 rows: d, s = d * (sum of the values), values
 # 256 .. 8960 values per row (the Qwen shapes; 896 and 4864 in the 0.5B draft)
 BLOCK_COUNTS = {256: (1, 6, 35), 32: (1, 28, 152, 280)}
-PLAIN = [Q4_K, Q6_K, Q8_0, Q5_0, Q4_0]  # the plain layout (SPECULANT_REPACK=0, and types nothing repacks)
+# the plain layout (SPECULANT_REPACK=0, and types nothing repacks: Q8_0, Q5_0, Q4_1 as in SmolLM2, Q5_1)
+PLAIN = [Q4_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1]
 REPACKED = [Q4_K, Q6_K, Q4_0]  # 8 rows at a time (how targets load on x86)
 KERNELS = [(False, t) for t in PLAIN] + [(True, t) for t in REPACKED]
-KERNEL_IDS = [("repacked-" if r else "") + {Q4_0: "Q4_0", Q5_0: "Q5_0", Q8_0: "Q8_0", Q4_K: "Q4_K", Q6_K: "Q6_K"}[t]
-              for r, t in KERNELS]
+KERNEL_IDS = [("repacked-" if r else "") + NAMES[t] for r, t in KERNELS]
 
 TEST_ENTRY_ARGS = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                    ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]  # speculant_mm_test
@@ -162,16 +165,21 @@ def _random_weights(rng, qtype: int, nb: int) -> np.ndarray:
 
 
 def _random_columns(rng, qtype: int, ncols: int, nb: int) -> tuple[np.ndarray, np.ndarray]:
-    """ncols quantized activation rows (q8_K for the K-quants, q8_0 for the others) and their values as floats."""
+    """ncols quantized activation rows (q8_K for the K-quants, q8_1 for Q4_1 and Q5_1, q8_0 for the others) and
+    their values as floats."""
     if BLOCK_VALUES[qtype] == 256:  # q8_K: float d, int8 qs[256], int16 bsums[16]
         d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float32)
         qs = rng.integers(-127, 128, (ncols, nb, 256)).astype(np.int8)
         bsums = qs.reshape(ncols, nb, 16, 16).sum(-1).astype(np.int16)
         raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8), bsums.view(np.uint8)], axis=-1)
-    else:  # q8_0: fp16 d, int8 qs[32]
+    else:  # q8_0: fp16 d, int8 qs[32]; q8_1: fp16 d, fp16 s, int8 qs[32]
         d = rng.uniform(0.001, 0.05, (ncols, nb)).astype(np.float16)
         qs = rng.integers(-127, 128, (ncols, nb, 32)).astype(np.int8)
-        raw = np.concatenate([d[..., None].view(np.uint8), qs.view(np.uint8)], axis=-1)
+        head = [d[..., None].view(np.uint8)]
+        if qtype in WITH_MIN:  # as ggml's quantize_row_q8_1 sets it
+            s = (d.astype(np.float32) * qs.astype(np.int32).sum(-1)).astype(np.float16)
+            head.append(s[..., None].view(np.uint8))
+        raw = np.concatenate(head + [qs.view(np.uint8)], axis=-1)
     values = (d.astype(np.float32)[..., None] * qs).reshape(ncols, -1)
     return np.ascontiguousarray(raw.reshape(ncols, -1)), values
 
@@ -184,8 +192,9 @@ def _mm(fn, qtype, repacked, x, y, ncols, group, reorder=0, with_ggml=False):
     n = x.shape[-2] * BLOCK_VALUES[qtype]
     rc = fn(qtype, int(repacked), n, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder,
             out.ctypes.data, ggml.ctypes.data if with_ggml else None)
-    if rc < 0:
+    if rc < 0 and fn.max_group(repacked) == 0:
         pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+    assert rc >= 0, f"no kernel for {NAMES[qtype]}{' repacked' if repacked else ''} in this build"
     return out, (ggml if with_ggml and rc == 0 else None)
 
 
@@ -216,7 +225,8 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
-@pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (True, Q4_0)], ids=["Q8_0", "repacked-Q4_0"])
+@pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (False, Q4_1), (True, Q4_0)],
+                         ids=["Q8_0", "Q4_1", "repacked-Q4_0"])
 def test_long_rows_and_many_tokens_outgrow_the_stack_scratch(repacked, qtype):
     """The per-call column data sits on the stack up to 48 KB and on the heap beyond: 400 blocks (12800 values)
     x 64 tokens needs the heap for both kernels; the bits are those of ggml's one-token kernel all the same."""

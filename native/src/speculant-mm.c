@@ -975,20 +975,41 @@ static void q4_0x8_pack(const block_q4_0 * rows, int nb, q4_0x8 * out) {
 void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
-// -- plain layout, 32-value blocks: Q8_0, Q5_0, Q4_0 against q8_0 columns --
+// -- plain layout, 32-value blocks: Q8_0, Q5_0, Q4_0 against q8_0 columns; Q4_1, Q5_1 against q8_1 --
 //
 // Per output element the float operations of ggml's AVX2 dot products (ggml_vec_dot_q8_0_q8_0 and its Q5_0 and
-// Q4_0 siblings): per block, eight int32 lane sums of 4 products each, converted to float, one fused multiply-add
-// by x.d * y.d into an 8-lane accumulator; the same horizontal sum at the end. The block's 32 signed values are
-// unpacked (and their absolute values taken) once for all columns.
+// Q4_0 siblings; ggml_vec_dot_q4_1_q8_1, _q5_1_q8_1): per block, eight int32 lane sums of 4 products each,
+// converted to float, one fused multiply-add by x.d * y.d into an 8-lane accumulator; the same horizontal sum at
+// the end. Q4_1 and Q5_1 blocks also carry a minimum m, and the column's q8_1 block the sum s of its values (times
+// its d): their products are summed in a float of their own and added last, as ggml does. The block's 32 values
+// are unpacked (and their absolute values taken) once for all columns.
 
-static inline size_t q0_block_bytes(enum ggml_type type) {
-    return type == GGML_TYPE_Q8_0 ? sizeof(block_q8_0) : type == GGML_TYPE_Q5_0 ? sizeof(block_q5_0) : sizeof(block_q4_0);
+// true for the types with a minimum (Q4_1, Q5_1), whose columns are q8_1 rows
+static inline bool q0_has_min(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1;
 }
 
-// what is added to a block's values to make them unsigned bytes
+// what is added to a block's values to make them unsigned bytes (Q4_1 and Q5_1 values are unsigned already)
 static inline int q0_offset(enum ggml_type type) {
-    return type == GGML_TYPE_Q8_0 ? 128 : type == GGML_TYPE_Q5_0 ? 16 : 8;
+    switch (type) {
+        case GGML_TYPE_Q8_0: return 128;
+        case GGML_TYPE_Q5_0: return 16;
+        case GGML_TYPE_Q4_0: return 8;
+        default:             return 0;
+    }
+}
+
+// column block i's values, d and s (s: q8_1 columns only)
+static inline const int8_t * q0_col_qs(enum ggml_type type, const void * y, int i) {
+    return q0_has_min(type) ? ((const block_q8_1 *) y)[i].qs : ((const block_q8_0 *) y)[i].qs;
+}
+
+static inline float q0_col_d(enum ggml_type type, const void * y, int i) {
+    return fp16_to_fp32(q0_has_min(type) ? ((const block_q8_1 *) y)[i].d : ((const block_q8_0 *) y)[i].d);
+}
+
+static inline float q0_col_s(const void * y, int i) {
+    return fp16_to_fp32(((const block_q8_1 *) y)[i].s);
 }
 
 // the 32 values of block i plus q0_offset(type), value j in byte j (0..255)
@@ -997,14 +1018,20 @@ static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) ((const block_q8_0 *) x)[i].qs),
                                 _mm256_set1_epi8((char) 0x80));
     }
-    const uint8_t * qs = type == GGML_TYPE_Q4_0 ? ((const block_q4_0 *) x)[i].qs : ((const block_q5_0 *) x)[i].qs;
+    const uint8_t * qs;
+    switch (type) {
+        case GGML_TYPE_Q4_0: qs = ((const block_q4_0 *) x)[i].qs; break;
+        case GGML_TYPE_Q5_0: qs = ((const block_q5_0 *) x)[i].qs; break;
+        case GGML_TYPE_Q4_1: qs = ((const block_q4_1 *) x)[i].qs; break;
+        default:             qs = ((const block_q5_1 *) x)[i].qs; break;
+    }
     const __m128i packed = _mm_loadu_si128((const __m128i *) qs);  // value j in the low nibble of byte j, j+16 high
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
-    if (type == GGML_TYPE_Q4_0) {
+    if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) {
         return nibbles;
     }
-    uint32_t qh;  // Q5_0: bit j is value j's fifth bit
-    memcpy(&qh, ((const block_q5_0 *) x)[i].qh, 4);
+    uint32_t qh;  // Q5_0, Q5_1: bit j is value j's fifth bit
+    memcpy(&qh, type == GGML_TYPE_Q5_0 ? ((const block_q5_0 *) x)[i].qh : ((const block_q5_1 *) x)[i].qh, 4);
     const __m256i spread = _mm256_shuffle_epi8(_mm256_set1_epi32((int) qh),
                                                _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
                                                                  0x0101010101010101, 0x0000000000000000));
@@ -1017,8 +1044,15 @@ static inline float q0_scale(enum ggml_type type, const void * x, int i) {
     switch (type) {
         case GGML_TYPE_Q8_0: return fp16_to_fp32(((const block_q8_0 *) x)[i].d);
         case GGML_TYPE_Q5_0: return fp16_to_fp32(((const block_q5_0 *) x)[i].d);
+        case GGML_TYPE_Q4_1: return fp16_to_fp32(((const block_q4_1 *) x)[i].d);
+        case GGML_TYPE_Q5_1: return fp16_to_fp32(((const block_q5_1 *) x)[i].d);
         default:             return fp16_to_fp32(((const block_q4_0 *) x)[i].d);
     }
+}
+
+// Q4_1, Q5_1: block i's minimum
+static inline float q0_min(enum ggml_type type, const void * x, int i) {
+    return fp16_to_fp32(type == GGML_TYPE_Q4_1 ? ((const block_q4_1 *) x)[i].m : ((const block_q5_1 *) x)[i].m);
 }
 
 // per column and block, what the kernels need besides its values: -offset x (sums of 4 adjacent values), the
@@ -1051,76 +1085,104 @@ static inline __m256i q0_dpbusd(__m256i acc, __m256i u, __m256i y) {
 // products (x + offset) * y, less offset * (sums of 4 adjacent y): the lanes of ggml's x * y.
 static inline __attribute__((always_inline)) void dot_q0(const int NC, const enum ggml_type type, const int RM,
                                                         const int nb, const char * x, size_t x_stride,
-                                                        const block_q8_0 * const * y, const q0_col * const * cols,
+                                                        const void * const * y, const q0_col * const * cols,
                                                         const int * order, float * out) {
     __m256 acc[Q0_RM][SPECULANT_MM_COLS];
-    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    float summs[Q0_RM][SPECULANT_MM_COLS];  // Q4_1, Q5_1: the sum of x.m * y.s
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) { acc[r][c] = _mm256_setzero_ps(); summs[r][c] = 0.0f; }
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         __m256i u[Q0_RM];
         __m256 dx[Q0_RM];
+        float mx[Q0_RM];
         for (int r = 0; r < RM; ++r) {
             u[r] = q0_unsigned(type, x + r * x_stride, i);
             dx[r] = _mm256_set1_ps(q0_scale(type, x + r * x_stride, i));
+            mx[r] = q0_has_min(type) ? q0_min(type, x + r * x_stride, i) : 0.0f;
         }
         for (int c = 0; c < NC; ++c) {
             const q0_col * col = cols[c] + i;
-            const __m256i corr = _mm256_loadu_si256((const __m256i *) col->corr);
-            const __m256i yq = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
+            // no correction where the values are unsigned already
+            const __m256i corr = q0_has_min(type) ? _mm256_setzero_si256() : _mm256_loadu_si256((const __m256i *) col->corr);
+            const __m256i yq = _mm256_loadu_si256((const __m256i *) q0_col_qs(type, y[c], i));
             const __m256 dy = _mm256_broadcast_ss(&col->d);
+            const float sy = q0_has_min(type) ? q0_col_s(y[c], i) : 0.0f;
             for (int r = 0; r < RM; ++r) {
+                if (q0_has_min(type)) {
+                    summs[r][c] += mx[r] * sy;  // ggml's scalar expression (and its contraction, if any)
+                }
                 const __m256 d = _mm256_mul_ps(dx[r], dy);  // x.d * y.d, as ggml's scalar product
                 acc[r][c] = _mm256_fmadd_ps(d, _mm256_cvtepi32_ps(q0_dpbusd(corr, u[r], yq)), acc[r][c]);
             }
         }
     }
-    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) out[r * SPECULANT_MM_COLS + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < RM; ++r) {
+        for (int c = 0; c < NC; ++c) {
+            out[r * SPECULANT_MM_COLS + c] = q0_has_min(type) ? hsum8(acc[r][c]) + summs[r][c] : hsum8(acc[r][c]);
+        }
+    }
 }
 
-static void q0_columns(enum ggml_type type, int nb, const block_q8_0 * const * y, int nc, q0_col * cols) {
+static void q0_columns(enum ggml_type type, int nb, const void * const * y, int nc, q0_col * cols) {
     const __m256i offset = _mm256_set1_epi8((char) q0_offset(type));
     for (int c = 0; c < nc; ++c) {
         for (int i = 0; i < nb; ++i) {
-            const __m256i sums = q0_dpbusd(_mm256_setzero_si256(), offset, _mm256_loadu_si256((const __m256i *) y[c][i].qs));
+            const __m256i yq = _mm256_loadu_si256((const __m256i *) q0_col_qs(type, y[c], i));
+            const __m256i sums = q0_dpbusd(_mm256_setzero_si256(), offset, yq);
             _mm256_storeu_si256((__m256i *) cols[(size_t) c * nb + i].corr, _mm256_sub_epi32(_mm256_setzero_si256(), sums));
-            cols[(size_t) c * nb + i].d = fp16_to_fp32(y[c][i].d);
+            cols[(size_t) c * nb + i].d = q0_col_d(type, y[c], i);
         }
     }
 }
 
 #else  // no VNNI: |x| times (y signed by x), maddubs + madd, exactly as ggml forms the lanes
 
+// (Q4_1, Q5_1: their unsigned values times y, as ggml's mul_sum_us8_pairs_float)
 static inline __attribute__((always_inline)) void dot_q0(const int NC, const enum ggml_type type, const int RM,
                                                         const int nb, const char * x, size_t x_stride,
-                                                        const block_q8_0 * const * y, const q0_col * const * cols,
+                                                        const void * const * y, const q0_col * const * cols,
                                                         const int * order, float * out) {
     (void) cols;
     __m256 acc[Q0_RM][SPECULANT_MM_COLS];
-    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+    float summs[Q0_RM][SPECULANT_MM_COLS];  // Q4_1, Q5_1: the sum of x.m * y.s
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) { acc[r][c] = _mm256_setzero_ps(); summs[r][c] = 0.0f; }
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         __m256i qx[Q0_RM], ax[Q0_RM];
-        float dx[Q0_RM];
+        float dx[Q0_RM], mx[Q0_RM];
         for (int r = 0; r < RM; ++r) {
-            qx[r] = _mm256_sub_epi8(q0_unsigned(type, x + r * x_stride, i), _mm256_set1_epi8((char) q0_offset(type)));
-            ax[r] = _mm256_sign_epi8(qx[r], qx[r]);
+            if (q0_has_min(type)) {
+                ax[r] = q0_unsigned(type, x + r * x_stride, i);
+                mx[r] = q0_min(type, x + r * x_stride, i);
+            } else {
+                qx[r] = _mm256_sub_epi8(q0_unsigned(type, x + r * x_stride, i), _mm256_set1_epi8((char) q0_offset(type)));
+                ax[r] = _mm256_sign_epi8(qx[r], qx[r]);
+            }
             dx[r] = q0_scale(type, x + r * x_stride, i);
         }
         for (int c = 0; c < NC; ++c) {
-            const __m256i yq = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
-            const float dy = fp16_to_fp32(y[c][i].d);
+            const __m256i yq = _mm256_loadu_si256((const __m256i *) q0_col_qs(type, y[c], i));
+            const float dy = q0_col_d(type, y[c], i);
+            const float sy = q0_has_min(type) ? q0_col_s(y[c], i) : 0.0f;
             for (int r = 0; r < RM; ++r) {
-                const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], _mm256_sign_epi8(yq, qx[r])),
-                                                        _mm256_set1_epi16(1));
+                const __m256i sy8 = q0_has_min(type) ? yq : _mm256_sign_epi8(yq, qx[r]);
+                const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(ax[r], sy8), _mm256_set1_epi16(1));
+                if (q0_has_min(type)) {
+                    summs[r][c] += mx[r] * sy;  // ggml's scalar expression (and its contraction, if any)
+                }
                 acc[r][c] = _mm256_fmadd_ps(_mm256_set1_ps(dx[r] * dy), _mm256_cvtepi32_ps(lanes), acc[r][c]);
             }
         }
     }
-    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) out[r * SPECULANT_MM_COLS + c] = hsum8(acc[r][c]);
+    for (int r = 0; r < RM; ++r) {
+        for (int c = 0; c < NC; ++c) {
+            out[r * SPECULANT_MM_COLS + c] = q0_has_min(type) ? hsum8(acc[r][c]) + summs[r][c] : hsum8(acc[r][c]);
+        }
+    }
 }
 #endif
 
-// nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 columns, `group` columns per weight
+// nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 (q8_1) columns, `group` columns per weight
 // unpacking; row r x column c at out[r * row_stride + c * col_stride]
 static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
                     size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
@@ -1135,10 +1197,10 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 #endif
     for (int c0 = 0; c0 < ncols; c0 += group) {
         const int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_0 * y[SPECULANT_MM_COLS] = {0};
+        const void * y[SPECULANT_MM_COLS] = {0};
         const q0_col * cc[SPECULANT_MM_COLS] = {0};
         for (int c = 0; c < nc; ++c) {
-            y[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
+            y[c] = ycols + (size_t) (c0 + c) * row_size;
             cc[c] = cols ? cols + (size_t) c * nb : NULL;
         }
 #ifdef Q0_UNSIGNED
@@ -1152,6 +1214,8 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
             switch (type) {                                                                                      \
                 case GGML_TYPE_Q8_0: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q8_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
                 case GGML_TYPE_Q5_0: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q5_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
+                case GGML_TYPE_Q4_1: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q4_1, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
+                case GGML_TYPE_Q5_1: SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q5_1, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
                 default:             SPECULANT_BY_NC(nc, dot_q0, GGML_TYPE_Q4_0, RM, nb, xr, x_stride, y, cc, order, tmp); break; \
             }
             if (rm == Q0_RM) {
@@ -1175,7 +1239,7 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 
 static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
-        || type == GGML_TYPE_Q4_0;
+        || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1;
 }
 
 // one Q4_K or Q6_K weight row against ncols q8_K columns, `group` columns per weight unpacking
