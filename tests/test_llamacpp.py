@@ -103,16 +103,18 @@ def small_requantized(tmp_path_factory):
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("requantized")
     made = {}
-    for qtype in ("Q8_0", "Q5_0", "Q4_0"):
+    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1"):
         made[qtype] = out / f"smollm2-{qtype}.gguf"
         quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False)
     return made
 
 
-@pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False)])
+@pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False),
+                                          ("Q5_1", True)])
 def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtype, repack):
-    """Q8_0 and Q5_0 (plain layout), Q4_0 repacked 8 rows at a time (llama.cpp's layout on x86) and unrepacked:
-    every pass size up to the invariant limit gives a token the bits of its one-token pass."""
+    """Q8_0, Q5_0 and Q5_1 (plain layout), Q4_0 repacked 8 rows at a time (llama.cpp's layout on x86) and
+    unrepacked: every pass size up to the invariant limit gives a token the bits of its one-token pass. (The
+    shipped SmolLM2 file is Q4_1: the tests above.)"""
     from gguf import GGUFReader
 
     from speculant.backends.llamacpp import LlamaCppBackend
@@ -123,6 +125,32 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
     try:
         sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]
         assert _batch_vs_single(b, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+    finally:
+        b.close()
+
+
+def test_pass_sizes_are_bit_identical_q5_k_m(tmp_path_factory):
+    """Q5_K_M (Q5_K and Q6_K), the most used K-quant file type after Q4_K_M: the Qwen target requantized (its rows
+    hold whole 256-value superblocks; SmolLM2's 576 do not). One token takes ggml's own Q5_K loop, more take
+    ours: the same bits either way."""
+    from gguf import GGUFReader
+
+    from conftest import TARGET
+    from speculant import models, quantize
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    src = models.cached_path(TARGET)
+    if not src.exists():
+        pytest.skip(f"{TARGET} not pulled (run `make models`)")
+    path = tmp_path_factory.mktemp("q5_k_m") / "qwen-q5_k_m.gguf"
+    q8_0 = quantize.tensor_type("Q8_0", "test")  # embedding and output layer: quick to make, and not what is tested here
+    quantize.make(src, path, quantize.file_type("Q5_K_M"), allow_requantize=True, output_tensor_type=q8_0,
+                  token_embedding_type=q8_0, progress=False)
+    types = {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}
+    assert types["blk.0.ffn_up.weight"] == "Q5_K" and "Q6_K" in types.values()
+    b = LlamaCppBackend(path, n_ctx=512)
+    try:
+        assert _batch_vs_single(b, LONG_TEXT[:400], [1, 2, 3, 4, 5, 8, 16, 33], offsets=(4,)) == 0.0
     finally:
         b.close()
 
