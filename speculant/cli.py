@@ -214,7 +214,7 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("demo", help="plain vs speculative on a built-in code edit (the file as predicted output, "
                                     "then the draft model)")
     _add_model_args(d)
-    d.set_defaults(model_draft=models.DEFAULT_DRAFT)
+    d.set_defaults(model_draft=None)  # the default draft where it shares the target's tokenizer: demo_draft()
     d.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     d.add_argument("--temp", type=float, default=0.0,
                    help="temperature (default 0: greedy, so both outputs must be identical)")
@@ -426,6 +426,18 @@ def cmd_models(args) -> int:
     return 0
 
 
+def demo_draft(model: str) -> Optional[str]:
+    """The demo's draft model when -md is not given: the default draft, unless the target is a registered or local
+    model of another tokenizer family (SmolLM2: the 0.5B Qwen would out-cost the 135M target it drafts for, through
+    text); then none, and the prediction drafts alone."""
+    target, draft = models.spec_of(model), models.spec_of(models.DEFAULT_DRAFT)
+    if target is not None and target.tokenizer and target.tokenizer != draft.tokenizer:
+        print(f"speculant: no registered draft model shares {model}'s tokenizer ({target.tokenizer}): the predicted "
+              f"output drafts alone (-md NAME chooses one)", file=sys.stderr)
+        return None
+    return models.DEFAULT_DRAFT
+
+
 def cmd_demo(args) -> int:
     from .api import load_backend, load_drafter
     from .engine import Engine
@@ -433,6 +445,8 @@ def cmd_demo(args) -> int:
     from .verify import SamplingParams
 
     one_request_pages()
+    if args.model_draft is None and not args.self_spec:
+        args.model_draft = demo_draft(args.model)
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                           dtype=args.dtype, device=args.device, **rpc_kwargs(args))
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,

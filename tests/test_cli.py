@@ -274,3 +274,20 @@ def test_generate_keeps_small_pages_unless_told(given, expected, small, monkeypa
         monkeypatch.setenv("SPECULANT_THP", given)
     assert cli.main(["generate", "-m", small, "-p", "hi", "-n", "2"]) == 0
     assert os.environ["SPECULANT_THP"] == expected
+
+
+def test_demo_drafts_with_the_default_draft_only_for_its_tokenizer(small, capsys):
+    """`demo -m smollm2` used to pair the 135M target with the 0.5B Qwen draft (through text, costing more than the
+    target's own steps); now a target of another tokenizer family gets the predicted output alone. A GGUF path
+    (no registry entry to tell) keeps the default draft, which the vocabulary check then handles."""
+    from speculant.cli import build_parser, demo_draft
+
+    assert build_parser().parse_args(["demo"]).model_draft is None  # chosen after parsing (also: --self-spec)
+    assert demo_draft(models.DEFAULT_TARGET) == models.DEFAULT_DRAFT
+    assert demo_draft("/some/model.gguf") == models.DEFAULT_DRAFT
+    assert demo_draft(SMALL) is None
+    assert "no registered draft model shares" in capsys.readouterr().err
+    proc = run("demo", "-m", SMALL, "-n", "16", "-t", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "identical output: yes" in proc.stdout and "then qwen" not in proc.stdout
+    assert "the file as predicted output" in proc.stdout
