@@ -90,6 +90,35 @@ def _warn_if_inexact() -> None:
               f"{'; '.join(problems)}. Rebuild with `make setup` (native/build-llama.sh).", file=sys.stderr)
 
 
+UNBATCHED_WARN_SHARE = 0.3  # warn when this share of a target's matrix bytes verifies one token at a time
+
+
+def warn_unbatched_weights(target: Backend) -> Optional[str]:
+    """Say (stderr; also returned) when much of a llama.cpp target's weights are of quantized types that verify
+    passes compute one token at a time: there each drafted token adds much of a plain step to the check (a Q5_K_M
+    Qwen 1.5B before its kernel: r(4) 2.5 against 1.7), so speculation pays far less (the adaptive policy prices
+    that), and a user should know why, and what to use instead."""
+    from .backends.llamacpp import LlamaCppBackend
+    from .native import build_info, matrix_bytes, unbatched_weights
+
+    if not isinstance(target, LlamaCppBackend) or build_info() is None:
+        return None
+    try:
+        slow = unbatched_weights(target.path)
+        share = sum(slow.values()) / max(1, matrix_bytes(target.path))
+    except Exception:  # a file llama.cpp loaded but gguf-py cannot read: no advice rather than a failure
+        return None
+    if share < UNBATCHED_WARN_SHARE:
+        return None
+    types = ", ".join(sorted(slow, key=slow.get, reverse=True))
+    message = (f"speculant: warning: {share:.0%} of {target.name}'s weights are {types}, which verify passes "
+               f"compute one token at a time (no multi-token kernel for them): each drafted token adds much of a plain "
+               f"step to the check, so speculation pays far less on this file. Q4_0, Q4_K_M, Q5_K_M, Q6_K and Q8_0 "
+               f"verify at batch cost (`speculant quantize`).")
+    print(message, file=sys.stderr)
+    return message
+
+
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
 HISTORY = "history"  # -md history: the suffix structure over the prompt and earlier outputs, no draft model
 FREE_DRAFTERS = (LOOKUP, HISTORY)
@@ -124,6 +153,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
     history_drafter = HistoryDrafter(max_tokens=history_tokens) if history or draft_model == HISTORY else None
+    if draft_model or lookup or history:
+        warn_unbatched_weights(target)
     if self_spec or self_spec_exit is not None:
         if draft_model and draft_model not in FREE_DRAFTERS:
             raise SettingsError("--self-spec drafts with the target's own layers: do not also pass a draft model")

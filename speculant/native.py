@@ -137,6 +137,39 @@ def exactness_problems() -> list[str]:
     return problems
 
 
+# Quantized weight types whose matrices our build's multi-token kernels compute, a pass over n tokens for about the
+# price of one weight read (native/src/speculant-mm.c, plain or repacked layout; tests/test_native.py checks this
+# set against the build). Other quantized types (Q2_K, Q3_K, the IQ types, ...) are computed one token at a time:
+# each token of a verify pass adds its own pass over those weights.
+BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"})
+FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
+
+
+def unbatched_weights(path) -> dict[str, int]:
+    """A GGUF's matrix bytes in quantized types without multi-token kernels, by type name (empty: none). The
+    token embedding counts only where it is also the output layer (a lookup otherwise, no matmul)."""
+    from gguf import GGUFReader
+
+    tensors = GGUFReader(path, "r").tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    out: dict[str, int] = {}
+    for t in tensors:
+        name = t.tensor_type.name
+        if len(t.shape) < 2 or name in BATCHED_TYPES or name in FLOAT_TYPES:
+            continue
+        if t.name == "token_embd.weight" and not tied:
+            continue
+        out[name] = out.get(name, 0) + int(t.n_bytes)
+    return out
+
+
+def matrix_bytes(path) -> int:
+    """All 2-D weight bytes of a GGUF (the token embedding included)."""
+    from gguf import GGUFReader
+
+    return sum(int(t.n_bytes) for t in GGUFReader(path, "r").tensors if len(t.shape) >= 2)
+
+
 @lru_cache(maxsize=None)
 def cpu_flags() -> frozenset[str]:
     try:

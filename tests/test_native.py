@@ -228,6 +228,26 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+def test_the_batched_types_named_in_python_are_the_builds():
+    """native.BATCHED_TYPES (what the warning about one-token-at-a-time targets trusts) is exactly the set of
+    quantized types the build's plain-layout kernels take: every other type id gets -1 from the test entry."""
+    from gguf import GGMLQuantizationType
+
+    fn = _kernel_lib()
+    if fn.max_group(0) == 0:
+        pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+    x = np.zeros(64 * 1024, np.uint8)  # room for 8 rows of 256 values of any type; zero scales
+    y = np.zeros(64 * 1024, np.uint8)
+    taken = set()
+    for t in GGMLQuantizationType:
+        if t.name in native.FLOAT_TYPES:
+            continue
+        out = np.zeros((1, 8), np.float32)
+        if fn(int(t), 0, 256, x.ctypes.data, y.ctypes.data, 4096, 1, 1, 0, out.ctypes.data, None) >= 0:
+            taken.add(t.name)
+    assert taken == native.BATCHED_TYPES
+
+
 @pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (False, Q4_1), (True, Q4_0)],
                          ids=["Q8_0", "Q4_1", "repacked-Q4_0"])
 def test_long_rows_and_many_tokens_outgrow_the_stack_scratch(repacked, qtype):

@@ -158,3 +158,21 @@ def test_interrupted_quantize_leaves_nothing(home, sig, code):
     assert proc.returncode == code, err
     assert "Traceback" not in err
     assert sorted(p.name for p in folder.iterdir()) == [models.cached_path(SMALL).name]  # nothing else
+
+
+def test_a_target_verified_one_token_at_a_time_is_named_when_speculating(home):
+    """IQ4_NL (all but the Q8_0 embedding of SmolLM2 requantized to it), a type our build has no multi-token kernel
+    for: asking for speculation on it warns that it will seldom pay, and says what does; the shipped Q4_1 file and
+    plain decoding get no such warning. (A Q3_K_M of SmolLM2 would not do: rows of 576 values cannot hold K-quant
+    superblocks, and llama.cpp falls back to Q4_0 and Q4_K, which verify at batch cost.)"""
+    env = {"SPECULANT_HOME": str(home), "SPECULANT_COST_PROFILE": "0"}  # no pass costs to measure: quicker
+    assert run("quantize", SMALL, "--type", "IQ4_NL", "--allow-requantize", "-q", env=env).returncode == 0
+    name = f"{SMALL}-iq4_nl"
+    args = ("-p", "The capital of France is", "-n", "4", "-t", "1")
+    spec = run("generate", "-m", name, "-md", "lookup", *args, env=env)
+    assert spec.returncode == 0, spec.stderr
+    assert "verify passes compute one token at a time" in spec.stderr and "IQ4_NL" in spec.stderr, spec.stderr
+    assert "Q4_K_M, Q5_K_M" in spec.stderr
+    for quiet in (("generate", "-m", name, *args), ("generate", "-m", SMALL, "-md", "lookup", *args)):
+        proc = run(*quiet, env=env)
+        assert proc.returncode == 0 and "one token at a time" not in proc.stderr, proc.stderr
