@@ -99,13 +99,12 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
     Qwen 1.5B before its kernel: r(4) 2.5 against 1.7), so speculation pays far less (the adaptive policy prices
     that), and a user should know why, and what to use instead."""
     from .backends.llamacpp import LlamaCppBackend
-    from .native import build_info, matrix_bytes, unbatched_weights
+    from .native import build_info, unbatched_weights
 
     if not isinstance(target, LlamaCppBackend) or build_info() is None:
         return None
     try:
-        slow = unbatched_weights(target.path)
-        share = sum(slow.values()) / max(1, matrix_bytes(target.path))
+        share, slow = unbatched_weights(target.path)
     except Exception:  # a file llama.cpp loaded but gguf-py cannot read: no advice rather than a failure
         return None
     if share < UNBATCHED_WARN_SHARE:

@@ -145,29 +145,24 @@ BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
-def unbatched_weights(path) -> dict[str, int]:
-    """A GGUF's matrix bytes in quantized types without multi-token kernels, by type name (empty: none). The
-    token embedding counts only where it is also the output layer (a lookup otherwise, no matmul)."""
+def unbatched_weights(path) -> tuple[float, dict[str, int]]:
+    """A GGUF's share of matmul weight bytes in quantized types without multi-token kernels, and those bytes by
+    type name (empty: none), from one read of its tensor list. The token embedding counts only where it is also
+    the output layer (a lookup otherwise, no matmul)."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(path, "r").tensors
     tied = not any(t.name == "output.weight" for t in tensors)
-    out: dict[str, int] = {}
+    slow: dict[str, int] = {}
+    total = 0
     for t in tensors:
+        if len(t.shape) < 2 or (t.name == "token_embd.weight" and not tied):
+            continue
+        total += int(t.n_bytes)
         name = t.tensor_type.name
-        if len(t.shape) < 2 or name in BATCHED_TYPES or name in FLOAT_TYPES:
-            continue
-        if t.name == "token_embd.weight" and not tied:
-            continue
-        out[name] = out.get(name, 0) + int(t.n_bytes)
-    return out
-
-
-def matrix_bytes(path) -> int:
-    """All 2-D weight bytes of a GGUF (the token embedding included)."""
-    from gguf import GGUFReader
-
-    return sum(int(t.n_bytes) for t in GGUFReader(path, "r").tensors if len(t.shape) >= 2)
+        if name not in BATCHED_TYPES and name not in FLOAT_TYPES:
+            slow[name] = slow.get(name, 0) + int(t.n_bytes)
+    return sum(slow.values()) / max(1, total), slow
 
 
 @lru_cache(maxsize=None)
