@@ -1,5 +1,5 @@
-// speculant: batch-invariant multi-token matmul kernels for ggml's CPU backend (Q4_K, Q5_K, Q6_K, Q8_0, Q5_0,
-// Q4_0, Q5_1, Q4_1 weights; Q4_K, Q6_K and Q4_0 repacked 8 rows at a time).
+// speculant: batch-invariant multi-token matmul kernels for ggml's CPU backend (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS,
+// Q8_0, Q5_0, Q4_0, Q5_1, Q4_1 weights; Q4_K, Q6_K and Q4_0 repacked 8 rows at a time).
 //
 // A pass over n tokens must give every output the bits a one-token pass gives it, or speculative
 // verification would not be exact. These kernels compute each output element with one fixed sequence of
@@ -42,8 +42,8 @@ bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_
 // ne[2]): llamafile's sgemm, whose rounding depends on the shape, serves only longer passes
 bool speculant_mm_few_tokens(const struct ggml_tensor * src1);
 
-// true when the kernels below handle src0's type on this build (AVX2 and up); false for a one-token Q5_K pass
-// (ggml's own loop: the same bits, a little faster)
+// true when the kernels below handle src0's type on this build (AVX2 and up); false for a one-token pass over
+// Q3_K, Q5_K or IQ4_XS weights (ggml's own loop: the same bits, a little faster)
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
 // dst rows [ir0, ir1) of src0 x every column of the quantized src1 (q8_K rows of row_size bytes at wdata)
