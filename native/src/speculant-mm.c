@@ -114,6 +114,17 @@ static inline float hsum8(const __m256 x) {
     return _mm_cvtss_f32(r);
 }
 
+// Q4_K / Q5_K's 12 bytes of 8 six-bit scales and 8 six-bit mins, unpacked to bytes: scales in u[0..1], mins in
+// u[2..3] (as ggml's kernels unpack them)
+static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
+    memcpy(u, packed, 12);
+    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
+    const uint32_t u1 = u[1] & 0x3f3f3f3f;
+    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
+    u[2] = u1;
+    u[0] &= 0x3f3f3f3f;
+}
+
 // Q4_K x q8_K for NC columns. y[c] is column c's q8_K row. `order` lists the superblocks in the order they
 // are summed (the identity, except in the test that proves a reordered sum is seen).
 static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const int nb, const block_q4_K * x,
@@ -128,12 +139,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
         const int i = order ? order[ii] : ii;
         // weights: 8 six-bit scales and 8 mins (K-quant packing), the same int16 vectors as ggml's
         uint32_t u[4];
-        memcpy(u, x[i].scales, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t u1 = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = u1;
-        u[0] &= 0x3f3f3f3f;
+        k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const uint8_t * sc = (const uint8_t *) u;  // sc[0..7]: scales
@@ -190,12 +196,7 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         uint32_t u[4];  // 8 six-bit scales and 8 mins, as in dot_q4_K
-        memcpy(u, x[i].scales, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t u1 = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = u1;
-        u[0] &= 0x3f3f3f3f;
+        k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const uint8_t * sc = (const uint8_t *) u;
@@ -417,12 +418,7 @@ static inline __attribute__((always_inline)) void dot_q4_K_pairs(const int NP, c
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         uint32_t u[4];
-        memcpy(u, x[i].scales, 12);
-        u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-        const uint32_t u1 = u[1] & 0x3f3f3f3f;
-        u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-        u[2] = u1;
-        u[0] &= 0x3f3f3f3f;
+        k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
         const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
         const uint8_t * sc = (const uint8_t *) u;
@@ -550,12 +546,7 @@ _Static_assert(sizeof(q4_Kx8) == 8 * sizeof(block_q4_K), "block_q4_Kx8 layout");
 
 // the 8 scales (bytes 0..7, row order) and 8 mins (bytes 8..15) of sub-block j of a q4_Kx8 block
 static inline void q4_Kx8_scales(const q4_Kx8 * x, int j, uint32_t u[4]) {
-    memcpy(u, x->scales + 12 * j, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t u1 = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = u1;
-    u[0] &= 0x3f3f3f3f;
+    k_scales_mins(x->scales + 12 * j, u);
 }
 
 static inline int64_t load64(const int8_t * p) {
