@@ -313,10 +313,17 @@ def parse_size(text: str) -> int:
 
 
 # bits per weight of the matrices under each quantization (what llama.cpp's ftype mixes come to on average)
-EST_BPW = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5}
-EST_TENSOR_TYPE = {"F16": "F16", "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q4_K_M": "Q4_K", "Q4_0": "Q4_0"}
+# (IQ4_XS and Q3_K_M as measured on Qwen2.5-Coder-1.5B, 4.59 and 4.13: a big model's share of Q6_K embedding and
+# output is smaller, so these err on the large side)
+EST_BPW = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5, "IQ4_XS": 4.6,
+           "Q3_K_M": 4.15}
+EST_TENSOR_TYPE = {"F16": "F16", "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q4_K_M": "Q4_K", "Q4_0": "Q4_0",
+                   "IQ4_XS": "IQ4_XS", "Q3_K_M": "Q3_K"}
 CTX_STEPS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-OTHER_TYPES = ("Q8_0", "Q4_0")  # besides each file's own type, what `plan --mem` considers
+# besides each file's own type, what `plan --mem` considers: for a target also the smaller types whose verify
+# passes still run at batch cost (IQ4_XS, Q3_K_M); a draft reads its weights once per token either way
+TARGET_TYPES = ("Q8_0", "Q4_0", "IQ4_XS", "Q3_K_M")
+DRAFT_TYPES = ("Q8_0", "Q4_0")
 
 
 def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = None, draft_max: int = 4,
@@ -327,8 +334,8 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
     steps = [n_ctx] if n_ctx else list(CTX_STEPS)
     rows = []
     own = plan(target, draft, n_ctx=steps[0]).models
-    t_types = [None] + [t for t in OTHER_TYPES if t != own[0].file_type]
-    d_types = [None] + [t for t in OTHER_TYPES if t != own[-1].file_type] if draft else [None]
+    t_types = [None] + [t for t in TARGET_TYPES if t != own[0].file_type]
+    d_types = [None] + [t for t in DRAFT_TYPES if t != own[-1].file_type] if draft else [None]
     NO_DRAFT = "no draft"  # the target alone: plain decoding, or a free drafter (-md lookup / history)
     for tt in t_types:
         for dt in d_types + ([NO_DRAFT] if draft else []):
@@ -434,6 +441,9 @@ def cmd_plan(args) -> int:
                 else f" + draft {r['draft_type']}" if r["draft_type"] else "")
             print(f"  {'fits' if r['fits'] else 'does not fit'}: {pair}" +
                   (f", n_ctx up to {r['n_ctx']} ({r['total_mb']:.0f} MiB)" if r["fits"] else f": {r['why']}"))
+        if any("estimated" in f"{r['target_type']} {r['draft_type']}" for r in out["fits"]):
+            print("(estimated: what `speculant quantize MODEL --type TYPE` would make of the file; add "
+                  "--allow-requantize when the file is already quantized)")
     return 0
 
 

@@ -99,6 +99,9 @@ def test_cli_json_and_mem():
     assert fits[("Q4_K_M", "Q4_K_M")]["fits"] and fits[("Q4_K_M", "Q4_K_M")]["n_ctx"] == 2048  # --ctx given
     assert not fits[("Q8_0 (estimated)", "Q4_K_M")]["fits"]
     assert "weights alone" in fits[("Q8_0 (estimated)", "Q4_K_M")]["why"]
+    # smaller targets that still verify at batch cost: IQ4_XS and Q3_K_M, each smaller than the Q4_K_M file
+    totals = [fits[(t, "Q4_K_M")]["total_mb"] for t in ("Q4_K_M", "IQ4_XS (estimated)", "Q3_K_M (estimated)")]
+    assert totals == sorted(totals, reverse=True) and totals[0] - totals[2] > 100
     text = run("plan", "-md", SHIPPED_DRAFT, "--mem", "1700M").stdout
     assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
     assert "does not fit: target Q8_0 (estimated) alone (plain decoding, -md lookup or -md history): the weights " \
@@ -106,6 +109,10 @@ def test_cli_json_and_mem():
     assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB "
                      r"\(weights 1523,", text)
     assert re.search(r"fits: target Q4_K_M alone \(plain decoding.*\), n_ctx up to 4096 ", text)
+    # the smaller target types that still verify at batch cost are offered for the target, not for the draft
+    assert re.search(r"fits: target Q3_K_M \(estimated\) \+ draft Q4_0 \(estimated\), n_ctx up to", text)
+    assert "draft IQ4_XS" not in text and "draft Q3_K_M" not in text
+    assert "speculant quantize MODEL --type TYPE" in text
 
 
 @pytest.mark.parametrize("args, needle", [
