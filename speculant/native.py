@@ -139,9 +139,10 @@ def exactness_problems() -> list[str]:
 
 # Quantized weight types whose matrices our build's multi-token kernels compute, a pass over n tokens for about the
 # price of one weight read (native/src/speculant-mm.c, plain or repacked layout; tests/test_native.py checks this
-# set against the build). Other quantized types (Q2_K, IQ4_NL, the other IQ types, ...) are computed one token at a time:
+# set against the build). Other quantized types (Q2_K, the IQ2 and IQ3 types, ...) are computed one token at a time:
 # each token of a verify pass adds its own pass over those weights.
-BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_XS"})
+BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
+                           "IQ4_XS"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 

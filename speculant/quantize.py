@@ -32,10 +32,10 @@ from .errors import ModelError, SettingsError
 # matrix, which we do not compute
 FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
               "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-              "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30}
+              "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q1_0": 40}
 # ggml tensor types for --output-tensor-type / --token-embedding-type
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "IQ4_NL", "IQ4_XS")
+                "Q6_K", "IQ4_NL", "IQ4_XS", "Q1_0")
 UNQUANTIZED = {"F32", "F16", "BF16"}
 STAGING_PREFIX = ".quantize-"
 _PROGRESS = re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\s*\]")

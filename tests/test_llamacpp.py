@@ -103,17 +103,17 @@ def small_requantized(tmp_path_factory):
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("requantized")
     made = {}
-    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1"):
+    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1", "IQ4_NL"):
         made[qtype] = out / f"smollm2-{qtype}.gguf"
         quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False)
     return made
 
 
 @pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False),
-                                          ("Q5_1", True)])
+                                          ("Q5_1", True), ("IQ4_NL", True), ("IQ4_NL", False)])
 def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtype, repack):
-    """Q8_0, Q5_0 and Q5_1 (plain layout), Q4_0 repacked 8 rows at a time (llama.cpp's layout on x86) and
-    unrepacked: every pass size up to the invariant limit gives a token the bits of its one-token pass. (The
+    """Q8_0, Q5_0 and Q5_1 (plain layout), Q4_0 and IQ4_NL repacked 8 rows at a time (llama.cpp's layout on x86)
+    and unrepacked: every pass size up to the invariant limit gives a token the bits of its one-token pass. (The
     shipped SmolLM2 file is Q4_1: the tests above.)"""
     from gguf import GGUFReader
 

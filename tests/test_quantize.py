@@ -161,18 +161,26 @@ def test_interrupted_quantize_leaves_nothing(home, sig, code):
 
 
 def test_a_target_verified_one_token_at_a_time_is_named_when_speculating(home):
-    """IQ4_NL (all but the Q8_0 embedding of SmolLM2 requantized to it), a type our build has no multi-token kernel
-    for: asking for speculation on it warns that it will seldom pay, and says what does; the shipped Q4_1 file and
-    plain decoding get no such warning. (A Q3_K_M of SmolLM2 would not do: rows of 576 values cannot hold K-quant
-    superblocks, and llama.cpp falls back to Q4_0 and Q4_K, which verify at batch cost.)"""
+    """Q1_0 (the Qwen 0.5B requantized to it, its tied embedding and output layer too), a type our build has
+    no multi-token kernel for: asking for speculation on it warns that it will seldom pay, and says what does; the
+    shipped Q4_1 SmolLM2, SmolLM2 requantized to IQ4_NL and plain decoding get no such warning. (SmolLM2 itself would not do: its rows of 576
+    values hold no Q1_0 or K-quant blocks, and what llama.cpp falls back to, Q4_0, Q5_0 or IQ4_NL, verifies at
+    batch cost.)"""
+    qwen = "qwen2.5-coder-0.5b-instruct"
+    if not models.cached_path(qwen).exists():
+        pytest.skip(f"{qwen} not pulled")
+    (home / "models" / models.cached_path(qwen).name).symlink_to(models.cached_path(qwen))
     env = {"SPECULANT_HOME": str(home), "SPECULANT_COST_PROFILE": "0"}  # no pass costs to measure: quicker
-    assert run("quantize", SMALL, "--type", "IQ4_NL", "--allow-requantize", "-q", env=env).returncode == 0
-    name = f"{SMALL}-iq4_nl"
+    proc = run("quantize", qwen, "--type", "Q1_0", "--output-tensor-type", "Q1_0", "--allow-requantize", "-q", env=env)
+    assert proc.returncode == 0, proc.stderr
+    name = f"{qwen}-q1_0-out-q1_0"
     args = ("-p", "The capital of France is", "-n", "4", "-t", "1")
     spec = run("generate", "-m", name, "-md", "lookup", *args, env=env)
     assert spec.returncode == 0, spec.stderr
-    assert "verify passes compute one token at a time" in spec.stderr and "IQ4_NL" in spec.stderr, spec.stderr
-    assert "Q4_K_M, Q5_K_M" in spec.stderr
-    for quiet in (("generate", "-m", name, *args), ("generate", "-m", SMALL, "-md", "lookup", *args)):
+    assert "verify passes compute one token at a time" in spec.stderr and "Q1_0" in spec.stderr, spec.stderr
+    assert "Q4_K_M, Q5_K_M" in spec.stderr and "IQ4_NL" in spec.stderr
+    assert run("quantize", SMALL, "--type", "IQ4_NL", "--allow-requantize", "-q", env=env).returncode == 0
+    for quiet in (("generate", "-m", name, *args), ("generate", "-m", SMALL, "-md", "lookup", *args),
+                  ("generate", "-m", f"{SMALL}-iq4_nl", "-md", "lookup", *args)):  # IQ4_NL: batched since 2026-12-03
         proc = run(*quiet, env=env)
         assert proc.returncode == 0 and "one token at a time" not in proc.stderr, proc.stderr

@@ -3,8 +3,8 @@
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
 // _q6_K_q8_K, _q3_K_q8_K, _iq4_xs_q8_K,
-// _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1; ggml_gemv_q4_K_8x8_q8_K and ggml_gemv_q4_0_8x8_q8_0 for the repacked
-// layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
+// _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K, ggml_gemv_q4_0_8x8_q8_0
+// and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
 // are unpacked once for up to SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows), and integer sums are exact however they are formed
 // (VNNI or not, 256 or 512 bits), so every ISA level gives the same bits.
 //
@@ -965,6 +965,56 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 }
 #endif
 
+// IQ4_NL rows as ggml repacks them on AVX2 (block_iq4_nlx8: q4_0x8's layout, table indices without the XOR), in
+// the lanes of ggml_gemv_iq4_nl_8x8_q8_0: per block and row, the table values times q8 summed exactly (here |w|
+// times q8 carrying w's sign, which keeps maddubs from saturating), one fused multiply-add by x.d * y.d. 256-bit
+// on every level: the table values do not fit VNNI's unsigned operand without a per-column correction.
+typedef q4_0x8 iq4_nlx8;
+
+static inline __attribute__((always_inline)) void iq4_nlx8_cols(const int NC, const int nb, const iq4_nlx8 * x,
+                                                               const block_q8_0 * const * y, const int * order,
+                                                               float * const * out) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) iq4_values));
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    const __m256i ones = _mm256_set1_epi16(1);
+    const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
+    __m256 acc[REPACKED_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const iq4_nlx8 * xb = x + i;
+        __m256i w[2][4], wabs[2][4];  // [rows 4*half .. 4*half+3][values 8k .. 8k+7]
+        for (int half = 0; half < 2; ++half) {
+            const __m256i lo = _mm256_loadu_si256((const __m256i *) (xb->qs + 32 * half));       // bytes 0-7
+            const __m256i hi = _mm256_loadu_si256((const __m256i *) (xb->qs + 64 + 32 * half));  // bytes 8-15
+            w[half][0] = _mm256_shuffle_epi8(table, _mm256_and_si256(lo, m4));
+            w[half][1] = _mm256_shuffle_epi8(table, _mm256_and_si256(hi, m4));
+            w[half][2] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4));
+            w[half][3] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(hi, 4), m4));
+            for (int k = 0; k < 4; ++k) wabs[half][k] = _mm256_sign_epi8(w[half][k], w[half][k]);
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs;
+            __m256i s[2];
+            for (int half = 0; half < 2; ++half) {
+                s[half] = _mm256_setzero_si256();
+                for (int k = 0; k < 4; ++k) {
+                    const __m256i a = _mm256_set1_epi64x(load64(q8 + 8 * k));
+                    const __m256i p = _mm256_maddubs_epi16(wabs[half][k], _mm256_sign_epi8(a, w[half][k]));
+                    s[half] = _mm256_add_epi32(s[half], _mm256_madd_epi16(p, ones));
+                }
+            }
+            // [r0 r1 r4 r5 | r2 r3 r6 r7] -> row order
+            const __m256i irow = _mm256_permutevar8x32_epi32(_mm256_hadd_epi32(s[0], s[1]), row_order);
+            const __m256 yd = _mm256_set1_ps(fp16_to_fp32(y[c][i].d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(irow), _mm256_mul_ps(xd, yd), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+
 // the sum of each q8_0 block's 32 values, for ncols columns of nb blocks: sums[c * nb + i]
 static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int ncols, int32_t * sums) {
     const __m256i bias = _mm256_set1_epi8((char) 0x80);  // as unsigned bytes: value + 128
@@ -1032,17 +1082,29 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
         switch (type) {
             case GGML_TYPE_Q4_K: SPECULANT_BY_NC_REPACKED(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
             case GGML_TYPE_Q6_K: SPECULANT_BY_NC_REPACKED(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
+            case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, iq4_nlx8_cols, n / QK8_0, x, y0, order, o); break;
             default:             SPECULANT_BY_NC_REPACKED(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
         }
     }
 }
 
 bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
-    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0) && interleave == 8 && rows == 8;
+    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL)
+        && interleave == 8 && rows == 8;
 }
+
+void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+void ggml_gemv_iq4_nl_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
 static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                           size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
+    if (type == GGML_TYPE_IQ4_NL && ncols == 1 && !order) {
+        // one token: ggml's own gemv, the same bits as our kernel and 1.5% faster per decode step in paired A/Bs
+        // on a whole model (AVX2, 2 threads)
+        ggml_gemv_iq4_nl_8x8_q8_0(n, dst, 0, x, wdata, 1, (int) nrows);
+        return;
+    }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
     int32_t * ysums = NULL;
     if (type == GGML_TYPE_Q4_0) {
@@ -1113,20 +1175,20 @@ static void q4_Kx8_pack(const block_q4_K * rows, int nb, q4_Kx8 * out) {
 }
 
 
-// make_block_q4_0x8: chunk k of 8 bytes is bytes 8(k/8)..+7 of row k%8, XOR 0x88
-static void q4_0x8_pack(const block_q4_0 * rows, int nb, q4_0x8 * out) {
+// make_block_q4_0x8: chunk k of 8 bytes is bytes 8(k/8)..+7 of row k%8, XOR 0x88 (make_block_iq4_nlx8: no XOR;
+// block_iq4_nl has block_q4_0's layout)
+static void q4_0x8_pack(const block_q4_0 * rows, int nb, uint8_t xor_mask, q4_0x8 * out) {
     for (int i = 0; i < nb; ++i) {
         q4_0x8 * o = out + i;
         for (int r = 0; r < 8; ++r) o->d[r] = rows[(size_t) r * nb + i].d;
         for (int k = 0; k < 16; ++k) {
             const uint8_t * src = rows[(size_t) (k % 8) * nb + i].qs + 8 * (k / 8);
-            for (int b = 0; b < 8; ++b) o->qs[8 * k + b] = src[b] ^ 0x88;
+            for (int b = 0; b < 8; ++b) o->qs[8 * k + b] = src[b] ^ xor_mask;
         }
     }
 }
 
-void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
-void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+_Static_assert(sizeof(block_iq4_nl) == sizeof(block_q4_0), "block_iq4_nl has block_q4_0's layout");
 
 // -- plain layout, 32-value blocks: Q8_0, Q5_0, Q4_0 against q8_0 columns; Q4_1, Q5_1 against q8_1 --
 //
@@ -1335,6 +1397,48 @@ static inline __attribute__((always_inline)) void dot_q0(const int NC, const enu
 }
 #endif
 
+// IQ4_NL x q8_0 for NC columns, as ggml_vec_dot_iq4_nl_q8_0 (AVX2) forms it: the table values times q8 in its
+// sign-trick lanes, blocks 0, 2, 4, ... fused into one accumulator and 1, 3, 5, ... into another, the two summed
+// at the end; an odd last block is added in scalar float. 256-bit on every level, as for the repacked rows.
+static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const int nb, const block_iq4_nl * x,
+                                                            const block_q8_0 * const * y, const int * order,
+                                                            float * out) {
+    const __m128i values128 = _mm_loadu_si128((const __m128i *) iq4_values);
+    const __m128i m4b = _mm_set1_epi8(0x0f);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[2][SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[0][c] = acc[1][c] = _mm256_setzero_ps();
+    const int paired = nb & ~1;
+    for (int ii = 0; ii < paired; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const __m128i q4bits = _mm_loadu_si128((const __m128i *) x[i].qs);
+        const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values128, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
+                                           _mm_shuffle_epi8(values128, _mm_and_si128(q4bits, m4b)));
+        const __m256i wabs = _mm256_sign_epi8(w, w);
+        const float xd = fp16_to_fp32(x[i].d);
+        for (int c = 0; c < NC; ++c) {
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
+            const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q8, w)), ones);
+            const float d = fp16_to_fp32(y[c][i].d) * xd;
+            acc[ii & 1][c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[ii & 1][c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) {
+        float sumf = hsum8(_mm256_add_ps(acc[0][c], acc[1][c]));
+        if (paired < nb) {  // ggml's scalar tail, the same expression (and its contraction, if any)
+            const int i = order ? order[paired] : paired;
+            int sumi1 = 0, sumi2 = 0;
+            for (int j = 0; j < QK4_NL / 2; ++j) {
+                sumi1 += y[c][i].qs[j] * iq4_values[x[i].qs[j] & 0xf];
+                sumi2 += y[c][i].qs[j + QK4_NL / 2] * iq4_values[x[i].qs[j] >> 4];
+            }
+            const float d = fp16_to_fp32(y[c][i].d) * fp16_to_fp32(x[i].d);
+            sumf += d * (sumi1 + sumi2);
+        }
+        out[c] = sumf;
+    }
+}
+
 // nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 (q8_1) columns, `group` columns per weight
 // unpacking; row r x column c at out[r * row_stride + c * col_stride]
 static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
@@ -1355,6 +1459,16 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
         for (int c = 0; c < nc; ++c) {
             y[c] = ycols + (size_t) (c0 + c) * row_size;
             cc[c] = cols ? cols + (size_t) c * nb : NULL;
+        }
+        if (type == GGML_TYPE_IQ4_NL) {
+            for (int64_t r = 0; r < nrows; ++r) {
+                float tmp[SPECULANT_MM_COLS];
+                const block_q8_0 * y0[SPECULANT_MM_COLS] = {0};
+                for (int c = 0; c < nc; ++c) y0[c] = y[c];
+                SPECULANT_BY_NC(nc, dot_iq4_nl, nb, (const block_iq4_nl *) (x + r * x_stride), y0, order, tmp);
+                for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
+            }
+            continue;
         }
 #ifdef Q0_UNSIGNED
         q0_columns(type, nb, y, nc, cols);
@@ -1393,7 +1507,7 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
-        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS;
+        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL;
 }
 
 // one weight row of a type with 256-value superblocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
@@ -1439,7 +1553,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 // Types whose one-token passes keep ggml's own loop over its dot product: the same bits as our kernel with one
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
-    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS;
+    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL;
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
@@ -1516,7 +1630,8 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
         switch (t) {
             case GGML_TYPE_Q4_K: q4_Kx8_pack(x, nb, packed); break;
             case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, packed); break;
-            default:             q4_0x8_pack(x, nb, packed); break;
+            case GGML_TYPE_IQ4_NL: q4_0x8_pack(x, nb, 0, packed); break;
+            default:             q4_0x8_pack(x, nb, 0x88, packed); break;
         }
         repacked_rows(t, n, packed, 8, y, row_size, ncols, group, order, out, 8);
         for (int c = 0; out_ggml && c < ncols; ++c) {
@@ -1524,6 +1639,7 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
             switch (t) {  // ggml has no x86 kernel for repacked Q6_K
                 case GGML_TYPE_Q4_K: ggml_gemv_q4_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 case GGML_TYPE_Q4_0: ggml_gemv_q4_0_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
+                case GGML_TYPE_IQ4_NL: ggml_gemv_iq4_nl_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 default: rc = 1; break;
             }
         }
