@@ -106,6 +106,11 @@ static inline float fp16_to_fp32(ggml_fp16_t h) {
 #endif
 }
 
+// acc + d * (float) lanes, one fused multiply-add per lane: how every kernel here folds a block's int32 lanes in
+static inline __m256 fma_lanes(float d, __m256i lanes, __m256 acc) {
+    return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
+}
+
 static inline float hsum8(const __m256 x) {
     __m128 r = _mm256_extractf128_ps(x, 1);
     r = _mm_add_ps(r, _mm256_castps256_ps128(x));
@@ -171,7 +176,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
         }
         for (int c = 0; c < NC; ++c) {
             const float d = y[c][i].d * xd;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) {
@@ -233,7 +238,7 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
         }
         for (int c = 0; c < NC; ++c) {
             const float d = y[c][i].d * xd;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]) + summs[c];
@@ -292,7 +297,7 @@ static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const i
         }
         for (int c = 0; c < NC; ++c) {
             const float d = y[c][i].d * xd;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
@@ -332,7 +337,7 @@ static inline __attribute__((always_inline)) void dot_iq4_xs(const int NC, const
         }
         for (int c = 0; c < NC; ++c) {
             const float d = xd * y[c][i].d;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
@@ -386,7 +391,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
         }
         for (int c = 0; c < NC; ++c) {
             const float d = y[c][i].d * xd;
-            acc[c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(sumi[c]), acc[c]);
+            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
@@ -452,9 +457,8 @@ static inline __attribute__((always_inline)) void dot_q4_K_pairs(const int NP, c
         for (int p = 0; p < NP; ++p) {
             const float d0 = y[2 * p][i].d * xd;
             const float d1 = y[2 * p + 1][i].d * xd;
-            acc[2 * p] = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(_mm512_castsi512_si256(sumi[p])), acc[2 * p]);
-            acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(sumi[p], 1)),
-                                             acc[2 * p + 1]);
+            acc[2 * p] = fma_lanes(d0, _mm512_castsi512_si256(sumi[p]), acc[2 * p]);
+            acc[2 * p + 1] = fma_lanes(d1, _mm512_extracti64x4_epi64(sumi[p], 1), acc[2 * p + 1]);
         }
     }
     for (int c = 0; c < 2 * NP; ++c) {
@@ -517,9 +521,8 @@ static inline __attribute__((always_inline)) void dot_q6_K_pairs(const int NP, c
         for (int p = 0; p < NP; ++p) {
             const float d0 = y[2 * p][i].d * xd;
             const float d1 = y[2 * p + 1][i].d * xd;
-            acc[2 * p] = _mm256_fmadd_ps(_mm256_set1_ps(d0), _mm256_cvtepi32_ps(_mm512_castsi512_si256(sumi[p])), acc[2 * p]);
-            acc[2 * p + 1] = _mm256_fmadd_ps(_mm256_set1_ps(d1), _mm256_cvtepi32_ps(_mm512_extracti64x4_epi64(sumi[p], 1)),
-                                             acc[2 * p + 1]);
+            acc[2 * p] = fma_lanes(d0, _mm512_castsi512_si256(sumi[p]), acc[2 * p]);
+            acc[2 * p + 1] = fma_lanes(d1, _mm512_extracti64x4_epi64(sumi[p], 1), acc[2 * p + 1]);
         }
     }
     for (int c = 0; c < 2 * NP; ++c) out[c] = hsum8(acc[c]);
@@ -1420,7 +1423,7 @@ static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const
             const __m256i q8 = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
             const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q8, w)), ones);
             const float d = fp16_to_fp32(y[c][i].d) * xd;
-            acc[ii & 1][c] = _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc[ii & 1][c]);
+            acc[ii & 1][c] = fma_lanes(d, lanes, acc[ii & 1][c]);
         }
     }
     for (int c = 0; c < NC; ++c) {
