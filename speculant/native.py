@@ -139,29 +139,36 @@ def exactness_problems() -> list[str]:
 
 # Quantized weight types whose matrices our build's multi-token kernels compute, a pass over n tokens for about the
 # price of one weight read (native/src/speculant-mm.c, plain or repacked layout; tests/test_native.py checks this
-# set against the build). Other quantized types (Q2_K, the IQ2 and IQ3 types, ...) are computed one token at a time:
-# each token of a verify pass adds its own pass over those weights.
-BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL",
-                           "IQ4_XS"})
+# set against the build). Other quantized types (the IQ2 and IQ3 types, ...; Q2_K where it is repacked, below) are
+# computed one token at a time: each token of a verify pass adds its own pass over those weights.
+BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+                           "IQ4_NL", "IQ4_XS"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
-def unbatched_weights(path) -> tuple[float, dict[str, int]]:
+# Types llama.cpp repacks 8 rows at a time on CPUs with AVX-512 only (q2_K_8x8), a layout our kernels do not take:
+# with repacked weights on such a CPU, those matrices are computed one token at a time after all.
+REPACKED_ON_AVX512_ONLY = frozenset({"Q2_K"})
+
+
+def unbatched_weights(path, repacked: bool = True) -> tuple[float, dict[str, int]]:
     """A GGUF's share of matmul weight bytes in quantized types without multi-token kernels, and those bytes by
-    type name (empty: none), from one read of its tensor list. The token embedding counts only where it is also
-    the output layer (a lookup otherwise, no matmul)."""
+    type name (empty: none), from one read of its tensor list, for weights loaded repacked or not. The token
+    embedding counts only where it is also the output layer (a lookup otherwise, no matmul)."""
     from gguf import GGUFReader
 
     tensors = GGUFReader(path, "r").tensors
     tied = not any(t.name == "output.weight" for t in tensors)
     slow: dict[str, int] = {}
     total = 0
+    avx512_repacks = repacked and "avx512f" in cpu_flags()
     for t in tensors:
         if len(t.shape) < 2 or (t.name == "token_embd.weight" and not tied):
             continue
         total += int(t.n_bytes)
         name = t.tensor_type.name
-        if name not in BATCHED_TYPES and name not in FLOAT_TYPES:
+        repacked_here = avx512_repacks and name in REPACKED_ON_AVX512_ONLY and int(t.shape[1]) % 8 == 0
+        if (name not in BATCHED_TYPES or repacked_here) and name not in FLOAT_TYPES:
             slow[name] = slow.get(name, 0) + int(t.n_bytes)
     return sum(slow.values()) / max(1, total), slow
 

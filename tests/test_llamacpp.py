@@ -129,12 +129,17 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
         b.close()
 
 
-def test_pass_sizes_are_bit_identical_q3_k_m(tmp_path_factory):
-    """Q3_K_M, the Qwen target requantized (its rows hold whole 256-value superblocks; SmolLM2's 576 do not): Q3_K
-    for most matrices, Q4_K (repacked), Q5_K (as in Q5_K_M files, the most used K-quant after Q4_K_M) for the
-    first layers' attn_v and ffn_down (Q6_K, its output layer's type, is made Q8_0 here). One token takes ggml's own Q3_K and Q5_K loops, more take ours:
-    the same bits either way. (IQ4_XS, the other 256-value type our kernels take, is checked against ggml's kernel
-    in test_native only: quantizing the target to it takes 5 minutes here.)"""
+@pytest.mark.parametrize("ftype,expected", [
+    ("Q3_K_M", {"blk.0.ffn_up.weight": "Q3_K", "blk.0.ffn_down.weight": "Q5_K", "blk.0.attn_output.weight": "Q4_K"}),
+    ("Q2_K", {"blk.0.ffn_up.weight": "Q2_K", "blk.0.ffn_down.weight": "Q3_K", "blk.0.attn_v.weight": "Q4_K"}),
+])
+def test_pass_sizes_are_bit_identical_low_bit_k_quants(tmp_path_factory, ftype, expected):
+    """Q3_K_M and Q2_K, the Qwen target requantized (its rows hold whole 256-value superblocks; SmolLM2's 576 do
+    not). Q3_K_M: Q3_K for most matrices, Q4_K (repacked), Q5_K (as in Q5_K_M files, the most used K-quant after
+    Q4_K_M) for the first layers' attn_v and ffn_down. Q2_K: Q2_K for most, Q3_K, Q4_K. (Q6_K, the output layer's
+    type, is made Q8_0 here.) One token takes ggml's own Q2_K, Q3_K and Q5_K loops, more take ours: the same bits
+    either way. (IQ4_XS, the other 256-value type our kernels take, is checked against ggml's kernel in
+    test_native only: quantizing the target to it takes 5 minutes here.)"""
     from gguf import GGUFReader
 
     from conftest import TARGET
@@ -144,13 +149,12 @@ def test_pass_sizes_are_bit_identical_q3_k_m(tmp_path_factory):
     src = models.cached_path(TARGET)
     if not src.exists():
         pytest.skip(f"{TARGET} not pulled (run `make models`)")
-    path = tmp_path_factory.mktemp("q3_k_m") / "qwen-q3_k_m.gguf"
+    path = tmp_path_factory.mktemp(ftype.lower()) / f"qwen-{ftype.lower()}.gguf"
     q8_0 = quantize.tensor_type("Q8_0", "test")  # embedding and output layer: quick to make, and not what is tested here
-    quantize.make(src, path, quantize.file_type("Q3_K_M"), allow_requantize=True, output_tensor_type=q8_0,
+    quantize.make(src, path, quantize.file_type(ftype), allow_requantize=True, output_tensor_type=q8_0,
                   token_embedding_type=q8_0, progress=False)
     types = {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}
-    assert types["blk.0.ffn_up.weight"] == "Q3_K" and types["blk.0.ffn_down.weight"] == "Q5_K"
-    assert "Q4_K" in types.values()
+    assert {name: types[name] for name in expected} == expected
     b = LlamaCppBackend(path, n_ctx=512)
     try:
         assert _batch_vs_single(b, LONG_TEXT[:400], [1, 2, 3, 4, 5, 8, 16, 33], offsets=(4,)) == 0.0

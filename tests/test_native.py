@@ -94,23 +94,23 @@ def test_no_instruction_set_is_hard_coded():
 
 # -- the kernels, on random blocks ----------------------------------------------------------------------------
 
-Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 11, 12, 13, 14, 20, 23  # ggml ids
-NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q3_K: "Q3_K", Q4_K: "Q4_K",
-         Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
-BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q3_K: 110, Q4_K: 144, Q5_K: 176, Q6_K: 210,
-               IQ4_NL: 18, IQ4_XS: 136}
-BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q3_K: 256, Q4_K: 256, Q5_K: 256, Q6_K: 256,
-                IQ4_NL: 32, IQ4_XS: 256}
+Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
+NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
+               Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136}
+BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q2_K: 256, Q3_K: 256, Q4_K: 256, Q5_K: 256,
+                Q6_K: 256, IQ4_NL: 32, IQ4_XS: 256}
 # fp16 scales (and minimums: Q4_1/Q5_1's m, the K-quants' dmin) in a block
-SCALE_OFFSETS = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q3_K: (108,), Q4_K: (0, 2),
-                 Q5_K: (0, 2), Q6_K: (208,), IQ4_NL: (0,), IQ4_XS: (0,)}
+SCALE_OFFSETS = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q2_K: (80, 82), Q3_K: (108,),
+                 Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_NL: (0,), IQ4_XS: (0,)}
 WITH_MIN = {Q4_1, Q5_1}  # their activations are q8_1 rows: d, s = d * (sum of the values), values
 # 256 .. 8960 values per row (the Qwen shapes; 896 and 4864 in the 0.5B draft; an odd block count, which IQ4_NL's
 # one-token kernel ends in scalar code)
 BLOCK_COUNTS = {256: (1, 6, 35), 32: (1, 27, 28, 152, 280)}
 # the plain layout (SPECULANT_REPACK=0, and types nothing repacks on x86: Q8_0, Q5_0, Q4_1 as in SmolLM2, Q5_1,
-# Q5_K as in Q5_K_M files, Q3_K as in Q3_K_M ones, IQ4_XS; IQ4_NL in rows not a multiple of 8)
-PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL]
+# Q5_K as in Q5_K_M files, Q3_K as in Q3_K_M ones, IQ4_XS, Q2_K on AVX2; IQ4_NL in rows not a multiple of 8)
+PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL, Q2_K]
 # 8 rows at a time (how targets load on x86; IQ4_NL: K-quant rows of 896 or 576 values in IQ4_XS and IQ2/IQ3 files)
 REPACKED = [Q4_K, Q6_K, Q4_0, IQ4_NL]
 KERNELS = [(False, t) for t in PLAIN] + [(True, t) for t in REPACKED]
@@ -322,3 +322,26 @@ def test_every_isa_level_gives_the_same_bits(repacked, qtype):
         pytest.skip("fewer than two kernel ISA levels run on this CPU")
     first = next(iter(results.values()))
     assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
+
+
+def test_unbatched_weights_count_q2_k_where_llama_cpp_repacks_it(tmp_path, monkeypatch):
+    """Q2_K has a plain-layout kernel, but llama.cpp repacks its matrices of a multiple of 8 rows on CPUs with
+    AVX-512 (q2_K_8x8), which our kernels do not take: there, with repacked weights, the warning must count them."""
+    from gguf import GGMLQuantizationType, GGUFWriter
+
+    path = tmp_path / "q2_k.gguf"
+    writer = GGUFWriter(str(path), "llama")
+    for name, rows, qtype in (("blk.0.ffn_up.weight", 8, Q2_K), ("blk.0.ffn_down.weight", 4, Q2_K),
+                              ("output.weight", 8, Q4_K)):
+        writer.add_tensor(name, np.zeros((rows, BLOCK_BYTES[qtype]), np.uint8), raw_dtype=GGMLQuantizationType(qtype))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    total = 12 * BLOCK_BYTES[Q2_K] + 8 * BLOCK_BYTES[Q4_K]
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    assert native.unbatched_weights(path, repacked=False) == (0.0, {})
+    share, slow = native.unbatched_weights(path, repacked=True)  # the 8-row matrix only
+    assert slow == {"Q2_K": 8 * BLOCK_BYTES[Q2_K]} and share == pytest.approx(8 * BLOCK_BYTES[Q2_K] / total)
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
+    assert native.unbatched_weights(path, repacked=True) == (0.0, {})

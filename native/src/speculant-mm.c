@@ -2,7 +2,7 @@
 //
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
-// _q6_K_q8_K, _q3_K_q8_K, _iq4_xs_q8_K,
+// _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K,
 // _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K, ggml_gemv_q4_0_8x8_q8_0
 // and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
 // are unpacked once for up to SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows), and integer sums are exact however they are formed
@@ -244,6 +244,60 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]) + summs[c];
 }
 
+// of 8 int16 scales in both 128-bit lanes (scales_j), the two of 32 values 32k..32k+31 (16 each) as int16 pairs:
+// scale 2k in the low lane, 2k+1 in the high one (ggml's get_scale_shuffle_q3k)
+static inline __m256i k_scale_pairs(__m256i scales_j, int k) {
+    return _mm256_shuffle_epi8(scales_j, _mm256_set_epi8(
+        4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
+        4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
+        4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0,
+        4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0));
+}
+
+// Q2_K x q8_K for NC columns, in ggml_vec_dot_q2_K_q8_K's integer lanes: each value's two bits times q8, per 16
+// values times their four-bit scale; and its float sequence: per superblock, the four-bit mins times q8_K's
+// block sums fused in by -y.d * x.dmin, then the lanes by y.d * x.d.
+static inline __attribute__((always_inline)) void dot_q2_K(const int NC, const int nb, const block_q2_K * x,
+                                                          const block_q8_K * const * y, const int * order,
+                                                          float * out) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0xF);
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const float xd = fp16_to_fp32(x[i].d);
+        const float xdmin = fp16_to_fp32(x[i].dmin);
+        const __m128i mins_and_scales = _mm_loadu_si128((const __m128i *) x[i].scales);  // scale low, min high
+        const __m256i mins = _mm256_cvtepi8_epi16(_mm_and_si128(_mm_srli_epi16(mins_and_scales, 4), m4));
+        const __m256i all_scales = _mm256_cvtepi8_epi16(_mm_and_si128(mins_and_scales, m4));
+        __m256i sumi[SPECULANT_MM_COLS];
+        for (int c = 0; c < NC; ++c) {
+            const __m256i prod = _mm256_madd_epi16(mins, _mm256_loadu_si256((const __m256i *) y[c][i].bsums));
+            acc[c] = fma_lanes(-y[c][i].d * xdmin, prod, acc[c]);
+            sumi[c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < QK_K / 128; ++j) {
+            const __m128i half = j == 0 ? _mm256_castsi256_si128(all_scales) : _mm256_extracti128_si256(all_scales, 1);
+            const __m256i scales_j = _mm256_set_m128i(half, half);
+            const __m256i q2bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
+            for (int k = 0; k < 4; ++k) {
+                const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(q2bits, 2 * k), m3);
+                const __m256i scale = k_scale_pairs(scales_j, k);
+                for (int c = 0; c < NC; ++c) {
+                    const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 128 * j + 32 * k));
+                    sumi[c] = _mm256_add_epi32(sumi[c], _mm256_madd_epi16(scale, _mm256_maddubs_epi16(q2, q8)));
+                }
+            }
+        }
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fma_lanes(y[c][i].d * xd, sumi[c], acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
+}
+
 // Q3_K x q8_K for NC columns, in ggml_vec_dot_q3_K_q8_K's integer lanes: each value's two low bits times q8,
 // minus 4 times q8 where its high bit (hmask) is clear, per 16 values times their signed six-bit scale.
 static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const int nb, const block_q3_K * x,
@@ -282,12 +336,7 @@ static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const i
                 // 4 where the high bit is clear, else 0
                 const __m256i q3h = _mm256_slli_epi16(
                     _mm256_srli_epi16(_mm256_andnot_si256(hbits, _mm256_slli_epi16(mone, bit)), bit), 2);
-                // the 32 values' two scales, 2k (first 16) and 2k+1, as int16 pairs
-                const __m256i scale = _mm256_shuffle_epi8(scales_j, _mm256_set_epi8(
-                    4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
-                    4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2, 4 * k + 3, 4 * k + 2,
-                    4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0,
-                    4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0, 4 * k + 1, 4 * k + 0));
+                const __m256i scale = k_scale_pairs(scales_j, k);
                 for (int c = 0; c < NC; ++c) {
                     const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 128 * j + 32 * k));
                     const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q3l, q8), _mm256_maddubs_epi16(q3h, q8));
@@ -1510,10 +1559,10 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
-        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL;
+        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K;
 }
 
-// one weight row of a type with 256-value superblocks (Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
+// one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
 // `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                     int ncols, int group, const int * order, float * out) {
@@ -1526,6 +1575,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
         switch (type) {  // 256-bit on every level
             case GGML_TYPE_Q5_K:   SPECULANT_BY_NC(nc, dot_q5_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_Q3_K:   SPECULANT_BY_NC(nc, dot_q3_K, nb, xrow, y, order, o); continue;
+            case GGML_TYPE_Q2_K:   SPECULANT_BY_NC(nc, dot_q2_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_IQ4_XS: SPECULANT_BY_NC(nc, dot_iq4_xs, nb, xrow, y, order, o); continue;
             default: break;
         }
@@ -1556,7 +1606,8 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 // Types whose one-token passes keep ggml's own loop over its dot product: the same bits as our kernel with one
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
-    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL;
+    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
+        || type == GGML_TYPE_Q2_K;
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {

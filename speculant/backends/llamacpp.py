@@ -5,10 +5,10 @@ single-token passes. Stock llama.cpp has matmul paths that round differently by 
 repacked weights (one-token gemv against 4-token gemm), and the tiled K-quant kernel taken at >= 8 rows; flash attention also switches to a tiled kernel for >= 64 queries, so
 it stays off. Our build (native/) sends every pass of at most `invariant_rows()` (64) tokens to batch-invariant
 kernels (native/src/speculant-mm.c): weights load repacked 8 rows at a time (`repack=True`, llama.cpp's fastest
-layout on x86) and Q4_K/Q6_K/Q4_0 go through our multi-token kernels (per column the bits of ggml's one-token
-kernel), IQ4_NL through ggml's one-token kernel column by column; Q8_0/Q5_0/Q4_1/Q5_1/Q5_K and unrepacked
-Q4_K/Q6_K/Q4_0 (`repack=False`: less memory, slower) through our plain-layout multi-token kernels, other types
-through ggml's dot products column by column; llamafile's sgemm and the tiled kernels are kept off those passes. So decode and verify passes give
+layout on x86) and Q4_K/Q6_K/Q4_0/IQ4_NL go through our multi-token kernels (per column the bits of ggml's
+one-token kernel), Q2_K (repacked on AVX-512 CPUs only) through ggml's one-token kernel column by column there;
+Q8_0/Q5_0/Q4_1/Q5_1/Q2_K/Q3_K/Q5_K/IQ4_XS and unrepacked Q4_K/Q6_K/Q4_0/IQ4_NL (`repack=False`: less memory,
+slower) through our plain-layout multi-token kernels, other types through ggml's dot products column by column; llamafile's sgemm and the tiled kernels are kept off those passes. So decode and verify passes give
 bit-identical logits (tests/test_llamacpp.py); longer passes, which only prompt processing makes, keep
 llama.cpp's fast batched kernels (llamafile's sgemm for the attention products included).
 
