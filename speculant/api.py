@@ -113,7 +113,7 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
     message = (f"speculant: warning: {share:.0%} of {target.name}'s weights are {types}, which verify passes "
                f"compute one token at a time (no multi-token kernel for them): each drafted token adds much of a plain "
                f"step to the check, so speculation pays far less on this file. Q3_K_M, Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, "
-               f"IQ4_NL and IQ4_XS verify at batch cost (`speculant quantize`).")
+               f"IQ3_M, IQ4_NL and IQ4_XS verify at batch cost (`speculant quantize`).")
     print(message, file=sys.stderr)
     return message
 

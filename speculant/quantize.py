@@ -28,14 +28,14 @@ from typing import Optional
 from . import models
 from .errors import ModelError, SettingsError
 
-# llama_ftype values (llama.h) of the file types worth making here; the IQ1/IQ2/IQ3 types need an importance
-# matrix, which we do not compute
+# llama_ftype values (llama.h) of the file types worth making here; IQ1_*, IQ2_* and IQ3_XXS need an importance
+# matrix, which we do not compute (IQ3_S and IQ3_M do not)
 FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
               "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-              "Q5_K_M": 17, "Q6_K": 18, "IQ4_NL": 25, "IQ4_XS": 30, "Q1_0": 40}
-# ggml tensor types for --output-tensor-type / --token-embedding-type
+              "Q5_K_M": 17, "Q6_K": 18, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30, "Q1_0": 40}
+# ggml tensor types for --output-tensor-type / --token-embedding-type (those two need no importance matrix)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
-                "Q6_K", "IQ4_NL", "IQ4_XS", "Q1_0")
+                "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "Q1_0")
 UNQUANTIZED = {"F32", "F16", "BF16"}
 STAGING_PREFIX = ".quantize-"
 _PROGRESS = re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\s*\]")

@@ -95,22 +95,28 @@ def test_no_instruction_set_is_hard_coded():
 # -- the kernels, on random blocks ----------------------------------------------------------------------------
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
+IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S = 16, 17, 18, 21, 22
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
-         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS"}
+         Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", IQ2_XXS: "IQ2_XXS",
+         IQ2_XS: "IQ2_XS", IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS", IQ3_S: "IQ3_S"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
-               Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136}
+               Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136, IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110}
 BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q2_K: 256, Q3_K: 256, Q4_K: 256, Q5_K: 256,
-                Q6_K: 256, IQ4_NL: 32, IQ4_XS: 256}
+                Q6_K: 256, IQ4_NL: 32, IQ4_XS: 256, IQ2_XXS: 256, IQ2_XS: 256, IQ2_S: 256, IQ3_XXS: 256, IQ3_S: 256}
 # fp16 scales (and minimums: Q4_1/Q5_1's m, the K-quants' dmin) in a block
 SCALE_OFFSETS = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q2_K: (80, 82), Q3_K: (108,),
-                 Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_NL: (0,), IQ4_XS: (0,)}
+                 Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_NL: (0,), IQ4_XS: (0,), IQ2_XXS: (0,), IQ2_XS: (0,),
+                 IQ2_S: (0,), IQ3_XXS: (0,), IQ3_S: (0,)}
 WITH_MIN = {Q4_1, Q5_1}  # their activations are q8_1 rows: d, s = d * (sum of the values), values
 # 256 .. 8960 values per row (the Qwen shapes; 896 and 4864 in the 0.5B draft; an odd block count, which IQ4_NL's
 # one-token kernel ends in scalar code)
 BLOCK_COUNTS = {256: (1, 6, 35), 32: (1, 27, 28, 152, 280)}
 # the plain layout (SPECULANT_REPACK=0, and types nothing repacks on x86: Q8_0, Q5_0, Q4_1 as in SmolLM2, Q5_1,
-# Q5_K as in Q5_K_M files, Q3_K as in Q3_K_M ones, IQ4_XS, Q2_K on AVX2; IQ4_NL in rows not a multiple of 8)
-PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL, Q2_K]
+# Q5_K as in Q5_K_M files, Q3_K as in Q3_K_M ones, IQ4_XS, Q2_K on AVX2, the IQ2/IQ3 types; IQ4_NL in rows not a
+# multiple of 8)
+IQ_GRID = {IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S}  # one kernel (dot_iq_grid), 16 columns per unpacking
+PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL, Q2_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
+         IQ3_S]
 # 8 rows at a time (how targets load on x86; IQ4_NL: K-quant rows of 896 or 576 values in IQ4_XS and IQ2/IQ3 files)
 REPACKED = [Q4_K, Q6_K, Q4_0, IQ4_NL]
 KERNELS = [(False, t) for t in PLAIN] + [(True, t) for t in REPACKED]
@@ -224,7 +230,10 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         else:
             assert (repacked, qtype) == (True, Q6_K), "ggml's kernel should have been compared"
         assert fn.max_group(repacked) >= 4
-        for group in range(2, fn.max_group(repacked) + 1):  # 9 columns: a full group and a remainder
+        groups = list(range(2, fn.max_group(repacked) + 1))
+        if qtype in IQ_GRID:
+            groups.append(9)  # every column in one unpacking: the IQ2/IQ3 kernel takes up to 16
+        for group in groups:  # 9 columns: a full group and a remainder
             multi, _ = _mm(fn, qtype, repacked, x, y, 9, group=group)
             assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
         w = dequantize(x.reshape(-1), GGMLQuantizationType(qtype)).reshape(8, -1).astype(np.float64)

@@ -2,16 +2,19 @@
 //
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
-// _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K,
-// _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K, ggml_gemv_q4_0_8x8_q8_0
-// and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens in the pass. Only integer sums are shared between tokens (the weights
-// are unpacked once for up to SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows), and integer sums are exact however they are formed
-// (VNNI or not, 256 or 512 bits), so every ISA level gives the same bits.
+// _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K, _iq2_xxs_q8_K, _iq2_xs_q8_K, _iq2_s_q8_K, _iq3_xxs_q8_K,
+// _iq3_s_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K,
+// ggml_gemv_q4_0_8x8_q8_0 and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens
+// in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
+// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ2/IQ3
+// types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
+// gives the same bits.
 //
 // Attention products (F16 K, and V transposed, against the queries; flash attention stays off) keep ggml's own
 // per-element operations (ggml_vec_dot_f16's) and only share work between the columns that read the same row:
 // speculant_mm_f16_chunk, at the end.
 #define GGML_COMMON_DECL_C
+#define GGML_COMMON_IMPL_C  // the IQ2/IQ3 grids
 #include "ggml-common.h"
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
@@ -390,6 +393,161 @@ static inline __attribute__((always_inline)) void dot_iq4_xs(const int NC, const
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
+}
+
+// The IQ2 and IQ3 types: each 32 values are a row of bytes from the type's grid (unsigned), a sign per value,
+// and a scale per 16 or 32 values. Unpacked into these once for all the columns of a pass, every type's
+// one-token AVX2 kernel (ggml_vec_dot_iq2_xxs_q8_K, _iq2_xs_, _iq2_s_, _iq3_xxs_, _iq3_s_) forms the same
+// integer lanes, summed over the superblock: scale * maddubs(grid, q8 with the signs applied), per 4 values.
+typedef struct {
+    __m256i grid;    // 32 unsigned grid values
+    __m256i signs;   // +1 or -1 per value
+    __m256i scales;  // 16 int16: the scale of each pair of products (2 * four-bit scale + 1)
+} iq_grid32;
+
+// 32 sign bits, bit k for value k, as +1 / -1 bytes
+static inline __m256i iq_signs(uint32_t bits) {
+    const __m256i byte_of_bit = _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202,
+                                                  0x0101010101010101, 0x0000000000000000);
+    const __m256i bit = _mm256_set1_epi64x(0x8040201008040201);
+    const __m256i set = _mm256_and_si256(_mm256_shuffle_epi8(_mm256_set1_epi32((int) bits), byte_of_bit), bit);
+    return _mm256_or_si256(_mm256_cmpeq_epi8(set, bit), _mm256_set1_epi8(1));
+}
+
+// four groups of 7 sign bits (IQ2_XXS, IQ3_XXS, IQ2_XS), each completed by an eighth that makes its count of
+// minus signs even, as +1 / -1 bytes (ggml-common's ksigns64: 0xff where minus)
+static inline __m256i iq_even_signs(uint32_t g0, uint32_t g1, uint32_t g2, uint32_t g3) {
+    return _mm256_or_si256(_mm256_set_epi64x(ksigns64[g3], ksigns64[g2], ksigns64[g1], ksigns64[g0]),
+                           _mm256_set1_epi8(1));
+}
+
+static inline __m256i iq_scales32(int ls) {  // one four-bit scale for all 32 values
+    return _mm256_set1_epi16((int16_t) (2 * ls + 1));
+}
+
+static inline __m256i iq_scales16(int ls_lo, int ls_hi) {  // values 0..15 and 16..31
+    return _mm256_set_m128i(_mm_set1_epi16((int16_t) (2 * ls_hi + 1)), _mm_set1_epi16((int16_t) (2 * ls_lo + 1)));
+}
+
+// values 32b .. 32b+31 of an IQ2/IQ3 superblock
+static inline __attribute__((always_inline)) iq_grid32 iq_unpack(const enum ggml_type type, const void * block, int b) {
+    iq_grid32 w;
+    if (type == GGML_TYPE_IQ2_XXS) {
+        const block_iq2_xxs * x = block;
+        uint32_t aux[2];  // four grid indices; four 7-bit sign groups and the scale in the top four bits
+        memcpy(aux, x->qs + 4 * b, 8);
+        const uint8_t * idx = (const uint8_t *) aux;
+        w.grid = _mm256_set_epi64x(iq2xxs_grid[idx[3]], iq2xxs_grid[idx[2]], iq2xxs_grid[idx[1]], iq2xxs_grid[idx[0]]);
+        w.signs = iq_even_signs(aux[1] & 127, (aux[1] >> 7) & 127, (aux[1] >> 14) & 127, (aux[1] >> 21) & 127);
+        w.scales = iq_scales32(aux[1] >> 28);
+    } else if (type == GGML_TYPE_IQ2_XS) {
+        const block_iq2_xs * x = block;
+        const uint16_t * q = x->qs + 4 * b;  // per 8 values: a 9-bit grid index, 7 sign bits
+        w.grid = _mm256_set_epi64x(iq2xs_grid[q[3] & 511], iq2xs_grid[q[2] & 511], iq2xs_grid[q[1] & 511],
+                                   iq2xs_grid[q[0] & 511]);
+        w.signs = iq_even_signs(q[0] >> 9, q[1] >> 9, q[2] >> 9, q[3] >> 9);
+        w.scales = iq_scales16(x->scales[b] & 15, x->scales[b] >> 4);
+    } else if (type == GGML_TYPE_IQ2_S) {
+        const block_iq2_s * x = block;
+        const uint8_t * q = x->qs + 4 * b;  // per 8 values: 8 index bits here, 2 more in qh
+        const int h = x->qh[b];
+        w.grid = _mm256_set_epi64x(iq2s_grid[q[3] | ((h << 2) & 0x300)], iq2s_grid[q[2] | ((h << 4) & 0x300)],
+                                   iq2s_grid[q[1] | ((h << 6) & 0x300)], iq2s_grid[q[0] | ((h << 8) & 0x300)]);
+        uint32_t bits;
+        memcpy(&bits, x->qs + QK_K / 8 + 4 * b, 4);
+        w.signs = iq_signs(bits);
+        w.scales = iq_scales16(x->scales[b] & 15, x->scales[b] >> 4);
+    } else if (type == GGML_TYPE_IQ3_XXS) {
+        const block_iq3_xxs * x = block;
+        const uint8_t * q = x->qs + 8 * b;  // per 4 values a grid index
+        w.grid = _mm256_set_epi32(iq3xxs_grid[q[7]], iq3xxs_grid[q[6]], iq3xxs_grid[q[5]], iq3xxs_grid[q[4]],
+                                  iq3xxs_grid[q[3]], iq3xxs_grid[q[2]], iq3xxs_grid[q[1]], iq3xxs_grid[q[0]]);
+        uint32_t aux;  // four 7-bit sign groups, the scale in the top four bits
+        memcpy(&aux, x->qs + QK_K / 4 + 4 * b, 4);
+        w.signs = iq_even_signs(aux & 127, (aux >> 7) & 127, (aux >> 14) & 127, (aux >> 21) & 127);
+        w.scales = iq_scales32(aux >> 28);
+    } else {  // IQ3_S
+        const block_iq3_s * x = block;
+        const uint8_t * q = x->qs + 8 * b;  // per 4 values 8 index bits here, the ninth in qh
+        const int h = x->qh[b];
+#define IQ3S_GRID(k) iq3s_grid[q[k] | ((h << (8 - (k))) & 256)]
+        w.grid = _mm256_set_epi32(IQ3S_GRID(7), IQ3S_GRID(6), IQ3S_GRID(5), IQ3S_GRID(4), IQ3S_GRID(3), IQ3S_GRID(2),
+                                  IQ3S_GRID(1), IQ3S_GRID(0));
+#undef IQ3S_GRID
+        uint32_t bits;
+        memcpy(&bits, x->signs + 4 * b, 4);
+        w.signs = iq_signs(bits);
+        w.scales = iq_scales32((x->scales[b / 2] >> (4 * (b % 2))) & 15);
+    }
+    return w;
+}
+
+// columns per unpacking of IQ2/IQ3 weights: their grid lookups cost several times the products, so every
+// column of a verify pass shares them
+#define IQ_GRID_COLS 16
+
+static bool iq_grid_type(enum ggml_type type) {
+    return type == GGML_TYPE_IQ2_XXS || type == GGML_TYPE_IQ2_XS || type == GGML_TYPE_IQ2_S || type == GGML_TYPE_IQ3_XXS
+        || type == GGML_TYPE_IQ3_S;
+}
+
+// IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S x q8_K for NC <= IQ_GRID_COLS columns (a constant up to 4: their sums
+// in registers); the float sequence of ggml's kernels: per superblock the lanes fused in by x.d * y.d, the
+// lanes' sum times the type's constant at the end.
+static inline __attribute__((always_inline)) void dot_iq_grid(const int NC, const enum ggml_type type, const int nb,
+                                                             const void * vx, const block_q8_K * const * y,
+                                                             const int * order, float * out) {
+    const size_t block_bytes = ggml_type_size(type);
+    __m256 acc[IQ_GRID_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const void * xb = (const char *) vx + i * block_bytes;
+        __m256i sumi[IQ_GRID_COLS];
+        for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
+        for (int b = 0; b < QK_K / 32; ++b) {
+            const iq_grid32 w = iq_unpack(type, xb, b);
+            for (int c = 0; c < NC; ++c) {
+                const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 32 * b));
+                const __m256i p16 = _mm256_maddubs_epi16(w.grid, _mm256_sign_epi8(q8, w.signs));
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_madd_epi16(p16, w.scales));
+            }
+        }
+        const float xd = fp16_to_fp32(*(const ggml_fp16_t *) xb);  // every one of these blocks starts with d
+        for (int c = 0; c < NC; ++c) {
+            acc[c] = fma_lanes(xd * y[c][i].d, sumi[c], acc[c]);
+        }
+    }
+    const float factor = type == GGML_TYPE_IQ3_XXS ? 0.25f : type == GGML_TYPE_IQ3_S ? 1.0f : 0.125f;
+    for (int c = 0; c < NC; ++c) out[c] = factor * hsum8(acc[c]);
+}
+
+#define IQ_GRID_BY_NC(type, nc, ...)                                     \
+    switch (nc) {                                                        \
+        case 1: dot_iq_grid(1, type, __VA_ARGS__); break;                \
+        case 2: dot_iq_grid(2, type, __VA_ARGS__); break;                \
+        case 3: dot_iq_grid(3, type, __VA_ARGS__); break;                \
+        case 4: dot_iq_grid(4, type, __VA_ARGS__); break;                \
+        default: dot_iq_grid(nc, type, __VA_ARGS__); break;              \
+    }
+
+// one IQ2/IQ3 weight row against ncols q8_K columns, `group` (<= IQ_GRID_COLS) columns per weight unpacking
+static void iq_grid_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
+                        int ncols, int group, const int * order, float * out) {
+    const int nb = n / QK_K;
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_K * y[IQ_GRID_COLS];
+        for (int c = 0; c < nc; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+        switch (type) {
+            case GGML_TYPE_IQ2_XXS: IQ_GRID_BY_NC(GGML_TYPE_IQ2_XXS, nc, nb, xrow, y, order, out + c0); break;
+            case GGML_TYPE_IQ2_XS:  IQ_GRID_BY_NC(GGML_TYPE_IQ2_XS, nc, nb, xrow, y, order, out + c0); break;
+            case GGML_TYPE_IQ2_S:   IQ_GRID_BY_NC(GGML_TYPE_IQ2_S, nc, nb, xrow, y, order, out + c0); break;
+            case GGML_TYPE_IQ3_XXS: IQ_GRID_BY_NC(GGML_TYPE_IQ3_XXS, nc, nb, xrow, y, order, out + c0); break;
+            default:                IQ_GRID_BY_NC(GGML_TYPE_IQ3_S, nc, nb, xrow, y, order, out + c0); break;
+        }
+    }
 }
 
 // Q6_K x q8_K for NC columns (see dot_q4_K).
@@ -1559,13 +1717,18 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
-        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K;
+        || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K
+        || iq_grid_type(type);
 }
 
 // one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
 // `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                     int ncols, int group, const int * order, float * out) {
+    if (iq_grid_type(type)) {
+        iq_grid_row(type, n, xrow, ycols, row_size, ncols, group, order, out);
+        return;
+    }
     const int nb = n / QK_K;
     for (int c0 = 0; c0 < ncols; c0 += group) {
         int nc = ncols - c0 < group ? ncols - c0 : group;
@@ -1607,7 +1770,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
     return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
-        || type == GGML_TYPE_Q2_K;
+        || type == GGML_TYPE_Q2_K || iq_grid_type(type);
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
@@ -1629,13 +1792,14 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
                 dst->nb[0] / sizeof(float), dst->nb[1] / sizeof(float));
         return;
     }
-    float tmp[SPECULANT_MM_COLS];
+    const int group = iq_grid_type(src0->type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;  // columns per unpacking
+    float tmp[IQ_GRID_COLS];
     for (int64_t r = ir0; r < ir1; ++r) {
         const void * xrow = (const char *) src0->data + r * src0->nb[1];
-        for (int64_t c0 = 0; c0 < ncols; c0 += SPECULANT_MM_COLS) {
-            const int nc = (int) (ncols - c0 < SPECULANT_MM_COLS ? ncols - c0 : SPECULANT_MM_COLS);
-            dot_row(src0->type, (int) ne00, xrow, (const char *) wdata + c0 * row_size, row_size, nc,
-                    SPECULANT_MM_COLS, NULL, tmp);
+        for (int64_t c0 = 0; c0 < ncols; c0 += group) {
+            const int nc = (int) (ncols - c0 < group ? ncols - c0 : group);
+            dot_row(src0->type, (int) ne00, xrow, (const char *) wdata + c0 * row_size, row_size, nc, group, NULL,
+                    tmp);
             for (int c = 0; c < nc; ++c) {
                 *(float *) ((char *) dst->data + (c0 + c) * dst->nb[1] + r * dst->nb[0]) = tmp[c];
             }
@@ -1650,8 +1814,9 @@ int speculant_mm_max_group(int repacked) {
 int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
                       int group, int reorder, float * out, float * out_ggml) {
     const enum ggml_type t = (enum ggml_type) type;
-    if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1
-        || group > (repacked ? REPACKED_COLS : SPECULANT_MM_COLS) || n % ggml_blck_size(t)) {
+    const int max_group = repacked ? REPACKED_COLS : iq_grid_type(t) ? IQ_GRID_COLS : SPECULANT_MM_COLS;
+    if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1 || group > max_group
+        || n % ggml_blck_size(t)) {
         return -1;
     }
     const int nb = n / ggml_blck_size(t);
