@@ -247,6 +247,12 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]) + summs[c];
 }
 
+// the 16-bit scales 8j..8j+7 of a superblock's 16 (Q2_K, Q3_K), in both 128-bit lanes
+static inline __m256i k_scales_half(__m256i all_scales, int j) {
+    const __m128i half = j == 0 ? _mm256_castsi256_si128(all_scales) : _mm256_extracti128_si256(all_scales, 1);
+    return _mm256_set_m128i(half, half);
+}
+
 // of 8 int16 scales in both 128-bit lanes (scales_j), the two of 32 values 32k..32k+31 (16 each) as int16 pairs:
 // scale 2k in the low lane, 2k+1 in the high one (ggml's get_scale_shuffle_q3k)
 static inline __m256i k_scale_pairs(__m256i scales_j, int k) {
@@ -282,8 +288,7 @@ static inline __attribute__((always_inline)) void dot_q2_K(const int NC, const i
             sumi[c] = _mm256_setzero_si256();
         }
         for (int j = 0; j < QK_K / 128; ++j) {
-            const __m128i half = j == 0 ? _mm256_castsi256_si128(all_scales) : _mm256_extracti128_si256(all_scales, 1);
-            const __m256i scales_j = _mm256_set_m128i(half, half);
+            const __m256i scales_j = k_scales_half(all_scales, j);
             const __m256i q2bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
             for (int k = 0; k < 4; ++k) {
                 const __m256i q2 = _mm256_and_si256(_mm256_srli_epi16(q2bits, 2 * k), m3);
@@ -329,9 +334,7 @@ static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const i
         __m256i sumi[SPECULANT_MM_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
         for (int j = 0; j < QK_K / 128; ++j) {
-            // scales 8j..8j+7 in both 128-bit lanes
-            const __m128i half = j == 0 ? _mm256_castsi256_si128(all_scales) : _mm256_extracti128_si256(all_scales, 1);
-            const __m256i scales_j = _mm256_set_m128i(half, half);
+            const __m256i scales_j = k_scales_half(all_scales, j);
             const __m256i q3bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
             for (int k = 0; k < 4; ++k) {
                 const int bit = 4 * j + k;
@@ -1651,10 +1654,30 @@ static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const
 
 // nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 (q8_1) columns, `group` columns per weight
 // unpacking; row r x column c at out[r * row_stride + c * col_stride]
+// plain IQ4_NL rows: dot_iq4_nl takes q8_0 columns as they are (256-bit lanes on every level, no VNNI data)
+static void iq4_nl_rows(int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols, size_t row_size,
+                        int ncols, int group, const int * order, float * out, size_t row_stride, size_t col_stride) {
+    const int nb = n / QK8_0;
+    for (int c0 = 0; c0 < ncols; c0 += group) {
+        const int nc = ncols - c0 < group ? ncols - c0 : group;
+        const block_q8_0 * y[SPECULANT_MM_COLS] = {0};
+        for (int c = 0; c < nc; ++c) y[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
+        for (int64_t r = 0; r < nrows; ++r) {
+            float tmp[SPECULANT_MM_COLS];
+            SPECULANT_BY_NC(nc, dot_iq4_nl, nb, (const block_iq4_nl *) (x + r * x_stride), y, order, tmp);
+            for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
+        }
+    }
+}
+
 static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
                     size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
                     size_t col_stride) {
     const int nb = n / QK8_0;
+    if (type == GGML_TYPE_IQ4_NL) {
+        iq4_nl_rows(n, x, x_stride, nrows, ycols, row_size, ncols, group, order, out, row_stride, col_stride);
+        return;
+    }
 #ifdef Q0_UNSIGNED
     q0_col stack_cols[SCRATCH_BYTES / sizeof(q0_col)];  // this runs per chunk of rows: no allocation if it fits
     const size_t need = (size_t) nb * group;
@@ -1669,16 +1692,6 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
         for (int c = 0; c < nc; ++c) {
             y[c] = ycols + (size_t) (c0 + c) * row_size;
             cc[c] = cols ? cols + (size_t) c * nb : NULL;
-        }
-        if (type == GGML_TYPE_IQ4_NL) {
-            for (int64_t r = 0; r < nrows; ++r) {
-                float tmp[SPECULANT_MM_COLS];
-                const block_q8_0 * y0[SPECULANT_MM_COLS] = {0};
-                for (int c = 0; c < nc; ++c) y0[c] = y[c];
-                SPECULANT_BY_NC(nc, dot_iq4_nl, nb, (const block_iq4_nl *) (x + r * x_stride), y0, order, tmp);
-                for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
-            }
-            continue;
         }
 #ifdef Q0_UNSIGNED
         q0_columns(type, nb, y, nc, cols);
