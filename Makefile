@@ -36,7 +36,7 @@ demo: $(BIN)/.installed
 	$(BIN)/speculant demo
 
 test: $(BIN)/.installed-test models
-	$(BIN)/python -m pytest -q -ra
+	$(BIN)/python -m pytest -q -ra --durations=25
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -28,11 +28,14 @@ from typing import Optional
 from . import models
 from .errors import ModelError, SettingsError
 
-# llama_ftype values (llama.h) of the file types worth making here; IQ1_*, IQ2_* and IQ3_XXS need an importance
-# matrix, which we do not compute (IQ3_S and IQ3_M do not)
+# llama_ftype values (llama.h) of the file types worth making here (every one but Q1_0 verifies at batch cost)
 FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
               "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
-              "Q5_K_M": 17, "Q6_K": 18, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30, "Q1_0": 40}
+              "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28, "IQ2_M": 29, "IQ3_XXS": 23,
+              "IQ3_XS": 22, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30, "Q1_0": 40}
+# file types whose main tensor type llama.cpp's quantizer refuses to make without an importance matrix (--imatrix:
+# what llama-imatrix computes from a calibration text, .gguf or the older .dat)
+NEEDS_IMATRIX = {"IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS"}
 # ggml tensor types for --output-tensor-type / --token-embedding-type (those two need no importance matrix)
 TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K",
                 "Q6_K", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S", "IQ4_NL", "IQ4_XS", "Q1_0")
@@ -87,9 +90,15 @@ def default_name(model: str, type_name: str, output_type: Optional[str], embd_ty
 def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: Optional[str] = None,
              allow_requantize: bool = False, output_tensor_type: Optional[str] = None,
              token_embedding_type: Optional[str] = None, threads: Optional[int] = None,
-             progress: bool = True) -> tuple[str, Path]:
-    """Quantize MODEL (registered/local name or GGUF path) to type_name; returns (registry name, path)."""
+             imatrix: Optional[str] = None, progress: bool = True) -> tuple[str, Path]:
+    """Quantize MODEL (registered/local name or GGUF path) to type_name, with an importance matrix file when
+    given; returns (registry name, path)."""
     ftype = file_type(type_name)
+    if imatrix:
+        read_imatrix(imatrix)  # a missing or unreadable file: a clear error before anything runs
+    elif type_name.upper() in NEEDS_IMATRIX:
+        raise SettingsError(f"{type_name.upper()} needs an importance matrix: pass --imatrix FILE (llama-imatrix's "
+                            f"output for this model, .gguf or .dat); IQ3_S, IQ3_M and Q2_K do not need one")
     out_type = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else -1
     embd_type = tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else -1
     if threads is not None and threads < 1:
@@ -114,7 +123,7 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
     if final.is_dir():
         raise SettingsError(f"-o {final} is a directory; pass a file name ending in .gguf")
     make(src, final, ftype, allow_requantize=allow_requantize, output_tensor_type=out_type,
-         token_embedding_type=embd_type, threads=threads, progress=progress,
+         token_embedding_type=embd_type, threads=threads, imatrix=imatrix, progress=progress,
          desc=f"quantizing {model} to {type_name.upper()}")
     source = models.spec_of(model)
     models.register_local(name, {
@@ -122,7 +131,7 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
         "source": model if source is not None else str(src),
         "type": type_name.upper(), "output_tensor_type": output_tensor_type, "token_embedding_type":
         token_embedding_type, "requantized": bool(already), "tokenizer": source.tokenizer if source else "",
-        "n_vocab": source.n_vocab if source else 0,
+        "n_vocab": source.n_vocab if source else 0, "imatrix": str(Path(imatrix).resolve()) if imatrix else None,
         "description": f"{type_name.upper()} of {model}" + (f", output layer {output_tensor_type.upper()}"
                                                               if output_tensor_type else "")
                        + (" (requantized)" if already else "") + ", made by speculant quantize"})
@@ -130,13 +139,13 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
 
 
 def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, output_tensor_type: int = -1,
-         token_embedding_type: int = -1, threads: Optional[int] = None, progress: bool = True,
-         desc: str = "quantizing") -> None:
+         token_embedding_type: int = -1, threads: Optional[int] = None, imatrix: Optional[str] = None,
+         progress: bool = True, desc: str = "quantizing") -> None:
     """Quantize src into final through a staging file beside it: final appears whole or not at all."""
     final.parent.mkdir(parents=True, exist_ok=True)
     spec = {"input": str(src), "ftype": ftype, "threads": threads or os.cpu_count() or 1,
             "allow_requantize": allow_requantize, "output_tensor_type": output_tensor_type,
-            "token_embedding_type": token_embedding_type}
+            "token_embedding_type": token_embedding_type, "imatrix": str(imatrix) if imatrix else None}
     with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent) as tmp:
         staged = Path(tmp) / final.name
         _run_child({**spec, "output": str(staged)}, desc, progress)
@@ -171,9 +180,66 @@ def _run_child(spec: dict, desc: str, progress: bool) -> None:
             bar.close()
     if rc != 0:
         lines = [s for s in tail if s.strip()]
-        why = next((s for s in reversed(lines) if "error" in s.lower() or "failed" in s.lower()),
-                   lines[-1] if lines else f"exit status {rc}")
+        # llama.cpp's own reason ("failed to quantize: imatrix size 64 is different from ..."), else the last word
+        why = next((s for s in reversed(lines) if ("error" in s.lower() or "failed" in s.lower())
+                    and "llama_model_quantize returned" not in s), lines[-1] if lines else f"exit status {rc}")
         raise ModelError(f"llama.cpp's quantizer failed: {why.strip()[-300:]}")
+
+
+def read_imatrix(path) -> dict[str, "np.ndarray"]:
+    """An importance matrix file as llama.cpp's quantizer reads it: {tensor name: float32 values per input column
+    (per expert, one after another)}, the mean squared activations. GGUF (llama-imatrix's format since 2025: per
+    tensor NAME.in_sum2 [experts, columns] and NAME.counts [experts]) or the older binary .dat (per entry its
+    name, call count and values already averaged per call)."""
+    import numpy as np
+    from gguf import GGUFReader
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SettingsError(f"--imatrix {path}: no such file")
+    bad = f"--imatrix {path} is not an importance matrix (llama-imatrix's .gguf or .dat)"
+    with open(path, "rb") as f:
+        is_gguf = f.read(4) == b"GGUF"
+    out: dict[str, np.ndarray] = {}
+    if is_gguf:
+        try:
+            reader = GGUFReader(path, "r")
+            tensors = {t.name: np.asarray(t.data, dtype=np.float32).reshape(-1) for t in reader.tensors}
+        except Exception as e:
+            raise ModelError(f"{bad}: {e}") from None
+        if not {"imatrix.datasets", "imatrix.chunk_count", "imatrix.chunk_size"} <= set(reader.fields):
+            raise ModelError(f"{bad}: it lacks the imatrix.* metadata llama-imatrix writes")
+        for key, sums in tensors.items():
+            if not key.endswith(".in_sum2"):
+                continue
+            name = key.removesuffix(".in_sum2")
+            counts = tensors.get(f"{name}.counts")
+            if counts is None or counts.size == 0 or sums.size % counts.size:
+                raise ModelError(f"{bad}: {name} has no matching counts")
+            per = sums.reshape(counts.size, -1)
+            out[name] = np.where(counts[:, None] > 0, per / np.maximum(counts[:, None], 1), 1.0) \
+                .astype(np.float32).reshape(-1)
+    else:
+        data = path.read_bytes()
+        try:
+            (n_entries,), pos = np.frombuffer(data, np.int32, 1, 0), 4
+            for _ in range(int(n_entries)):
+                (length,) = np.frombuffer(data, np.int32, 1, pos)
+                name = data[pos + 4:pos + 4 + int(length)].decode()
+                pos += 4 + int(length)
+                ncall, nval = (int(v) for v in np.frombuffer(data, np.int32, 2, pos))
+                values = np.frombuffer(data, np.float32, nval, pos + 8)
+                pos += 8 + 4 * nval
+                if nval < 1:
+                    raise ValueError(f"entry {name!r} has no values")
+                out[name] = (values / ncall if ncall > 0 else values).astype(np.float32)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ModelError(f"{bad}: {e}") from None
+        if n_entries < 1:
+            raise ModelError(f"{bad}: no entries")
+    if not out:
+        raise ModelError(f"{bad}: no entries")
+    return out
 
 
 def child(spec: dict) -> int:
@@ -194,6 +260,12 @@ def child(spec: dict) -> int:
         params.output_tensor_type = spec["output_tensor_type"]
     if spec["token_embedding_type"] >= 0:
         params.token_embedding_type = spec["token_embedding_type"]
+    if spec.get("imatrix"):  # llama_model_imatrix_data entries, a NULL name last; kept alive through the call
+        values = read_imatrix(spec["imatrix"])
+        entries = (ll.llama_model_imatrix_data * (len(values) + 1))()
+        for e, (name, v) in zip(entries, values.items()):
+            e.name, e.data, e.size = name.encode(), v.ctypes.data_as(ctypes.POINTER(ctypes.c_float)), v.size
+        params.imatrix = entries
     rc = ll.llama_model_quantize(spec["input"].encode(), spec["output"].encode(), ctypes.byref(params))
     if rc != 0:
         print(f"error: llama_model_quantize returned {rc}", file=sys.stderr, flush=True)
@@ -217,6 +289,9 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                    help=f"type of the output layer (output.weight): {', '.join(TENSOR_TYPES)}")
     p.add_argument("--token-embedding-type", default=None, metavar="TYPE",
                    help="type of the token embeddings (token_embd.weight)")
+    p.add_argument("--imatrix", default=None, metavar="FILE",
+                   help="importance matrix for this model (llama-imatrix's .gguf or .dat): needed by "
+                        + ", ".join(sorted(NEEDS_IMATRIX)) + "; improves the other low-bit types")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.set_defaults(handler=cmd_quantize)
@@ -226,7 +301,7 @@ def cmd_quantize(args) -> int:
     name, path = quantize(args.model, args.type, output=args.output, name=args.name,
                           allow_requantize=args.allow_requantize, output_tensor_type=args.output_tensor_type,
                           token_embedding_type=args.token_embedding_type, threads=args.threads,
-                          progress=not args.quiet)
+                          imatrix=args.imatrix, progress=not args.quiet)
     entry = models.local_entries()[name]
     note = " (requantized: a draft's quality only affects acceptance, never the output)" if entry["requantized"] else ""
     print(f"{name}: {path} ({entry['size'] / 2**20:.0f} MiB, sha256 {entry['sha256'][:16]}…){note}")

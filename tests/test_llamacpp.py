@@ -95,8 +95,10 @@ def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft_shipped):
 
 @pytest.fixture(scope="module")
 def small_requantized(tmp_path_factory):
-    """SmolLM2 requantized by llama.cpp's quantizer to each 32-value type our kernels take, and to IQ3_S (its
-    ffn_down rows of 1536 values; the other rows of 576 fall back to IQ4_NL): {type: path}."""
+    """SmolLM2 requantized by llama.cpp's quantizer to each 32-value type our kernels take, and to IQ3_S and
+    IQ2_XXS (an importance matrix made up for it; in both, the ffn_down rows of 1536 values; the other rows, of
+    576, fall back to other types): {type: path}."""
+    from conftest import small_imatrix_entries, write_imatrix
     from speculant import models, quantize
 
     src = models.cached_path("smollm2-135m-instruct")
@@ -104,25 +106,28 @@ def small_requantized(tmp_path_factory):
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("requantized")
     made = {}
-    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1", "IQ4_NL", "IQ3_S"):
+    imatrix = out / "smollm2.imatrix.gguf"
+    write_imatrix(imatrix, small_imatrix_entries())
+    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1", "IQ4_NL", "IQ3_S", "IQ2_XXS"):
         made[qtype] = out / f"smollm2-{qtype}.gguf"
-        quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False)
+        quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False,
+                      imatrix=imatrix if qtype in quantize.NEEDS_IMATRIX else None)
     return made
 
 
 @pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False),
-                                          ("Q5_1", True), ("IQ4_NL", True), ("IQ4_NL", False), ("IQ3_S", True)])
+                                          ("Q5_1", True), ("IQ4_NL", True), ("IQ4_NL", False), ("IQ3_S", True),
+                                          ("IQ2_XXS", True)])
 def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtype, repack):
     """Q8_0, Q5_0 and Q5_1 (plain layout), Q4_0 and IQ4_NL repacked 8 rows at a time (llama.cpp's layout on x86)
-    and unrepacked, IQ3_S (one kernel for the IQ2 and IQ3 types; the others need an importance matrix to be made,
-    test_native checks them against ggml's kernels): every pass size up to the invariant limit gives a token the
-    bits of its one-token pass. (The shipped SmolLM2 file is Q4_1: the tests above.)"""
+    and unrepacked, IQ3_S and IQ2_XXS (one kernel for the IQ2 and IQ3 types; test_native checks each type against
+    ggml's kernel): every pass size up to the invariant limit gives a token the bits of its one-token pass. (The shipped SmolLM2 file is Q4_1: the tests above.)"""
     from gguf import GGUFReader
 
     from speculant.backends.llamacpp import LlamaCppBackend
 
     path = small_requantized[qtype]
-    matrix = "blk.0.ffn_down.weight" if qtype == "IQ3_S" else "blk.0.ffn_up.weight"
+    matrix = "blk.3.ffn_down.weight" if qtype in ("IQ3_S", "IQ2_XXS") else "blk.0.ffn_up.weight"  # IQ2_XXS: not the first 3
     assert {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}[matrix] == qtype
     b = LlamaCppBackend(path, n_ctx=512, repack=repack)
     try:

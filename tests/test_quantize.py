@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import as_from_a_terminal
+from conftest import as_from_a_terminal, small_imatrix_entries, write_imatrix
 from speculant import models
 
 pytestmark = pytest.mark.models
@@ -184,3 +184,37 @@ def test_a_target_verified_one_token_at_a_time_is_named_when_speculating(home):
                   ("generate", "-m", f"{SMALL}-iq4_nl", "-md", "lookup", *args)):  # IQ4_NL: batched since 2026-12-03
         proc = run(*quiet, env=env)
         assert proc.returncode == 0 and "one token at a time" not in proc.stderr, proc.stderr
+
+
+# -- importance matrices ----------------------------------------------------------------------------------------
+
+def test_both_imatrix_formats_read_as_llama_cpp_reads_them(home, tmp_path):
+    import numpy as np
+
+    from speculant import quantize
+
+    entries = small_imatrix_entries()
+    for legacy in (False, True):
+        path = tmp_path / ("m.dat" if legacy else "m.gguf")
+        write_imatrix(path, entries, legacy=legacy)
+        read = quantize.read_imatrix(path)
+        assert read.keys() == entries.keys()
+        for name, values in entries.items():
+            np.testing.assert_allclose(read[name], values, rtol=1e-6)
+
+
+def test_low_bit_types_need_an_importance_matrix_and_a_readable_one(home, tmp_path):
+    env = {"SPECULANT_HOME": str(home)}
+    assert_clean_error(run("quantize", SMALL, "--type", "IQ2_XXS", "--allow-requantize", env=env),
+                       "IQ2_XXS needs an importance matrix", "--imatrix")
+    junk = tmp_path / "junk.dat"
+    junk.write_bytes(b"\x03\x00\x00\x00not an imatrix")
+    assert_clean_error(run("quantize", SMALL, "--type", "IQ2_M", "--imatrix", str(junk), "--allow-requantize",
+                           env=env), "is not an importance matrix")
+    assert_clean_error(run("quantize", SMALL, "--type", "IQ2_M", "--imatrix", str(tmp_path / "none.gguf"),
+                           "--allow-requantize", env=env), "no such file")
+    other = tmp_path / "other-model.gguf"  # an importance matrix of another model: columns that do not match
+    write_imatrix(other, {name: values[:64] for name, values in small_imatrix_entries().items()})
+    assert_clean_error(run("quantize", SMALL, "--type", "IQ2_XXS", "--imatrix", str(other), "--allow-requantize",
+                           "-q", env=env), "quantizer failed", "imatrix size 64 is different from tensor size 576")
+    assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-") or "iq2" in p.name]
