@@ -225,6 +225,8 @@ def read_imatrix(path) -> dict[str, "np.ndarray"]:
             (n_entries,), pos = np.frombuffer(data, np.int32, 1, 0), 4
             for _ in range(int(n_entries)):
                 (length,) = np.frombuffer(data, np.int32, 1, pos)
+                if not 0 < length <= len(data) - pos - 4:
+                    raise ValueError(f"entry name of {int(length)} bytes")
                 name = data[pos + 4:pos + 4 + int(length)].decode()
                 pos += 4 + int(length)
                 ncall, nval = (int(v) for v in np.frombuffer(data, np.int32, 2, pos))
