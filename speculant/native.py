@@ -153,23 +153,28 @@ REPACKED_ON_AVX512_ONLY = frozenset({"Q2_K"})
 
 def unbatched_weights(path, repacked: bool = True) -> tuple[float, dict[str, int]]:
     """A GGUF's share of matmul weight bytes in quantized types without multi-token kernels, and those bytes by
-    type name (empty: none), from one read of its tensor list, for weights loaded repacked or not. The token
-    embedding counts only where it is also the output layer (a lookup otherwise, no matmul)."""
+    type name (empty: none), from one read of its tensor list, for weights loaded repacked or not."""
     from gguf import GGUFReader
 
-    tensors = GGUFReader(path, "r").tensors
-    tied = not any(t.name == "output.weight" for t in tensors)
+    return unbatched_share([(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes))
+                            for t in GGUFReader(path, "r").tensors], repacked)
+
+
+def unbatched_share(tensors, repacked: bool = True) -> tuple[float, dict[str, int]]:
+    """unbatched_weights over a tensor list [(name, type name, shape [ne0, ne1, ...], bytes)]: a file's, or what
+    the quantizer would make (quantize.dry_run). The token embedding counts only where it is also the output
+    layer (a lookup otherwise, no matmul)."""
+    tied = not any(name == "output.weight" for name, *_ in tensors)
     slow: dict[str, int] = {}
     total = 0
     avx512_repacks = repacked and "avx512f" in cpu_flags()
-    for t in tensors:
-        if len(t.shape) < 2 or (t.name == "token_embd.weight" and not tied):
+    for name, ttype, shape, nbytes in tensors:
+        if len(shape) < 2 or (name == "token_embd.weight" and not tied):
             continue
-        total += int(t.n_bytes)
-        name = t.tensor_type.name
-        repacked_here = avx512_repacks and name in REPACKED_ON_AVX512_ONLY and int(t.shape[1]) % 8 == 0
-        if (name not in BATCHED_TYPES or repacked_here) and name not in FLOAT_TYPES:
-            slow[name] = slow.get(name, 0) + int(t.n_bytes)
+        total += nbytes
+        repacked_here = avx512_repacks and ttype in REPACKED_ON_AVX512_ONLY and int(shape[1]) % 8 == 0
+        if (ttype not in BATCHED_TYPES or repacked_here) and ttype not in FLOAT_TYPES:
+            slow[ttype] = slow.get(ttype, 0) + nbytes
     return sum(slow.values()) / max(1, total), slow
 
 

@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from . import api, models
+from . import api, models, native, quantize
 from .errors import ModelError, SettingsError
 
 MiB = 2 ** 20
@@ -67,6 +67,7 @@ class ModelMemory:
     n_layer: int
     n_vocab: int
     types: dict = field(default_factory=dict)  # tensor type -> bytes
+    unbatched: float = 0.0  # share of matmul weight bytes our kernels compute one token at a time on this CPU
 
     @property
     def total(self) -> int:
@@ -205,8 +206,8 @@ def _padded(n_ctx: int) -> int:
 
 def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
                as_type: Optional[str] = None, parallel: int = 1) -> ModelMemory:
-    """One model's plan. as_type: estimate the same model quantized to that type (EST_BPW) instead of the
-    file as it is (what `speculant quantize` would make). parallel: request slots, each with a KV stream of
+    """One model's plan. as_type: the same model quantized to that type (what `speculant quantize` would make,
+    tensor by tensor: quantized_facts) instead of the file as it is. parallel: request slots, each with a KV stream of
     n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64)."""
     if models.spec_of(model) is not None and not models.cached_path(model).exists():
         raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
@@ -216,12 +217,11 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     if f["n_ctx_train"]:
         n_ctx = min(n_ctx, f["n_ctx_train"])
     as_type = None if as_type == f["file_type"] else as_type
+    tensors = quantized_facts(path, as_type) if as_type else f["tensors"]
     types: dict[str, int] = {}
     repacked = 0
     repack = api.repack_weights()
-    for name, ttype, shape, nbytes, n_elements in f["tensors"]:
-        if as_type and len(shape) >= 2 and ttype not in ("F32", "F16", "BF16"):
-            ttype, nbytes = EST_TENSOR_TYPE[as_type], int(n_elements * EST_BPW[as_type] / 8)
+    for name, ttype, shape, nbytes, n_elements in tensors:
         types[ttype] = types.get(ttype, 0) + nbytes
         # the token embeddings are read by row lookups, not matmuls: never repacked
         if repack and ttype in REPACKED_TYPES and name != "token_embd.weight" and len(shape) >= 2 \
@@ -233,13 +233,35 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     n_kv = _padded(n_ctx) * parallel
     outputs = min(64, (verify_positions if role == "target" else 1) * parallel)
     return ModelMemory(
-        name=model, role=role, path=str(path), file_type=f"{as_type} (estimated)" if as_type else f["file_type"],
+        name=model, role=role, path=str(path), file_type=f"{as_type} (quantized)" if as_type else f["file_type"],
         file_bytes=file_bytes, mapped=0 if repack else file_bytes, repacked=repacked,
         loaded=data_bytes - repacked if repack else 0, kv_per_token=kv_per_token,
         kv=kv_per_token * n_kv, compute=compute_resident(f, n_ctx, outputs, n_prompt),
         compute_reserved=compute_reserved(f, n_ctx), output=outputs * f["n_vocab"] * 4,
         vocab_tables=RUNTIME_PER_VOCAB * f["n_vocab"], n_params=sum(t[4] for t in f["tensors"]),
-        n_layer=f["n_layer"], n_vocab=f["n_vocab"], types=types)
+        n_layer=f["n_layer"], n_vocab=f["n_vocab"], types=types,
+        unbatched=native.unbatched_share([t[:4] for t in tensors], repack)[0])
+
+
+def quantized_facts(path: Path, type_name: str) -> list:
+    """The tensor list (as gguf_facts' "tensors") `speculant quantize --type TYPE` would make of the file:
+    llama.cpp's quantizer in a dry run (quantize.dry_run), kept in $SPECULANT_HOME/plan-cache like the facts."""
+    st = path.stat()
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{type_name}".encode()).hexdigest()[:24]
+    cache = models.home() / "plan-cache" / f"{key}.quantized.json"
+    try:
+        return json.loads(cache.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        pass
+    tensors = quantize.dry_run(path, type_name).tensors
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(tensors), encoding="utf-8")
+        os.replace(tmp, cache)
+    except OSError:
+        pass
+    return tensors
 
 
 def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,
@@ -312,25 +334,20 @@ def parse_size(text: str) -> int:
     return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
 
 
-# bits per weight of the matrices under each quantization (what llama.cpp's ftype mixes come to on average)
-# (IQ4_XS and Q3_K_M as measured on Qwen2.5-Coder-1.5B, 4.59 and 4.13: a big model's share of Q6_K embedding and
-# output is smaller, so these err on the large side)
-EST_BPW = {"F16": 16.0, "Q8_0": 8.5, "Q6_K": 6.5625, "Q5_K_M": 5.7, "Q4_K_M": 4.9, "Q4_0": 4.5, "IQ4_XS": 4.6,
-           "Q3_K_M": 4.15}
-EST_TENSOR_TYPE = {"F16": "F16", "Q8_0": "Q8_0", "Q6_K": "Q6_K", "Q5_K_M": "Q5_K", "Q4_K_M": "Q4_K", "Q4_0": "Q4_0",
-                   "IQ4_XS": "IQ4_XS", "Q3_K_M": "Q3_K"}
 CTX_STEPS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
-# besides each file's own type, what `plan --mem` considers: for a target also the smaller types whose verify
-# passes still run at batch cost (IQ4_XS, Q3_K_M); a draft reads its weights once per token either way
-TARGET_TYPES = ("Q8_0", "Q4_0", "IQ4_XS", "Q3_K_M")
+# besides each file's own type, what `plan --mem` considers (sizes from llama.cpp's quantizer in a dry run): for a
+# target also the smaller types whose verify passes run at batch cost (IQ4_XS, Q3_K_M, IQ3_M, Q2_K; fits()
+# says where a CPU computes one of them one token at a time); a draft reads its weights once per token either way
+TARGET_TYPES = ("Q8_0", "Q4_0", "IQ4_XS", "Q3_K_M", "IQ3_M", "Q2_K")
 DRAFT_TYPES = ("Q8_0", "Q4_0")
 
 
 def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = None, draft_max: int = 4,
          parallel: int = 1) -> list[dict]:
     """For each (target type, draft type): the largest context (of CTX_STEPS, or n_ctx when given) whose plan
-    fits in mem bytes, or why none does. Types other than the files' own are estimates (EST_BPW) of what
-    `speculant quantize` would make."""
+    fits in mem bytes, or why none does. Types other than the files' own are what `speculant quantize` would
+    make (llama.cpp's quantizer in a dry run); for the target also the share of its weights this CPU would verify
+    one token at a time ("unbatched")."""
     steps = [n_ctx] if n_ctx else list(CTX_STEPS)
     rows = []
     own = plan(target, draft, n_ctx=steps[0]).models
@@ -347,7 +364,8 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
             row = {"target_type": smallest.models[0].file_type,
                    "draft_type": smallest.models[1].file_type if pair else (NO_DRAFT if draft else None),
                    "fits": bool(ok), "n_ctx": ok[-1].n_ctx if ok else None,
-                   "total_mb": _mb(ok[-1].total if ok else smallest.total)}
+                   "total_mb": _mb(ok[-1].total if ok else smallest.total),
+                   "unbatched": round(smallest.models[0].unbatched, 3)}
             if not ok:
                 weights = sum(m.mapped + m.loaded + m.repacked for m in smallest.models)
                 row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights > mem
@@ -439,11 +457,13 @@ def cmd_plan(args) -> int:
             pair = f"target {r['target_type']}" + (
                 " alone (plain decoding, -md lookup or -md history)" if r["draft_type"] == "no draft"
                 else f" + draft {r['draft_type']}" if r["draft_type"] else "")
+            slow = (f"; verify passes one token at a time over {r['unbatched']:.0%} of the target's weights on "
+                    "this CPU (speculation gains little)") if r["unbatched"] >= api.UNBATCHED_WARN_SHARE else ""
             print(f"  {'fits' if r['fits'] else 'does not fit'}: {pair}" +
-                  (f", n_ctx up to {r['n_ctx']} ({r['total_mb']:.0f} MiB)" if r["fits"] else f": {r['why']}"))
-        if any("estimated" in f"{r['target_type']} {r['draft_type']}" for r in out["fits"]):
-            print("(estimated: what `speculant quantize MODEL --type TYPE` would make of the file; add "
-                  "--allow-requantize when the file is already quantized)")
+                  (f", n_ctx up to {r['n_ctx']} ({r['total_mb']:.0f} MiB)" if r["fits"] else f": {r['why']}") + slow)
+        if any("(quantized)" in f"{r['target_type']} {r['draft_type']}" for r in out["fits"]):
+            print("(quantized: what `speculant quantize MODEL --type TYPE` would make of the file, sized by "
+                  "llama.cpp's quantizer in a dry run; add --allow-requantize when the file is already quantized)")
     return 0
 
 

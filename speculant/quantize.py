@@ -6,6 +6,9 @@ written next to its final place under a temporary name, checked, and renamed int
 run never leaves a half-written model; the result gets a local registry entry (models.local_entries) that
 every command can name, e.g. `speculant generate -md qwen2.5-coder-0.5b-instruct-q4_0`.
 
+`--dry-run` (dry_run) asks the same quantizer what it would write, tensor by tensor, without writing: `speculant
+plan --mem` sizes the types it offers that way.
+
 Requantizing (quantized weights in, e.g. from the shipped Q4_K_M files) loses some quality and is refused
 unless asked for (--allow-requantize). For a draft model that is harmless to correctness: any draft is
 verified exactly by the target, so its quality only moves acceptance, never the output.
@@ -22,6 +25,7 @@ import subprocess
 import sys
 import tempfile
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
 
@@ -42,6 +46,10 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q
 UNQUANTIZED = {"F32", "F16", "BF16"}
 STAGING_PREFIX = ".quantize-"
 _PROGRESS = re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\s*\]")
+# a dry run's line per tensor: "[  11/ 339] blk.0.attn_v.weight - [  1536,   256, 1, 1], type =   q6_K,
+# size =     0.31 MiB ->     0.21 MiB (q4_K)" (no arrow: the tensor keeps its type)
+_DRY_LINE = re.compile(r"\[\s*\d+\s*/\s*\d+\s*\]\s+(\S+)\s+-\s+\[([\d,\s]+)\],\s+type\s*=\s*(\w+),\s+size\s*=\s*"
+                       r"[\d.]+\s*MiB(?:\s*->\s*[\d.]+\s*MiB\s*\((\w+)\))?")
 _QUANT_SUFFIX = re.compile(r"[-._](q\d\w*|iq\d\w*|f16|bf16|f32)$", re.IGNORECASE)
 
 
@@ -153,6 +161,77 @@ def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, 
         os.replace(staged, final)
 
 
+@dataclass
+class DryRun:
+    """What llama.cpp's quantizer would make of a file, tensor by tensor, without writing anything."""
+
+    source: str
+    type_name: str
+    tensors: list  # [(name, ggml type name, shape [ne0, ne1, ...], bytes, n_elements)] as the new file holds them
+    source_bytes: int  # the source's tensor data
+    source_quantized: bool  # the source holds quantized matrices: the real run needs allow_requantize
+    needs_imatrix: bool  # some tensor's new type cannot be made without an importance matrix
+    fallbacks: int  # tensors whose rows do not fit the type's blocks, given a fallback type by llama.cpp
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(t[3] for t in self.tensors)
+
+    def bytes_by_type(self) -> dict[str, int]:
+        out: dict[str, int] = {}
+        for _, ttype, _, nbytes, _ in self.tensors:
+            out[ttype] = out.get(ttype, 0) + nbytes
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]))
+
+
+def dry_run(model: "str | Path", type_name: str, *, output_tensor_type: Optional[str] = None,
+            token_embedding_type: Optional[str] = None) -> DryRun:
+    """The tensor types and sizes `quantize` would give MODEL (registered/local name or GGUF path): llama.cpp's
+    own dry run (llama_model_quantize with dry_run set), so the same per-tensor rules, mixes and fallbacks as a
+    real run, in about a second and with nothing written. Needs no --allow-requantize and no importance matrix
+    (it says whether the real run would need one). A Path is taken as an already checked GGUF file (checking
+    reads it all: seconds for a big model)."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    ftype = file_type(type_name)
+    out_type = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else -1
+    embd_type = tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else -1
+    src = model if isinstance(model, Path) else models.resolve(model)
+    spec = {"input": str(src), "output": "", "ftype": ftype, "threads": 1, "allow_requantize": True,
+            "output_tensor_type": out_type, "token_embedding_type": embd_type, "imatrix": None, "dry_run": True}
+    proc = subprocess.run([sys.executable, "-m", "speculant.quantize", json.dumps(spec)], stdout=subprocess.DEVNULL,
+                          stderr=subprocess.PIPE, text=True, errors="replace")
+    lines = proc.stderr.splitlines()
+    if proc.returncode != 0:
+        why = next((s for s in reversed(lines) if "error" in s.lower() or "failed" in s.lower()),
+                   lines[-1] if lines else f"exit status {proc.returncode}")
+        raise ModelError(f"llama.cpp's quantizer (dry run) failed: {why.strip()[-300:]}")
+    tensors, source_bytes, source_quantized = [], 0, False
+    for line in lines:
+        m = _DRY_LINE.search(line)
+        if not m:
+            continue
+        name, dims, old, new = m.group(1), m.group(2), m.group(3).upper(), (m.group(4) or m.group(3)).upper()
+        shape = [int(x) for x in dims.split(",") if x.strip()]
+        n_elements = 1
+        for d in shape:
+            n_elements *= d
+        while len(shape) > 1 and shape[-1] == 1:  # llama.cpp prints 4 dimensions; gguf's lists end at the last
+            shape.pop()
+        sizes = [GGML_QUANT_SIZES[GGMLQuantizationType[t]] for t in (old, new)]
+        (old_block, old_size), (block, size) = sizes
+        source_bytes += n_elements // old_block * old_size
+        tensors.append((name, new, shape, n_elements // block * size, n_elements))
+        source_quantized |= len(shape) >= 2 and old not in UNQUANTIZED
+    if not tensors:
+        raise ModelError(f"llama.cpp's quantizer (dry run) listed no tensors of {src}")
+    fallback = re.search(r"(\d+) of \d+ tensor\(s\) required fallback", proc.stderr)
+    return DryRun(source=str(src), type_name=type_name.upper(), tensors=tensors, source_bytes=source_bytes,
+                  source_quantized=source_quantized,
+                  needs_imatrix="will require an imatrix" in proc.stderr,
+                  fallbacks=int(fallback.group(1)) if fallback else 0)
+
+
 def _run_child(spec: dict, desc: str, progress: bool) -> None:
     """llama_model_quantize in a child process, a progress bar from its per-tensor log lines."""
     bar = None
@@ -258,6 +337,7 @@ def child(spec: dict) -> int:
     params.ftype = spec["ftype"]
     params.nthread = spec["threads"]
     params.allow_requantize = spec["allow_requantize"]
+    params.dry_run = bool(spec.get("dry_run"))
     if spec["output_tensor_type"] >= 0:
         params.output_tensor_type = spec["output_tensor_type"]
     if spec["token_embedding_type"] >= 0:
@@ -296,10 +376,47 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                         + ", ".join(sorted(NEEDS_IMATRIX)) + "; improves the other low-bit types")
     p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--dry-run", action="store_true",
+                   help="write nothing: print the size and tensor types the file would get (llama.cpp's dry run), "
+                        "and whether its verify passes would run at batch cost on this CPU")
     p.set_defaults(handler=cmd_quantize)
 
 
+def dry_run_report(model: str, d: DryRun) -> str:
+    """What `quantize --dry-run` prints."""
+    from . import api, native
+
+    n_elements = sum(t[4] for t in d.tensors)
+    mib = lambda n: f"{n / 2**20:.0f} MiB"
+    lines = [f"{model} as {d.type_name} (llama.cpp's quantizer, dry run: nothing written)",
+             f"  tensor data {mib(d.data_bytes)} ({8 * d.data_bytes / n_elements:.2f} bits per weight), "
+             f"from {mib(d.source_bytes)}",
+             "  by type: " + ", ".join(f"{t} {mib(n)}" for t, n in d.bytes_by_type().items())]
+    share, slow = native.unbatched_share([t[:4] for t in d.tensors])
+    if share >= api.UNBATCHED_WARN_SHARE:
+        lines.append(f"  verify passes on this CPU: one token at a time over {share:.0%} of the matmul weights "
+                     f"({', '.join(sorted(slow, key=slow.get, reverse=True))}): speculation would gain little")
+    else:
+        lines.append("  verify passes on this CPU: at batch cost" + (
+            f" (except {share:.0%} of the matmul weights: {', '.join(sorted(slow))})" if slow else ""))
+    if d.fallbacks:
+        lines.append(f"  {d.fallbacks} tensor{'s get' if d.fallbacks > 1 else ' gets'} a fallback type (rows not a "
+                     "multiple of the type's blocks)")
+    if d.needs_imatrix:
+        lines.append("  needs an importance matrix: pass --imatrix FILE (llama-imatrix's output for this model)")
+    if d.source_quantized:
+        lines.append("  the source is already quantized: the real run needs --allow-requantize")
+    return "\n".join(lines) + "\n"
+
+
 def cmd_quantize(args) -> int:
+    if args.dry_run:
+        if args.output or args.name or args.imatrix:
+            raise SettingsError("--dry-run writes nothing: -o, --name and --imatrix have no use with it")
+        d = dry_run(args.model, args.type, output_tensor_type=args.output_tensor_type,
+                    token_embedding_type=args.token_embedding_type)
+        print(dry_run_report(args.model, d), end="")
+        return 0
     name, path = quantize(args.model, args.type, output=args.output, name=args.name,
                           allow_requantize=args.allow_requantize, output_tensor_type=args.output_tensor_type,
                           token_embedding_type=args.token_embedding_type, threads=args.threads,

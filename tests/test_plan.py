@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from conftest import DRAFT, SHIPPED_DRAFT, SMALL, TARGET  # the texts below name the shipped file's type, Q4_K_M
-from speculant import models, plan
+from speculant import models, native, plan, quantize
 
 pytestmark = pytest.mark.models
 
@@ -97,22 +97,35 @@ def test_cli_json_and_mem():
     assert out["total_mb"] == pytest.approx(out["runtime_mb"] + sum(m["total_mb"] for m in out["models"]), abs=0.5)
     fits = {(r["target_type"], r["draft_type"]): r for r in out["fits"]}
     assert fits[("Q4_K_M", "Q4_K_M")]["fits"] and fits[("Q4_K_M", "Q4_K_M")]["n_ctx"] == 2048  # --ctx given
-    assert not fits[("Q8_0 (estimated)", "Q4_K_M")]["fits"]
-    assert "weights alone" in fits[("Q8_0 (estimated)", "Q4_K_M")]["why"]
-    # smaller targets that still verify at batch cost: IQ4_XS and Q3_K_M, each smaller than the Q4_K_M file
-    totals = [fits[(t, "Q4_K_M")]["total_mb"] for t in ("Q4_K_M", "IQ4_XS (estimated)", "Q3_K_M (estimated)")]
-    assert totals == sorted(totals, reverse=True) and totals[0] - totals[2] > 100
+    assert not fits[("Q8_0 (quantized)", "Q4_K_M")]["fits"]
+    assert "weights alone" in fits[("Q8_0 (quantized)", "Q4_K_M")]["why"]
+    # smaller targets that still verify at batch cost: IQ4_XS, Q3_K_M, IQ3_M and Q2_K, each smaller than the last
+    smaller = ("Q4_K_M", "IQ4_XS (quantized)", "Q3_K_M (quantized)", "IQ3_M (quantized)", "Q2_K (quantized)")
+    totals = [fits[(t, "Q4_K_M")]["total_mb"] for t in smaller]
+    assert totals == sorted(totals, reverse=True) and totals[0] - totals[-1] > 300
+    assert all(fits[(t, "Q4_K_M")]["unbatched"] == 0 for t in smaller[:-1])
+    # a planned type's weights are what llama.cpp's quantizer would write, tensor by tensor (its dry run)
+    planned = plan.plan(TARGET, n_ctx=2048, target_type="IQ3_M").models[0]
+    dry = quantize.dry_run(TARGET, "IQ3_M")
+    assert planned.types == dry.bytes_by_type() and set(planned.types) == {"IQ3_S", "Q6_K", "Q4_K", "F32"}
     text = run("plan", "-md", SHIPPED_DRAFT, "--mem", "1700M").stdout
     assert "KV per token: 28.0 KiB" in text and "KV per token: 12.0 KiB" in text
-    assert "does not fit: target Q8_0 (estimated) alone (plain decoding, -md lookup or -md history): the weights " \
+    assert "does not fit: target Q8_0 (quantized) alone (plain decoding, -md lookup or -md history): the weights " \
            "alone take 1801 MiB" in text
     assert re.search(r"does not fit: target Q4_K_M \+ draft Q4_K_M: at n_ctx 512 it needs \d+ MiB "
                      r"\(weights 1523,", text)
     assert re.search(r"fits: target Q4_K_M alone \(plain decoding.*\), n_ctx up to 4096 ", text)
     # the smaller target types that still verify at batch cost are offered for the target, not for the draft
-    assert re.search(r"fits: target Q3_K_M \(estimated\) \+ draft Q4_0 \(estimated\), n_ctx up to", text)
-    assert "draft IQ4_XS" not in text and "draft Q3_K_M" not in text
-    assert "speculant quantize MODEL --type TYPE" in text
+    assert re.search(r"fits: target Q3_K_M \(quantized\) \+ draft Q4_0 \(quantized\), n_ctx up to", text)
+    assert re.search(r"fits: target IQ3_M \(quantized\) \+ draft Q4_0 \(quantized\), n_ctx up to", text)
+    assert "draft IQ4_XS" not in text and "draft Q3_K_M" not in text and "draft IQ3_M" not in text
+    assert "speculant quantize MODEL --type TYPE" in text and "dry run" in text
+    # every offered type verifies at batch cost, but Q2_K where llama.cpp repacks it (AVX-512): said per row
+    slow_rows = [line for line in text.splitlines() if "one token at a time" in line]
+    if "avx512f" in native.cpu_flags():
+        assert slow_rows and all("target Q2_K (quantized)" in line for line in slow_rows), slow_rows
+    else:
+        assert not slow_rows
 
 
 @pytest.mark.parametrize("args, needle", [

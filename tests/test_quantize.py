@@ -5,6 +5,7 @@ sha256), written atomically; bad input must give one clear line and leave nothin
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -83,6 +84,52 @@ def test_output_tensor_type_and_own_path(home, tmp_path_factory):
     types = _gguf_types(out)
     assert "output.weight" not in types and types["token_embd.weight"] == "Q4_0"
     assert json.loads((home / "models" / "local.json").read_text())["small-test"]["path"] == str(out)
+
+
+def test_dry_run_names_every_tensor_type_and_size_the_real_run_writes(home):
+    """`--dry-run` is llama.cpp's own dry run: for a mixed type (Q3_K_M: Q3_K, Q4_K, Q5_K, Q6_K by tensor, and
+    SmolLM2's rows of 576 values falling back to other types) every tensor's type and byte count equal the real
+    file's, and nothing is written."""
+    from gguf import GGUFReader
+
+    from speculant import quantize
+
+    env = {"SPECULANT_HOME": str(home)}
+    dry = run("quantize", SMALL, "--type", "Q3_K_M", "--dry-run", env=env)
+    assert dry.returncode == 0, dry.stderr
+    assert sorted(p.name for p in (home / "models").iterdir()) == [models.cached_path(SMALL).name]
+    planned = quantize.dry_run(SMALL, "Q3_K_M")
+    assert planned.fallbacks > 0 and planned.source_quantized and not planned.needs_imatrix
+    assert run("quantize", SMALL, "--type", "Q3_K_M", "--allow-requantize", "-q", env=env).returncode == 0
+    written = {t.name: (t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes))
+               for t in GGUFReader(home / "models" / f"{SMALL}-q3_k_m.gguf", "r").tensors}
+    assert {name: (ttype, shape, nbytes) for name, ttype, shape, nbytes, _ in planned.tensors} == written
+    assert len({t for t, _, _ in written.values()}) >= 3
+    mib = planned.data_bytes / 2 ** 20
+    assert f"{SMALL} as Q3_K_M (llama.cpp's quantizer, dry run: nothing written)" in dry.stdout
+    assert f"tensor data {mib:.0f} MiB" in dry.stdout and "verify passes on this CPU: at batch cost" in dry.stdout
+    assert f"{planned.fallbacks} tensors get a fallback type" in dry.stdout and "--allow-requantize" in dry.stdout
+
+
+def test_dry_run_says_what_a_type_would_cost_speculation_and_needs(home):
+    """Q1_0 (no multi-token kernel) on the Qwen 0.5B, its tied output layer too: the share verified one token at a time; IQ2_XXS: the
+    importance matrix the real run would need. Exit 0, nothing written; -o with --dry-run is refused."""
+    qwen = "qwen2.5-coder-0.5b-instruct"
+    if not models.cached_path(qwen).exists():
+        pytest.skip(f"{qwen} not pulled")
+    env = {"SPECULANT_HOME": str(home)}
+    slow = run("quantize", str(models.cached_path(qwen)), "--type", "Q1_0", "--output-tensor-type", "Q1_0",
+               "--dry-run", env=env)
+    assert slow.returncode == 0, slow.stderr
+    assert re.search(r"one token at a time over \d+% of the matmul weights \(Q1_0\): speculation would gain little",
+                     slow.stdout), slow.stdout
+    imatrix = run("quantize", SMALL, "--type", "IQ2_XXS", "--dry-run", env=env)
+    assert imatrix.returncode == 0 and "needs an importance matrix: pass --imatrix FILE" in imatrix.stdout
+    assert "IQ2_XXS" in imatrix.stdout and "at batch cost" in imatrix.stdout
+    assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--dry-run", "-o", str(home / "x.gguf"), env=env),
+                       "--dry-run writes nothing")
+    assert_clean_error(run("quantize", SMALL, "--type", "Q9_9", "--dry-run", env=env), "unknown quantization type")
+    assert sorted(p.name for p in (home / "models").iterdir()) == [models.cached_path(SMALL).name]
 
 
 def test_refuses_to_requantize_unless_asked(home):
