@@ -3,10 +3,10 @@
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
 // _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K, _iq2_xxs_q8_K, _iq2_xs_q8_K, _iq2_s_q8_K, _iq3_xxs_q8_K,
-// _iq3_s_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K,
+// _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K,
 // ggml_gemv_q4_0_8x8_q8_0 and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens
 // in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
-// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ2/IQ3
+// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ1/IQ2/IQ3
 // types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
 // gives the same bits.
 //
@@ -14,7 +14,7 @@
 // per-element operations (ggml_vec_dot_f16's) and only share work between the columns that read the same row:
 // speculant_mm_f16_chunk, at the end.
 #define GGML_COMMON_DECL_C
-#define GGML_COMMON_IMPL_C  // the IQ2/IQ3 grids
+#define GGML_COMMON_IMPL_C  // the IQ1/IQ2/IQ3 grids
 #include "ggml-common.h"
 #include "ggml-cpu.h"
 #include "ggml-impl.h"
@@ -485,13 +485,160 @@ static inline __attribute__((always_inline)) iq_grid32 iq_unpack(const enum ggml
     return w;
 }
 
-// columns per unpacking of IQ2/IQ3 weights: their grid lookups cost several times the products, so every
+// columns per unpacking of IQ1/IQ2/IQ3 weights: their grid lookups cost several times the products, so every
 // column of a verify pass shares them
 #define IQ_GRID_COLS 16
 
+static bool iq1_type(enum ggml_type type) {
+    return type == GGML_TYPE_IQ1_S || type == GGML_TYPE_IQ1_M;
+}
+
 static bool iq_grid_type(enum ggml_type type) {
     return type == GGML_TYPE_IQ2_XXS || type == GGML_TYPE_IQ2_XS || type == GGML_TYPE_IQ2_S || type == GGML_TYPE_IQ3_XXS
-        || type == GGML_TYPE_IQ3_S;
+        || type == GGML_TYPE_IQ3_S || iq1_type(type);
+}
+
+// IQ1_S and IQ1_M: each 8 values a row of -1 / 0 / +1 from iq1s_grid (an 11-bit index) and a shift of all 8 by
+// plus or minus the type's delta; a three-bit scale per 32 (IQ1_S) or 16 (IQ1_M) values; a scale per superblock
+// (IQ1_S: d; IQ1_M: an fp16 spread over the top nibbles of its scales). ggml's AVX2 kernels
+// (ggml_vec_dot_iq1_s_q8_K, _iq1_m_) sum scale * maddubs(|grid|, q8 with grid's signs) per 4 values in integer
+// lanes; the shifts, IQ1_S's from the q8 block sums in a scalar, IQ1_M's per 4 values in lanes of their own.
+typedef struct {
+    __m256i magnitude;  // |grid|: 0 or 1 per value
+    __m256i grid;       // -1, 0 or +1 per value (the signs applied to q8)
+    __m256i scales;     // 16 int16: the scale of each pair of products (2 * three-bit scale + 1)
+    __m256i shift_scales;  // IQ1_M: the scales times the shift's sign (one per 8 values)
+} iq1_32;
+
+// values 32b .. 32b+31 of an IQ1_S or IQ1_M superblock
+// IQ1_M's 16 three-bit scales of a superblock as 2 * s + 1, int16 lane 4k + j holding scales[j] >> (0, 6, 3, 9)[k]:
+// values 32b .. 32b+15 take lane b / 2 + 4 (b % 2), values 32b+16 .. 32b+31 lane 8 + b / 2 + 4 (b % 2)
+static inline __m256i iq1_m_scales(const block_iq1_m * x) {
+    uint64_t sc;
+    memcpy(&sc, x->scales, 8);
+    const __m256i s = _mm256_and_si256(_mm256_srlv_epi64(_mm256_set1_epi64x((int64_t) sc), _mm256_set_epi64x(9, 3, 6, 0)),
+                                       _mm256_set1_epi16(7));
+    return _mm256_add_epi16(_mm256_slli_epi16(s, 1), _mm256_set1_epi16(1));
+}
+
+// values 32b .. 32b+31 of an IQ1_S or IQ1_M superblock (IQ1_M: its scales from iq1_m_scales)
+static inline __attribute__((always_inline)) iq1_32 iq1_unpack(const enum ggml_type type, const void * block, int b,
+                                                              const __m256i m_scales) {
+    iq1_32 w;
+    if (type == GGML_TYPE_IQ1_S) {
+        const block_iq1_s * x = block;
+        const uint8_t * q = x->qs + 4 * b;  // per 8 values 8 index bits here, 3 more in qh, 3 bits each
+        const int h = x->qh[b];  // bits 0-11 the index bits, 12-14 the scale, 15 the shift's sign
+        w.grid = _mm256_set_epi64x(iq1s_grid[q[3] | ((h >> 1) & 0x700)], iq1s_grid[q[2] | ((h << 2) & 0x700)],
+                                   iq1s_grid[q[1] | ((h << 5) & 0x700)], iq1s_grid[q[0] | ((h << 8) & 0x700)]);
+        w.scales = iq_scales32((h >> 12) & 7);
+        w.shift_scales = _mm256_setzero_si256();  // IQ1_S's shifts: iq1_s_shifts, once per superblock
+    } else {
+        const block_iq1_m * x = block;
+        const uint8_t * q = x->qs + 4 * b;
+        const uint8_t * h = x->qh + 2 * b;
+        uint16_t hh;  // per 8 values a nibble: 3 index bits and the shift's sign (bits 3, 7, 11, 15)
+        memcpy(&hh, h, 2);
+        w.grid = _mm256_set_epi64x(iq1s_grid[q[3] | (((uint16_t) h[1] << 4) & 0x700)],
+                                   iq1s_grid[q[2] | (((uint16_t) h[1] << 8) & 0x700)],
+                                   iq1s_grid[q[1] | (((uint16_t) h[0] << 4) & 0x700)],
+                                   iq1s_grid[q[0] | (((uint16_t) h[0] << 8) & 0x700)]);
+        const int lane = b / 2 + 4 * (b % 2);  // in each 128-bit half: its int16 lane, spread to all 8
+        w.scales = _mm256_shuffle_epi8(m_scales, _mm256_set1_epi16((int16_t) (2 * lane | (2 * lane + 1) << 8)));
+        const __m256i bit = _mm256_set_epi64x(0x8000800080008000, 0x0800080008000800, 0x0080008000800080,
+                                              0x0008000800080008);
+        const __m256i minus = _mm256_cmpeq_epi16(_mm256_and_si256(_mm256_set1_epi16((int16_t) hh), bit), bit);
+        w.shift_scales = _mm256_sign_epi16(w.scales, _mm256_or_si256(minus, _mm256_set1_epi16(1)));
+    }
+    w.magnitude = _mm256_sign_epi8(w.grid, w.grid);
+    return w;
+}
+
+// IQ1_S's shift signs times scales, per 32 values, each twice: 16 int16 to madd with the q8 block sums
+// (one per 16 values), so the sum of a superblock's shifts is one product and a sum per column
+static inline __m256i iq1_s_shifts(const block_iq1_s * x) {
+    const __m128i h = _mm_loadu_si128((const __m128i *) x->qh);
+    const __m128i ls = _mm_add_epi16(_mm_slli_epi16(_mm_and_si128(_mm_srli_epi16(h, 12), _mm_set1_epi16(7)), 1),
+                                     _mm_set1_epi16(1));
+    const __m128i minus = _mm_srai_epi16(h, 15);  // 0xffff where bit 15 is set
+    const __m128i s = _mm_sub_epi16(_mm_xor_si128(ls, minus), minus);
+    return _mm256_set_m128i(_mm_unpackhi_epi16(s, s), _mm_unpacklo_epi16(s, s));
+}
+
+static inline int hsum_epi32(const __m256i x) {
+    __m128i r = _mm_add_epi32(_mm256_castsi256_si128(x), _mm256_extracti128_si256(x, 1));
+    r = _mm_add_epi32(r, _mm_unpackhi_epi64(r, r));
+    r = _mm_add_epi32(r, _mm_shuffle_epi32(r, 1));
+    return _mm_cvtsi128_si32(r);
+}
+
+static inline float iq1_m_scale(const block_iq1_m * x) {
+    uint16_t sc[4];
+    memcpy(sc, x->scales, 8);
+    const uint16_t bits = (sc[0] >> 12) | ((sc[1] >> 8) & 0x00f0) | ((sc[2] >> 4) & 0x0f00) | (sc[3] & 0xf000);
+    return fp16_to_fp32((ggml_fp16_t) bits);
+}
+
+// IQ1_S, IQ1_M x q8_K for NC <= IQ_GRID_COLS columns, in ggml's float sequence: per superblock the lanes (and
+// IQ1_M's shift lanes) fused in by scale * y.d, IQ1_S's shift sum added as a scalar; the shift sums times the
+// delta added to the lanes' sum at the end.
+static inline __attribute__((always_inline)) void dot_iq1(const int NC, const enum ggml_type type, const int nb,
+                                                         const void * vx, const block_q8_K * const * y,
+                                                         const int * order, float * out) {
+    const size_t block_bytes = ggml_type_size(type);
+    const __m256i ones = _mm256_set1_epi8(1);
+    __m256 acc[IQ_GRID_COLS], acc_shift[IQ_GRID_COLS];
+    float acc_shift1[IQ_GRID_COLS];
+    for (int c = 0; c < NC; ++c) {
+        acc[c] = acc_shift[c] = _mm256_setzero_ps();
+        acc_shift1[c] = 0.0f;
+    }
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const void * xb = (const char *) vx + i * block_bytes;
+        __m256i sumi[IQ_GRID_COLS], sumi_shift[IQ_GRID_COLS];
+        int sumi_shift1[IQ_GRID_COLS];
+        const __m256i m_scales = type == GGML_TYPE_IQ1_M ? iq1_m_scales(xb) : _mm256_setzero_si256();
+        for (int c = 0; c < NC; ++c) {
+            sumi[c] = sumi_shift[c] = _mm256_setzero_si256();
+            sumi_shift1[c] = 0;
+        }
+        for (int b = 0; b < QK_K / 32; ++b) {
+            const iq1_32 w = iq1_unpack(type, xb, b, m_scales);
+            for (int c = 0; c < NC; ++c) {
+                const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 32 * b));
+                const __m256i p16 = _mm256_maddubs_epi16(w.magnitude, _mm256_sign_epi8(q8, w.grid));
+                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_madd_epi16(p16, w.scales));
+                if (type == GGML_TYPE_IQ1_M) {  // the shift's sign goes with the scale: the same integers
+                    const __m256i pairs = _mm256_maddubs_epi16(ones, q8);
+                    sumi_shift[c] = _mm256_add_epi32(sumi_shift[c], _mm256_madd_epi16(pairs, w.shift_scales));
+                }
+            }
+        }
+        if (type == GGML_TYPE_IQ1_S) {
+            const __m256i shifts = iq1_s_shifts(xb);
+            const float xd = fp16_to_fp32(((const block_iq1_s *) xb)->d);
+            for (int c = 0; c < NC; ++c) {
+                // the integer ggml sums per 32 values in a scalar, from the q8 block sums
+                const __m256i bsums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
+                sumi_shift1[c] = hsum_epi32(_mm256_madd_epi16(bsums, shifts));
+                const float d = y[c][i].d * xd;
+                acc[c] = fma_lanes(d, sumi[c], acc[c]);
+                acc_shift1[c] += d * sumi_shift1[c];
+            }
+        } else {
+            const float xd = iq1_m_scale(xb);
+            for (int c = 0; c < NC; ++c) {
+                const float d = y[c][i].d * xd;
+                acc[c] = fma_lanes(d, sumi[c], acc[c]);
+                acc_shift[c] = fma_lanes(d, sumi_shift[c], acc_shift[c]);
+            }
+        }
+    }
+    for (int c = 0; c < NC; ++c) {
+        out[c] = type == GGML_TYPE_IQ1_S ? hsum8(acc[c]) + IQ1S_DELTA * acc_shift1[c]
+                                         : hsum8(acc[c]) + IQ1M_DELTA * hsum8(acc_shift[c]);
+    }
 }
 
 // IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S x q8_K for NC <= IQ_GRID_COLS columns (a constant up to 4: their sums
@@ -535,7 +682,31 @@ static inline __attribute__((always_inline)) void dot_iq_grid(const int NC, cons
         default: dot_iq_grid(nc, type, __VA_ARGS__); break;              \
     }
 
-// one IQ2/IQ3 weight row against ncols q8_K columns, `group` (<= IQ_GRID_COLS) columns per weight unpacking
+#define IQ1_BY_NC(type, nc, ...)                                         \
+    switch (nc) {                                                        \
+        case 1: dot_iq1(1, type, __VA_ARGS__); break;                    \
+        case 2: dot_iq1(2, type, __VA_ARGS__); break;                    \
+        case 3: dot_iq1(3, type, __VA_ARGS__); break;                    \
+        case 4: dot_iq1(4, type, __VA_ARGS__); break;                    \
+        default: dot_iq1(nc, type, __VA_ARGS__); break;                  \
+    }
+
+// IQ1_M's two sums per column fit registers for 4 columns at a time, and only then pay (8 columns unpacked once
+// cost more than twice 4 in a C loop: the sums go through memory)
+static void iq1_m_cols(int nc, int nb, const void * xrow, const block_q8_K * const * y, const int * order,
+                       float * out) {
+    for (int c = 0; c < nc; c += 4) {
+        const int n4 = nc - c < 4 ? nc - c : 4;
+        switch (n4) {
+            case 1: dot_iq1(1, GGML_TYPE_IQ1_M, nb, xrow, y + c, order, out + c); break;
+            case 2: dot_iq1(2, GGML_TYPE_IQ1_M, nb, xrow, y + c, order, out + c); break;
+            case 3: dot_iq1(3, GGML_TYPE_IQ1_M, nb, xrow, y + c, order, out + c); break;
+            default: dot_iq1(4, GGML_TYPE_IQ1_M, nb, xrow, y + c, order, out + c); break;
+        }
+    }
+}
+
+// one IQ1/IQ2/IQ3 weight row against ncols q8_K columns, `group` (<= IQ_GRID_COLS) columns per weight unpacking
 static void iq_grid_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                         int ncols, int group, const int * order, float * out) {
     const int nb = n / QK_K;
@@ -548,6 +719,8 @@ static void iq_grid_row(enum ggml_type type, int n, const void * xrow, const cha
             case GGML_TYPE_IQ2_XS:  IQ_GRID_BY_NC(GGML_TYPE_IQ2_XS, nc, nb, xrow, y, order, out + c0); break;
             case GGML_TYPE_IQ2_S:   IQ_GRID_BY_NC(GGML_TYPE_IQ2_S, nc, nb, xrow, y, order, out + c0); break;
             case GGML_TYPE_IQ3_XXS: IQ_GRID_BY_NC(GGML_TYPE_IQ3_XXS, nc, nb, xrow, y, order, out + c0); break;
+            case GGML_TYPE_IQ1_S:   IQ1_BY_NC(GGML_TYPE_IQ1_S, nc, nb, xrow, y, order, out + c0); break;
+            case GGML_TYPE_IQ1_M:   iq1_m_cols(nc, nb, xrow, y, order, out + c0); break;
             default:                IQ_GRID_BY_NC(GGML_TYPE_IQ3_S, nc, nb, xrow, y, order, out + c0); break;
         }
     }

@@ -5,7 +5,7 @@
 // A pass over n tokens must give every output the bits a one-token pass gives it, or speculative
 // verification would not be exact. These kernels compute each output element with one fixed sequence of
 // float operations (the one a ggml one-token kernel uses), whatever the number of tokens, while unpacking
-// each weight block once for up to SPECULANT_MM_COLS tokens (repacked rows on AVX-512: 8; IQ2/IQ3 rows: 16). Only the integer part is shared between tokens,
+// each weight block once for up to SPECULANT_MM_COLS tokens (repacked rows on AVX-512: 8; IQ1/IQ2/IQ3 rows: 16). Only the integer part is shared between tokens,
 // and integer sums do not depend on their order.
 #pragma once
 
@@ -44,7 +44,7 @@ bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_
 bool speculant_mm_few_tokens(const struct ggml_tensor * src1);
 
 // true when the kernels below handle src0's type on this build (AVX2 and up); false for a one-token pass over
-// Q2_K, Q3_K, Q5_K, IQ4_XS, IQ4_NL or IQ2/IQ3 weights (ggml's own loop: the same bits, a little faster)
+// Q2_K, Q3_K, Q5_K, IQ4_XS, IQ4_NL or IQ1/IQ2/IQ3 weights (ggml's own loop: the same bits, a little faster)
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
 // dst rows [ir0, ir1) of src0 x every column of the quantized src1 (q8_K rows of row_size bytes at wdata)
@@ -72,7 +72,7 @@ void speculant_mm_q6_Kx8_reorder(void * block);
 
 // For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
 // ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
-// unpacking (1..speculant_mm_max_group(repacked); the IQ2/IQ3 types up to 16); reorder != 0 deliberately sums the blocks in another order (a test must be
+// unpacking (1..speculant_mm_max_group(repacked); the IQ1/IQ2/IQ3 types up to 16); reorder != 0 deliberately sums the blocks in another order (a test must be
 // able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
 // Returns 0; 1 when ggml has no kernel to compare with (repacked Q6_K); -1 for an unsupported type or build.
 GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y,
