@@ -138,6 +138,82 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
         b.close()
 
 
+def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n_used: int = 2, seed: int = 0):
+    """SmolLM2's first n_layer layers rebuilt as a mixture of experts, the llama architecture with
+    llama.expert_count (as Mixtral): each feed-forward becomes n_expert experts (its own weights plus noise,
+    quantized to qtype) behind a random router, n_used of them per token. Attention, norms and embeddings stay
+    the file's."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
+    from gguf.quants import dequantize, quantize
+
+    rng = np.random.default_rng(seed)
+    qt = GGMLQuantizationType[qtype]
+    reader = GGUFReader(str(src))
+    writer = GGUFWriter(str(dst), "llama")
+    for field in reader.fields.values():
+        if field.name == "general.architecture" or field.name.startswith("GGUF."):
+            continue
+        kind = field.types[0]
+        value = n_layer if field.name == "llama.block_count" else field.contents()
+        writer.add_key_value(field.name, value, kind, sub_type=field.types[-1] if kind == GGUFValueType.ARRAY else None)
+    writer.add_expert_count(n_expert)
+    writer.add_expert_used_count(n_used)
+    for t in reader.tensors:
+        part = t.name.split(".")
+        if part[0] == "blk" and int(part[1]) >= n_layer:
+            continue
+        if len(part) == 4 and part[2] in ("ffn_gate", "ffn_up", "ffn_down"):
+            w = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))  # [rows, cols]
+            experts = w[None] + rng.normal(0, w.std() / 2, (n_expert, *w.shape)).astype(np.float32)
+            writer.add_tensor(f"blk.{part[1]}.{part[2]}_exps.weight", quantize(experts, qt), raw_dtype=qt)
+            if part[2] == "ffn_gate":
+                router = rng.normal(0, 0.05, (n_expert, w.shape[1])).astype(np.float32)
+                writer.add_tensor(f"blk.{part[1]}.ffn_gate_inp.weight", router)
+        else:
+            writer.add_tensor(t.name, t.data, raw_dtype=t.tensor_type)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return dst
+
+
+@pytest.fixture(scope="module")
+def moe_models(tmp_path_factory):
+    """{expert type: path} of _smollm2_as_moe for Q4_0 (repacked on x86) and Q8_0 (not)."""
+    from speculant import models
+
+    src = models.cached_path("smollm2-135m-instruct")
+    if not src.exists():
+        pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
+    out = tmp_path_factory.mktemp("moe")
+    return {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
+
+
+@pytest.mark.parametrize("qtype,repack", [("Q4_0", True), ("Q8_0", True), ("Q4_0", False)])
+def test_pass_sizes_are_bit_identical_mixture_of_experts(moe_models, qtype, repack):
+    """A mixture-of-experts target (SmolLM2's first 8 layers rebuilt with 4 experts each, 2 used per token:
+    _smollm2_as_moe): its expert matrices go through llama.cpp's mul_mat_id (per token, the gemv of repacked
+    Q4_0 rows or the dot product of plain ones), its router through softmax and top-k, per token. Every pass
+    size gives a token the bits of its one-token pass, so speculation on a MoE target is exact too."""
+    from gguf import GGUFReader
+
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    path = moe_models[qtype]
+    types = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in GGUFReader(path, "r").tensors}
+    assert types["blk.0.ffn_up_exps.weight"] == (qtype, [576, 1536, 4])
+    b = LlamaCppBackend(path, n_ctx=512, repack=repack)
+    try:
+        assert b.n_vocab == 49152
+        sizes = [1, 2, 3, 4, 5, 7, 8, 9, 16, 33, 64]
+        assert _batch_vs_single(b, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
+        b.rewind(0)
+        assert np.isfinite(b.eval(b.tokenize("The capital of France is"))[-1]).all()
+    finally:
+        b.close()
+
+
 @pytest.mark.parametrize("ftype,expected", [
     ("Q3_K_M", {"blk.0.ffn_up.weight": "Q3_K", "blk.0.ffn_down.weight": "Q5_K", "blk.0.attn_output.weight": "Q4_K"}),
     ("Q2_K", {"blk.0.ffn_up.weight": "Q2_K", "blk.0.ffn_down.weight": "Q3_K", "blk.0.attn_v.weight": "Q4_K"}),
