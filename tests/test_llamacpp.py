@@ -147,7 +147,6 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
     from gguf.quants import dequantize, quantize
 
     rng = np.random.default_rng(seed)
-    qt = GGMLQuantizationType[qtype]
     reader = GGUFReader(str(src))
     writer = GGUFWriter(str(dst), "llama")
     for field in reader.fields.values():
@@ -165,6 +164,7 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
         if len(part) == 4 and part[2] in ("ffn_gate", "ffn_up", "ffn_down"):
             w = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))  # [rows, cols]
             experts = w[None] + rng.normal(0, w.std() / 2, (n_expert, *w.shape)).astype(np.float32)
+            qt = GGMLQuantizationType[qtype]
             writer.add_tensor(f"blk.{part[1]}.{part[2]}_exps.weight", quantize(experts, qt), raw_dtype=qt)
             if part[2] == "ffn_gate":
                 router = rng.normal(0, 0.05, (n_expert, w.shape[1])).astype(np.float32)
@@ -180,29 +180,42 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    """{expert type: path} of _smollm2_as_moe for Q4_0 (repacked on x86) and Q8_0 (not)."""
+    """{file type: path} of _smollm2_as_moe for Q4_0 experts (repacked on x86), Q8_0 (not), and the Q8_0 file
+    requantized to Q4_K_M: Q4_K and Q6_K ffn_down experts (rows of 1536 values: whole K-quant superblocks), which
+    llama.cpp's tiled K-quant kernel takes once 8 or more of a pass's tokens go to one expert."""
+    from speculant import quantize
+
     from speculant import models
 
     src = models.cached_path("smollm2-135m-instruct")
     if not src.exists():
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("moe")
-    return {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
+    made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
+    made["Q4_K_M"] = out / "smollm2-moe-Q4_K_M.gguf"
+    quantize.make(made["Q8_0"], made["Q4_K_M"], quantize.file_type("Q4_K_M"), allow_requantize=True, progress=False)
+    return made
 
 
-@pytest.mark.parametrize("qtype,repack", [("Q4_0", True), ("Q8_0", True), ("Q4_0", False)])
-def test_pass_sizes_are_bit_identical_mixture_of_experts(moe_models, qtype, repack):
+@pytest.mark.parametrize("ftype,repack", [("Q4_0", True), ("Q8_0", True), ("Q4_0", False), ("Q4_K_M", True),
+                                          ("Q4_K_M", False)])
+def test_pass_sizes_are_bit_identical_mixture_of_experts(moe_models, ftype, repack):
     """A mixture-of-experts target (SmolLM2's first 8 layers rebuilt with 4 experts each, 2 used per token:
     _smollm2_as_moe): its expert matrices go through llama.cpp's mul_mat_id (per token, the gemv of repacked
-    Q4_0 rows or the dot product of plain ones), its router through softmax and top-k, per token. Every pass
-    size gives a token the bits of its one-token pass, so speculation on a MoE target is exact too."""
+    rows or the dot product of plain ones), its router through softmax and top-k, per token. Unrepacked K-quant
+    experts (Q4_K_M, SPECULANT_REPACK=0; on AVX2 also Q3_K, Q5_K and the IQ types, which nothing repacks) went to
+    llama.cpp's tiled kernel once 8 of a pass's tokens chose one expert, rounding otherwise: our build keeps
+    passes of up to 64 tokens off it. Every pass size gives a token the bits of its one-token pass, so
+    speculation on a MoE target is exact too."""
     from gguf import GGUFReader
 
     from speculant.backends.llamacpp import LlamaCppBackend
 
-    path = moe_models[qtype]
-    types = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in GGUFReader(path, "r").tensors}
-    assert types["blk.0.ffn_up_exps.weight"] == (qtype, [576, 1536, 4])
+    path = moe_models[ftype]
+    held = {t.name: (t.tensor_type.name, [int(x) for x in t.shape]) for t in GGUFReader(path, "r").tensors}
+    up, down = held["blk.0.ffn_up_exps.weight"], held["blk.0.ffn_down_exps.weight"]
+    assert up[1] == [576, 1536, 4] and down[1] == [1536, 576, 4]
+    assert (up[0], down[0]) == ((ftype, ftype) if ftype != "Q4_K_M" else ("Q5_0", "Q6_K"))
     b = LlamaCppBackend(path, n_ctx=512, repack=repack)
     try:
         assert b.n_vocab == 49152
