@@ -115,31 +115,40 @@ def _field(reader, key: str, default=None):
         else val.tolist()[0] if len(val) == 1 else val.tolist()
 
 
-def gguf_facts(path: Path) -> dict:
-    """Shapes and types from a GGUF header: what the plan is computed from. Reading a header with a big
-    vocabulary takes seconds, so the facts are kept in $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
+def _cached(path: Path, tag: str, compute):
+    """compute() for a file, kept as JSON in $SPECULANT_HOME/plan-cache, keyed by file, size, mtime and tag."""
     st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:24]
-    cache = models.home() / "plan-cache" / f"{key}.json"
+    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}{tag}".encode()).hexdigest()[:24]
+    cache = models.home() / "plan-cache" / f"{key}{'.quantized' if tag else ''}.json"
     try:
         return json.loads(cache.read_text(encoding="utf-8"))
     except (OSError, ValueError):
         pass
+    value = compute()
+    try:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(value), encoding="utf-8")
+        os.replace(tmp, cache)
+    except OSError:
+        pass  # a read-only cache only costs time
+    return value
+
+
+def gguf_facts(path: Path) -> dict:
+    """Shapes and types from a GGUF header: what the plan is computed from. Reading a header with a big
+    vocabulary takes seconds, so the facts are kept in $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
+    return _cached(path, "", lambda: _facts_in_child(path))
+
+
+def _facts_in_child(path: Path) -> dict:
     # the gguf reader peaks at ~0.5 GB for a 150k-token vocabulary: read in a child, not in an engine's process
     proc = subprocess.run([sys.executable, "-m", "speculant.plan", "--facts", str(path)], capture_output=True,
                           text=True)
     if proc.returncode != 0 or not proc.stdout.startswith(MARK):
         why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
         raise ModelError(f"cannot read the GGUF header of {path}: {why}")
-    facts = json.loads(proc.stdout[len(MARK):])
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(facts), encoding="utf-8")
-        os.replace(tmp, cache)
-    except OSError:
-        pass  # a read-only cache only costs time
-    return facts
+    return json.loads(proc.stdout[len(MARK):])
 
 
 def _read_facts(path: Path) -> dict:
@@ -246,22 +255,7 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
 def quantized_facts(path: Path, type_name: str) -> list:
     """The tensor list (as gguf_facts' "tensors") `speculant quantize --type TYPE` would make of the file:
     llama.cpp's quantizer in a dry run (quantize.dry_run), kept in $SPECULANT_HOME/plan-cache like the facts."""
-    st = path.stat()
-    key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}:{type_name}".encode()).hexdigest()[:24]
-    cache = models.home() / "plan-cache" / f"{key}.quantized.json"
-    try:
-        return json.loads(cache.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        pass
-    tensors = quantize.dry_run(path, type_name).tensors
-    try:
-        cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(tensors), encoding="utf-8")
-        os.replace(tmp, cache)
-    except OSError:
-        pass
-    return tensors
+    return _cached(path, f":{type_name}", lambda: quantize.dry_run(path, type_name).tensors)
 
 
 def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,
