@@ -110,13 +110,8 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
     if share < UNBATCHED_WARN_SHARE:
         return None
     types = ", ".join(sorted(slow, key=slow.get, reverse=True))
-    experts = sum(n for name, n in slow.items() if name.endswith(" experts"))
-    if experts >= sum(slow.values()) / 2:  # a mixture of experts: no file type changes that
-        advice = ("llama.cpp computes a mixture of experts' expert matrices token by token whatever their type, "
-                  "so speculation gains only on the attention and shared weights")
-    else:
-        advice = ("Q3_K_M, Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ3_M, IQ4_NL and IQ4_XS verify at batch cost "
-                  "(`speculant quantize`)")
+    advice = ("Q3_K_M, Q4_0, Q4_K_M, Q5_K_M, Q6_K, Q8_0, IQ3_M, IQ4_NL and IQ4_XS verify at batch cost "
+              "(`speculant quantize`)")
     message = (f"speculant: warning: {share:.0%} of {target.name}'s weights are {types}, which verify passes "
                f"compute one token at a time (no multi-token kernel for them): each drafted token adds much of a plain "
                f"step to the check, so speculation pays far less on this file. {advice}.")

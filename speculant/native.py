@@ -163,9 +163,8 @@ def unbatched_weights(path, repacked: bool = True) -> tuple[float, dict[str, int
 def unbatched_share(tensors, repacked: bool = True) -> tuple[float, dict[str, int]]:
     """unbatched_weights over a tensor list [(name, type name, shape [ne0, ne1, ...], bytes)]: a file's, or what
     the quantizer would make (quantize.dry_run). The token embedding counts only where it is also the output
-    layer (a lookup otherwise, no matmul). A mixture of experts' expert matrices ([ne0, ne1, n_expert], used
-    through llama.cpp's mul_mat_id, which computes each token's experts for it alone, whatever their type)
-    count as "TYPE experts"."""
+    layer (a lookup otherwise, no matmul). A mixture of experts' expert matrices ([ne0, ne1, n_expert], llama.cpp's
+    mul_mat_id) count as any matrix of their type: our kernels take each expert's tokens in a pass together."""
     tied = not any(name == "output.weight" for name, *_ in tensors)
     slow: dict[str, int] = {}
     total = 0
@@ -175,9 +174,7 @@ def unbatched_share(tensors, repacked: bool = True) -> tuple[float, dict[str, in
             continue
         total += nbytes
         repacked_here = avx512_repacks and ttype in REPACKED_ON_AVX512_ONLY and int(shape[1]) % 8 == 0
-        if len(shape) >= 3 and int(shape[2]) > 1:
-            slow[f"{ttype} experts"] = slow.get(f"{ttype} experts", 0) + nbytes
-        elif (ttype not in BATCHED_TYPES or repacked_here) and ttype not in FLOAT_TYPES:
+        if (ttype not in BATCHED_TYPES or repacked_here) and ttype not in FLOAT_TYPES:
             slow[ttype] = slow.get(ttype, 0) + nbytes
     return sum(slow.values()) / max(1, total), slow
 

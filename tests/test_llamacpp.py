@@ -138,11 +138,13 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
         b.close()
 
 
-def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n_used: int = 2, seed: int = 0):
+def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n_used: int = 2, seed: int = 0,
+                    noise: float = 0.5):
     """SmolLM2's first n_layer layers rebuilt as a mixture of experts, the llama architecture with
-    llama.expert_count (as Mixtral): each feed-forward becomes n_expert experts (its own weights plus noise,
-    quantized to qtype) behind a random router, n_used of them per token. Attention, norms and embeddings stay
-    the file's."""
+    llama.expert_count (as Mixtral): each feed-forward becomes n_expert experts (its own weights plus noise of
+    `noise` times their standard deviation, quantized to qtype) behind a random router, n_used of them per token.
+    Attention, norms and embeddings stay the file's. With noise 0 every expert is the dense feed-forward, so the
+    router's choices (near ties here, which rounding can flip) change nothing."""
     from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
     from gguf.quants import dequantize, quantize
 
@@ -163,7 +165,7 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
             continue
         if len(part) == 4 and part[2] in ("ffn_gate", "ffn_up", "ffn_down"):
             w = dequantize(t.data, t.tensor_type).reshape(int(t.shape[1]), int(t.shape[0]))  # [rows, cols]
-            experts = w[None] + rng.normal(0, w.std() / 2, (n_expert, *w.shape)).astype(np.float32)
+            experts = w[None] + rng.normal(0, w.std() * noise, (n_expert, *w.shape)).astype(np.float32)
             qt = GGMLQuantizationType[qtype]
             writer.add_tensor(f"blk.{part[1]}.{part[2]}_exps.weight", quantize(experts, qt), raw_dtype=qt)
             if part[2] == "ffn_gate":
@@ -194,6 +196,10 @@ def moe_models(tmp_path_factory):
     made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
     made["Q4_K_M"] = out / "smollm2-moe-Q4_K_M.gguf"
     quantize.make(made["Q8_0"], made["Q4_K_M"], quantize.file_type("Q4_K_M"), allow_requantize=True, progress=False)
+    same = _smollm2_as_moe(src, out / "smollm2-moe-same-Q8_0.gguf", "Q8_0", noise=0.0)
+    made["Q4_K_M same experts"] = out / "smollm2-moe-same-Q4_K_M.gguf"
+    quantize.make(same, made["Q4_K_M same experts"], quantize.file_type("Q4_K_M"), allow_requantize=True,
+                  progress=False)
     return made
 
 
@@ -225,6 +231,27 @@ def test_pass_sizes_are_bit_identical_mixture_of_experts(moe_models, ftype, repa
         assert np.isfinite(b.eval(b.tokenize("The capital of France is"))[-1]).all()
     finally:
         b.close()
+
+
+def test_repacked_experts_compute_the_product_of_plain_ones(moe_models):
+    """Expert matrices repacked 8 rows at a time (the Q4_K_M file's Q4_K and Q6_K down experts; Q6_K in the order
+    only our kernels read) give the logits of the same file run unrepacked, within rounding. Every expert here is
+    the dense feed-forward, so the router's near ties, which rounding can flip, change nothing. Before our kernels
+    took llama.cpp's mul_mat_id, its generic gemv read those Q6_K experts in ggml's order: max diff ~60 of ~80, the
+    top token the same at 1 position in 14. (Rounding alone moves this small model's logits by up to ~1.3, the
+    dense SmolLM2 in Q4_K_M repacked or not alike: repacked rows round as ggml's gemv, plain ones as its vec_dot.)"""
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    logits = {}
+    for repack in (False, True):
+        b = LlamaCppBackend(moe_models["Q4_K_M same experts"], n_ctx=512, repack=repack)
+        try:
+            tokens = b.tokenize(LONG_TEXT)[:200]  # ~100 tokens per expert: repacked ones take 64 at a time
+            logits[repack] = b.eval(tokens, n_logits=len(tokens))  # [200, n_vocab]
+        finally:
+            b.close()
+    assert (logits[True].argmax(-1) == logits[False].argmax(-1)).mean() >= 0.9
+    assert np.abs(logits[True] - logits[False]).max() < 0.05 * np.abs(logits[False]).max()
 
 
 @pytest.mark.parametrize("ftype,expected", [

@@ -365,33 +365,41 @@ def test_unbatched_weights_count_q2_k_where_llama_cpp_repacks_it(tmp_path, monke
     assert native.unbatched_weights(path, repacked=True) == (0.0, {})
 
 
-def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices(tmp_path):
-    """Expert matrices ([n_embd, n_ff, n_expert]) go through llama.cpp's mul_mat_id, token by token for any type:
-    counted as "TYPE experts" (Q4_K here, a type whose plain matrices verify at batch cost), and the warning
-    then says that no other file type would help."""
+def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices_by_type(tmp_path, monkeypatch):
+    """Expert matrices ([n_embd, n_ff, n_expert]) go through llama.cpp's mul_mat_id, where our kernels take each
+    expert's tokens together (test_llamacpp checks the bits): they count as any matrix of their type. Q4_K experts
+    verify at batch cost; Q2_K ones repacked on an AVX-512 CPU (a layout our kernels do not take) do not, and the
+    warning names them."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from speculant import api
     from speculant.backends.llamacpp import LlamaCppBackend
 
-    path = tmp_path / "moe.gguf"
-    writer = GGUFWriter(str(path), "qwen3moe")
-    for name, shape, qtype in (("blk.0.ffn_up_exps.weight", (4, 8, 1), Q4_K), ("blk.0.attn_q.weight", (8, 1), Q4_K),
-                               ("output.weight", (8, 1), Q6_K)):
-        writer.add_tensor(name, np.zeros((*shape[:-1], BLOCK_BYTES[qtype] * shape[-1]), np.uint8),
-                          raw_dtype=GGMLQuantizationType(qtype))
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    experts = 32 * BLOCK_BYTES[Q4_K]
-    share, slow = native.unbatched_weights(path, repacked=True)
-    assert slow == {"Q4_K experts": experts}
-    assert share == pytest.approx(experts / (experts + 8 * BLOCK_BYTES[Q4_K] + 8 * BLOCK_BYTES[Q6_K]))
+    def moe(name, expert_type):
+        path = tmp_path / name
+        writer = GGUFWriter(str(path), "qwen3moe")
+        for tensor, shape, qtype in (("blk.0.ffn_up_exps.weight", (4, 8, 1), expert_type),
+                                     ("blk.0.attn_q.weight", (8, 1), Q4_K), ("output.weight", (8, 1), Q6_K)):
+            writer.add_tensor(tensor, np.zeros((*shape[:-1], BLOCK_BYTES[qtype] * shape[-1]), np.uint8),
+                              raw_dtype=GGMLQuantizationType(qtype))
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
 
     class Target(LlamaCppBackend):  # only what the warning reads
-        def __init__(self):
+        def __init__(self, path):
             self.path, self.repack, self.name = path, True, "moe"
 
-    message = api.warn_unbatched_weights(Target())
-    assert message and "Q4_K experts" in message and "mixture of experts" in message and "Q4_K_M" not in message
+    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
+    batched = moe("q4_k.gguf", Q4_K)
+    assert native.unbatched_weights(batched, repacked=True) == (0.0, {})
+    assert api.warn_unbatched_weights(Target(batched)) is None
+    slow_experts = moe("q2_k.gguf", Q2_K)
+    experts = 32 * BLOCK_BYTES[Q2_K]
+    share, slow = native.unbatched_weights(slow_experts, repacked=True)
+    assert slow == {"Q2_K": experts}
+    assert share == pytest.approx(experts / (experts + 8 * BLOCK_BYTES[Q4_K] + 8 * BLOCK_BYTES[Q6_K]))
+    message = api.warn_unbatched_weights(Target(slow_experts))
+    assert message and "are Q2_K, which" in message and "Q4_K_M" in message

@@ -1993,6 +1993,55 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
     }
 }
 
+bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows) {
+    return interleave || rows ? speculant_mm_repacked_supported(type, interleave, rows) : plain_supported(type);
+}
+
+#define EXPERT_COLS 64   // tokens gathered at a time
+#define EXPERT_ROWS 128  // weight rows per block of results
+
+static _Thread_local char * gathered;  // EXPERT_COLS gathered columns, per thread (kept: every layer needs one)
+static _Thread_local size_t gathered_bytes;
+
+void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const char * x, size_t x_stride, int64_t ir0,
+                              int64_t ir1, const int32_t * map, int64_t ntok, const char * ycols, size_t row_size,
+                              int64_t ne11, char * dst, size_t nb1, size_t nb2) {
+    if (gathered_bytes < EXPERT_COLS * row_size) {
+        free(gathered);
+        gathered_bytes = EXPERT_COLS * row_size;
+        gathered = malloc(gathered_bytes);
+        GGML_ASSERT(gathered);
+    }
+    const int group = iq_grid_type(type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;  // columns per unpacking (plain rows)
+    float out[EXPERT_COLS * EXPERT_ROWS];  // out[c * EXPERT_ROWS + r]: row r0 + r of gathered column c
+    for (int64_t k0 = 0; k0 < ntok; k0 += EXPERT_COLS) {
+        const int nc = (int) (ntok - k0 < EXPERT_COLS ? ntok - k0 : EXPERT_COLS);
+        for (int c = 0; c < nc; ++c) {  // the expert's tokens' columns, side by side as the kernels read them
+            const int32_t slot = map[2 * (k0 + c)], token = map[2 * (k0 + c) + 1];
+            memcpy(gathered + c * row_size, ycols + (slot % ne11 + token * ne11) * row_size, row_size);
+        }
+        for (int64_t r0 = ir0; r0 < ir1; r0 += EXPERT_ROWS) {
+            const int64_t nr = ir1 - r0 < EXPERT_ROWS ? ir1 - r0 : EXPERT_ROWS;
+            const char * xr = x + r0 * x_stride;
+            if (repacked) {  // r0 and nr are multiples of 8: whole groups of repacked rows
+                repacked_rows(type, n, xr, nr, gathered, row_size, nc, REPACKED_COLS, NULL, out, EXPERT_ROWS);
+            } else if (ggml_blck_size(type) == QK8_0) {
+                q0_rows(type, n, xr, x_stride, nr, gathered, row_size, nc, SPECULANT_MM_COLS, NULL, out, 1, EXPERT_ROWS);
+            } else {
+                float row[EXPERT_COLS];
+                for (int64_t r = 0; r < nr; ++r) {
+                    dot_row(type, n, xr + r * x_stride, gathered, row_size, nc, group, NULL, row);
+                    for (int c = 0; c < nc; ++c) out[c * EXPERT_ROWS + r] = row[c];
+                }
+            }
+            for (int c = 0; c < nc; ++c) {
+                const int32_t slot = map[2 * (k0 + c)], token = map[2 * (k0 + c) + 1];
+                memcpy((float *) (dst + slot * nb1 + token * nb2) + r0, out + c * EXPERT_ROWS, nr * sizeof(float));
+            }
+        }
+    }
+}
+
 int speculant_mm_max_group(int repacked) {
     return repacked ? REPACKED_COLS : SPECULANT_MM_COLS;
 }
@@ -2076,6 +2125,19 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     (void) src0; (void) wdata; (void) row_size; (void) dst; (void) ir0; (void) ir1;
     abort();  // speculant_mm_supported() is false on this build
+}
+
+bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows) {
+    (void) type; (void) interleave; (void) rows;
+    return false;
+}
+
+void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const char * x, size_t x_stride, int64_t ir0,
+                              int64_t ir1, const int32_t * map, int64_t ntok, const char * ycols, size_t row_size,
+                              int64_t ne11, char * dst, size_t nb1, size_t nb2) {
+    (void) type; (void) repacked; (void) n; (void) x; (void) x_stride; (void) ir0; (void) ir1; (void) map; (void) ntok;
+    (void) ycols; (void) row_size; (void) ne11; (void) dst; (void) nb1; (void) nb2;
+    abort();  // speculant_mm_expert_supported() is false on this build
 }
 
 int speculant_mm_max_group(int repacked) {

@@ -51,6 +51,20 @@ bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_t
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
 
+// Mixture-of-experts matrices (ggml's mul_mat_id): true when speculant_mm_expert_rows handles src0's type, plain
+// or repacked (interleave/rows as for speculant_mm_repacked_supported; 0/0 for plain rows)
+bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows);
+
+// Rows [ir0, ir1) of one expert's matrix x (its row 0; plain rows x_stride bytes apart, or repacked 8 at a time)
+// times the columns of the ntok tokens that chose it. map: (slot, token) per token, ggml's mmid_row_mapping;
+// token k's quantized column at ycols + (slot % ne11 + token * ne11) * row_size, its results at
+// dst + slot * nb1 + token * nb2. Per column the bits of the one-token pass (vec_dot per element for plain rows,
+// gemv for repacked ones), while each weight unpacking serves up to SPECULANT_MM_COLS (REPACKED_COLS, IQ_GRID_COLS)
+// of the expert's tokens.
+void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const char * x, size_t x_stride, int64_t ir0,
+                              int64_t ir1, const int32_t * map, int64_t ntok, const char * ycols, size_t row_size,
+                              int64_t ne11, char * dst, size_t nb1, size_t nb2);
+
 // Weights repacked 8 rows at a time (ggml's block_q4_Kx8 and block_q4_0x8; block_q6_Kx8, which ggml repacks on
 // x86 only in our build; interleave/rows: the repack's INTER_SIZE and NB_COLS): true when
 // speculant_mm_repacked_rows handles them
