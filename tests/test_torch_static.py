@@ -144,3 +144,23 @@ def test_real_weights_same_greedy_as_torch_backend():
         draft.close()
     assert r.tokens == plain.tokens and r.stats.drafted > 0
 
+
+
+def test_fused_weights_leave_the_model_unchanged():
+    """The static backend fuses q/k/v and gate/up into single matmuls over views: the transformers model it
+    wraps still computes what it did (TorchBackend over the same object), with no weight held twice."""
+    from speculant.backends.torch import TorchBackend
+    from speculant.shapes import random_model
+
+    model = random_model("tiny", seed=7)
+    before = TorchBackend(model, name="tiny", n_ctx=512).eval(IDS[:40], n_logits=40)
+    n_params = sum(p.numel() for p in model.parameters())
+    static = random_backend("tiny", rows=16, seed=7)  # separate weights, same values
+    from speculant.backends.torch_static import StaticTorchBackend
+    wrapped = StaticTorchBackend(model, name="tiny", n_ctx=512, rows=16)
+    after = TorchBackend(model, name="tiny", n_ctx=512).eval(IDS[:40], n_logits=40)
+    assert np.array_equal(before, after)
+    attn = model.model.layers[0].self_attn
+    assert attn.k_proj.weight.data_ptr() == wrapped._qkv[0][0][attn.q_proj.weight.shape[0]:].data_ptr()
+    assert sum(p.numel() for p in model.parameters()) == n_params
+    np.testing.assert_allclose(wrapped.eval(IDS[:40], n_logits=40), static.eval(IDS[:40], n_logits=40))

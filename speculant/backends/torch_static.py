@@ -8,9 +8,14 @@ kernels on fixed buffers, so everything a pass touches is allocated once and eve
   * rows: a pass over n tokens is padded to a shape class (1, 2, 4, ... 64 rows, longer passes in chunks of
     64). Padding rows get the positions after the real ones; what they write there is stale and masked, and
     a later pass overwrites it (capacity keeps room past n_ctx for them and for graph warm-up).
-  * attention: over fixed KV blocks at absolute offsets (KV_BLOCK positions each) with an online softmax and
-    a position mask, as in torch.py. Blocks past a row's position contribute exactly 0, so a row's result
-    does not depend on how many blocks a pass visits; a graph is captured per (rows, blocks).
+  * attention: a target's (rows set) runs over fixed KV blocks at absolute offsets (KV_BLOCK positions each)
+    with an online softmax and a position mask, as in torch.py. Blocks past a row's position contribute
+    exactly 0, so a row's result does not depend on how many blocks a pass visits; a graph is captured per
+    (rows, blocks). A draft's (rows None) is one scaled_dot_product_attention call over the visited blocks.
+  * kernels: a graph replays every kernel of a pass, so their number sets a small model's pass time (an H200
+    runs ~3 us per kernel). q/k/v and gate/up are one matmul each (the modules keep their weights as views
+    into the fused ones), RoPE runs on q and k at once, the masks are made once per pass, and RMSNorm is
+    torch's fused rms_norm: 1.5B 6.1 -> 3.7 ms per pass, 0.5B draft 4.7 -> 1.8 ms (docs/bench/gpu/).
 
 Exactness: a matmul's rounding depends on its row count M (measured on this CPU, fp32: up to 2.3e-5 between
 M = 1 and M = 16 for one row), so passes of different shape classes are NOT bit-identical. A target that
@@ -46,27 +51,52 @@ def shape_class(n: int) -> int:
     return next(c for c in SHAPE_CLASSES if c >= n)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _fuse_linears(mods) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """One weight [sum of out, in] (and bias) for linear layers that read the same input: one matmul instead
+    of several. The modules keep their parameters as views into it, so no weight is held twice."""
+    weight = torch.cat([m.weight.data for m in mods])
+    biased = [m.bias is not None for m in mods]
+    bias = None
+    if any(biased):
+        bias = torch.cat([m.bias.data if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
+                          for m in mods])
+    at = 0
+    for m in mods:
+        rows = m.weight.shape[0]
+        m.weight.data = weight[at:at + rows]
+        if m.bias is not None:
+            m.bias.data = bias[at:at + rows]
+        at += rows
+    return weight, bias
 
 
-def block_attention(q, keys, values, q_pos, offsets, n_blocks: int, scaling: float) -> torch.Tensor:
-    """q [heads, rows, d] at positions q_pos [rows] against keys/values [kv_heads, capacity, d], over the first
-    n_blocks KV blocks with an online softmax in float32. Returns [rows, heads * d]."""
+def attention_masks(q_pos: torch.Tensor, offsets: torch.Tensor, n_blocks: int) -> list[torch.Tensor]:
+    """Additive float32 masks [rows, KV_BLOCK] per KV block: 0 where a key position <= the row's, else -inf.
+    Made once per pass (every layer reads the same ones)."""
+    return [torch.where((offsets + b * KV_BLOCK)[None, :] > q_pos[:, None], -float("inf"), 0.0)
+            for b in range(n_blocks)]
+
+
+def block_attention(q, keys, values, masks: list[torch.Tensor], scaling: float) -> torch.Tensor:
+    """q [heads, rows, d] against keys/values [kv_heads, capacity, d] over the KV blocks that masks
+    ([group*rows, KV_BLOCK] each, q's rows repeated per head of a group) cover, with an online softmax in
+    float32. Returns [rows, heads * d]. Every pass runs block 0 through the same first-block code, so a row's
+    result does not depend on how many blocks its pass visits (later blocks past it add exactly 0)."""
     n_heads, n_rows, d = q.shape
     n_kv = keys.shape[0]
-    group = n_heads // n_kv
-    qg = q.reshape(n_kv, group * n_rows, d)  # head h uses kv head h // group
-    qp = q_pos.repeat(group)  # [group*rows]
-    run_max = torch.full((n_kv, group * n_rows), -float("inf"), device=q.device)
-    run_sum = torch.zeros(n_kv, group * n_rows, device=q.device)
-    acc = torch.zeros(n_kv, group * n_rows, d, device=q.device)
-    for b in range(n_blocks):
+    qg = q.reshape(n_kv, n_heads // n_kv * n_rows, d)  # head h uses kv head h // group
+    run_max = run_sum = acc = None
+    for b, mask in enumerate(masks):
         b0 = b * KV_BLOCK
         k_blk, v_blk = keys[:, b0:b0 + KV_BLOCK], values[:, b0:b0 + KV_BLOCK]  # [kv_heads, KV_BLOCK, d]
-        scores = torch.matmul(qg, k_blk.transpose(1, 2)).float() * scaling  # [kv_heads, group*rows, KV_BLOCK]
-        scores = scores.masked_fill((offsets + b0)[None, None, :] > qp[None, :, None], -float("inf"))
+        # mask + scaling * scores in float32: one kernel for the scale, the cast and the mask
+        scores = torch.add(mask, torch.matmul(qg, k_blk.transpose(1, 2)), alpha=scaling)  # [kv, group*rows, B]
+        if run_max is None:  # block 0 holds position 0, so no row of it is fully masked
+            run_max = scores.amax(-1)
+            p = torch.exp(scores - run_max[..., None])
+            run_sum = p.sum(-1)
+            acc = torch.matmul(p.to(values.dtype), v_blk).float()
+            continue
         new_max = torch.maximum(run_max, scores.amax(-1))
         rescale = torch.exp(run_max - new_max)
         p = torch.exp(scores - new_max[..., None])
@@ -75,6 +105,24 @@ def block_attention(q, keys, values, q_pos, offsets, n_blocks: int, scaling: flo
         run_max = new_max
     out = (acc / run_sum[..., None]).to(q.dtype)  # [kv_heads, group*rows, d]
     return out.reshape(n_heads, n_rows, d).transpose(0, 1).reshape(n_rows, n_heads * d)
+
+
+def fused_attention(q, keys, values, keep: torch.Tensor, scaling: float) -> torch.Tensor:
+    """block_attention's result (rounding aside) in one scaled_dot_product_attention call over the keys that
+    keep [group*rows, n_keys] (True: attend) covers, for a draft model, which needs no invariance: its
+    rounding depends on the number of keys. Returns [rows, heads * d]."""
+    n_heads, n_rows, d = q.shape
+    n_kv = keys.shape[0]
+    n_keys = keep.shape[-1]
+    qg = q.reshape(1, n_kv, n_heads // n_kv * n_rows, d)  # kv heads as the batch heads: no key copy for GQA
+    out = torch.nn.functional.scaled_dot_product_attention(qg, keys[None, :, :n_keys], values[None, :, :n_keys],
+                                                           attn_mask=keep, scale=scaling)
+    return out.reshape(n_heads, n_rows, d).transpose(0, 1).reshape(n_rows, n_heads * d)
+
+
+def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight,
+                                        getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
 
 
 class StaticTorchBackend(TorchBackend):
@@ -109,7 +157,12 @@ class StaticTorchBackend(TorchBackend):
         rot = base.rotary_emb
         self._inv_freq = rot.inv_freq.to(device=self.device, dtype=torch.float32)  # [head_dim / 2]
         self._rope_scale = float(getattr(rot, "attention_scaling", 1.0))
-        self._graphs: dict = {}  # (rows, n_blocks) -> (graph, ids, pos, logits)
+        # a pass is launch-bound on a GPU: q/k/v and gate/up each become one matmul
+        with torch.no_grad():
+            self._qkv = [_fuse_linears((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj))
+                         for l in base.layers]
+            self._gate_up = [_fuse_linears((l.mlp.gate_proj, l.mlp.up_proj)) for l in base.layers]
+        self._graphs: dict = {}  # (rows, n_blocks, draft attention) -> (graph, ids, pos, logits)
         self._pool = None
         self._gen: Optional[torch.Generator] = None  # device random draws for sampled verification
 
@@ -117,30 +170,38 @@ class StaticTorchBackend(TorchBackend):
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
         """ids, pos [rows] -> float32 logits [rows, V]; writes every row's K/V at its position."""
         base = self.model.model
-        n = ids.shape[0]
+        n, d = ids.shape[0], self.head_dim
+        n_qk = (self.n_heads + self.n_kv) * d
         h = base.embed_tokens(ids)  # [rows, hidden]
-        freqs = pos[:, None].float() * self._inv_freq[None, :]  # [rows, head_dim/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos = (emb.cos() * self._rope_scale).to(h.dtype)[None]  # [1, rows, head_dim]
-        sin = (emb.sin() * self._rope_scale).to(h.dtype)[None]
+        freqs = pos[:, None].float() * self._inv_freq[None, :]  # [rows, d/2]
+        cos, sin = freqs.cos() * self._rope_scale, freqs.sin() * self._rope_scale
+        cos = torch.cat((cos, cos), -1).to(h.dtype)[:, None]  # [rows, 1, d]
+        sin = torch.cat((-sin, sin), -1).to(h.dtype)[:, None]  # rotate_half(x) * sin == roll(x, d/2) * this
+        q_pos = pos.repeat(self.n_heads // self.n_kv)  # [group*rows]: the rows of every head of a kv group
+        if self.rows is None:  # a draft (no invariance): one attention kernel over the visited blocks
+            keep = torch.arange(n_blocks * KV_BLOCK, device=pos.device)[None, :] <= q_pos[:, None]
+            attend = lambda q, k, v, scaling: fused_attention(q, k, v, keep, scaling)  # noqa: E731
+        else:
+            masks = attention_masks(q_pos, self._offsets, n_blocks)
+            attend = lambda q, k, v, scaling: block_attention(q, k, v, masks, scaling)  # noqa: E731
         for i, layer in enumerate(base.layers):
             attn = layer.self_attn
-            x = layer.input_layernorm(h)
-            q = attn.q_proj(x).view(n, self.n_heads, self.head_dim).transpose(0, 1)  # [heads, rows, d]
-            k = attn.k_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)  # [kv_heads, rows, d]
-            v = attn.v_proj(x).view(n, self.n_kv, self.head_dim).transpose(0, 1)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qkv = torch.nn.functional.linear(_rms_norm(layer.input_layernorm, h), *self._qkv[i])  # [rows, (H+2KV)d]
+            qk = qkv[:, :n_qk].view(n, self.n_heads + self.n_kv, d)
+            qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)  # RoPE on q and k at once
+            q, k = qk[:, :self.n_heads].transpose(0, 1), qk[:, self.n_heads:].transpose(0, 1)  # [heads, rows, d]
+            v = qkv[:, n_qk:].view(n, self.n_kv, d).transpose(0, 1)  # [kv_heads, rows, d]
             self.kv[i, 0].index_copy_(1, pos, k)
             self.kv[i, 1].index_copy_(1, pos, v)
-            o = block_attention(q, self.kv[i, 0], self.kv[i, 1], pos, self._offsets, n_blocks, attn.scaling)
-            h = h + attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
-        return self.model.get_output_embeddings()(base.norm(h)).float()  # [rows, V]
+            h = h + attn.o_proj(attend(q, self.kv[i, 0], self.kv[i, 1], attn.scaling))
+            gate, up = torch.nn.functional.linear(_rms_norm(layer.post_attention_layernorm, h),
+                                                  *self._gate_up[i]).chunk(2, -1)
+            h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return self.model.get_output_embeddings()(_rms_norm(base.norm, h)).float()  # [rows, V]
 
     def _graph(self, rows: int, n_blocks: int):
         """The captured graph for this shape (captured on first use; warm-up writes only scratch slots)."""
-        key = (rows, n_blocks)
+        key = (rows, n_blocks, self.rows is None)  # the last: which attention _run takes
         if key not in self._graphs:
             ids = torch.zeros(rows, dtype=torch.long, device=self.device)
             pos = torch.arange(self.capacity - rows, self.capacity, device=self.device)  # scratch, never read
