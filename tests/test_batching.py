@@ -158,9 +158,11 @@ TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n  
 
 @pytest.mark.models
 @pytest.mark.parametrize("name", [SMALL, TARGET])
-def test_slots_in_merged_passes_get_the_bits_they_get_alone(name):
+def test_slots_in_merged_passes_get_the_bits_they_get_alone(name, monkeypatch):
     from speculant import native
 
+    # a loaded machine can stall a thread past the default 20 ms gather; merging is what is tested, not latency
+    monkeypatch.setattr(GATHERER, "gather_s", 2.0)
     forced = os.environ.get("SPECULANT_CPU_VARIANT")
     solo = _backend(name, n_ctx=1024)
     assert not forced or native.loaded_variant() == forced
