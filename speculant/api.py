@@ -19,16 +19,32 @@ from .verify import SamplingParams
 BACKENDS = ("auto", "llama.cpp", "torch")
 
 
+STATIC_TARGET_ROWS = 16  # a GPU target's fixed pass width: a verify pass of k + 1 <= 16 tokens is one pass
+
+
+def uses_static_torch(device: Optional[str], self_spec: bool = False) -> bool:
+    """The torch backend on a CUDA device is StaticTorchBackend (static KV, CUDA graphs: a pass costs ~1/8 of
+    an eager one); CPUs, and a target that drafts with its own layers (self_spec: layer subsets), keep
+    TorchBackend."""
+    import torch
+
+    resolved = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return str(resolved).startswith("cuda") and not self_spec
+
+
 def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",
                  backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
-                 rpc: Sequence[str] = (), tensor_split: Optional[str] = None, parallel: int = 1) -> Backend:
+                 rpc: Sequence[str] = (), tensor_split: Optional[str] = None, parallel: int = 1,
+                 self_spec: bool = False) -> Backend:
     """A registered model name, a GGUF path or a transformers directory -> a loaded backend.
 
     backend: "llama.cpp" (GGUF), "torch" (transformers; GGUFs are converted once), or "auto": torch for a
     directory, llama.cpp otherwise. rpc: llama.cpp RPC workers ("HOST:PORT") that hold part of the target's
     layers (in the proportions of tensor_split, see rpc.parse_tensor_split); the target then runs in a
     supervised child process (backends/supervised.py). parallel: concurrent requests the backend serves
-    (llama.cpp: sequences of one context, each n_ctx long; backend.slot(i) is request slot i)."""
+    (llama.cpp: sequences of one context, each n_ctx long; backend.slot(i) is request slot i). self_spec: the
+    target will draft with its own layers (a torch target on CUDA then stays TorchBackend, see
+    uses_static_torch)."""
     if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
     if threads is not None and threads < 1:
@@ -47,6 +63,13 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
         except ImportError as e:
             raise SettingsError(f"the torch backend needs torch and transformers ({e}); "
                                 "install them with: pip install -e '.[torch]'") from None
+        if uses_static_torch(device, self_spec):
+            from .backends.torch_static import load_static_backend
+
+            # a target's passes all have one width (bit-identical logits however they are cut); a draft's
+            # take the smallest shape class that fits (it needs no invariance)
+            return load_static_backend(model, dtype, device, rows=STATIC_TARGET_ROWS if role == "target" else None,
+                                       n_ctx=n_ctx, threads=threads)
         return load_torch_backend(model, dtype=dtype, device=device, n_ctx=n_ctx, threads=threads)
     if dtype or device:
         raise SettingsError("--dtype and --device apply to the torch backend only")
@@ -226,7 +249,8 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
         raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
     target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device,
-                          rpc=rpc, tensor_split=tensor_split, parallel=parallel)
+                          rpc=rpc, tensor_split=tensor_split, parallel=parallel,
+                          self_spec=self_spec or self_spec_exit is not None)
     try:
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,

@@ -448,7 +448,8 @@ def cmd_demo(args) -> int:
     if args.model_draft is None and not args.self_spec:
         args.model_draft = demo_draft(args.model)
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
-                          dtype=args.dtype, device=args.device, **rpc_kwargs(args))
+                          dtype=args.dtype, device=args.device,
+                          self_spec=args.self_spec or args.self_spec_exit is not None, **rpc_kwargs(args))
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,
                            threads=args.threads_draft or args.threads, draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,

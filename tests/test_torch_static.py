@@ -164,3 +164,25 @@ def test_fused_weights_leave_the_model_unchanged():
     assert attn.k_proj.weight.data_ptr() == wrapped._qkv[0][0][attn.q_proj.weight.shape[0]:].data_ptr()
     assert sum(p.numel() for p in model.parameters()) == n_params
     np.testing.assert_allclose(wrapped.eval(IDS[:40], n_logits=40), static.eval(IDS[:40], n_logits=40))
+
+
+def test_the_torch_backend_on_cuda_is_the_static_one(monkeypatch):
+    """`--backend torch` on a CUDA device loads StaticTorchBackend: the target at one fixed width, a draft in
+    shape classes; CPUs and a self-speculating target keep TorchBackend (it runs layer subsets)."""
+    from speculant import api, models
+    from speculant.backends.torch import TorchBackend
+    from speculant.backends.torch_static import StaticTorchBackend
+
+    assert not api.uses_static_torch("cpu")
+    assert api.uses_static_torch("cuda") and api.uses_static_torch("cuda:1")
+    assert not api.uses_static_torch("cuda", self_spec=True)
+    assert api.uses_static_torch(None) == torch.cuda.is_available()
+    name = "smollm2-135m-instruct"
+    if not models.cached_path(name).exists():
+        pytest.skip(f"{name} is not pulled")
+    monkeypatch.setattr(api, "uses_static_torch", lambda device, self_spec=False: not self_spec)  # as on a GPU
+    engine = api.load_engine(name, name, backend="torch", draft_backend="torch", device="cpu", n_ctx=256)
+    assert type(engine.target) is StaticTorchBackend and engine.target.rows == api.STATIC_TARGET_ROWS
+    assert type(engine.drafter.backend) is StaticTorchBackend and engine.drafter.backend.rows is None
+    engine = api.load_engine(name, backend="torch", device="cpu", n_ctx=256, self_spec=True)
+    assert type(engine.target) is TorchBackend
