@@ -1,5 +1,8 @@
 """Device verification (speculant/verify_torch.py) on CPU torch, against the numpy reference (verify.py) and
-against exact distributions, in the style of tests/test_verify.py."""
+against exact distributions, in the style of tests/test_verify.py. SPECULANT_TEST_DEVICE=cuda runs the same
+tests on a GPU (scripts/gpu_bench.sh's machine)."""
+
+import os
 
 import numpy as np
 import pytest
@@ -7,6 +10,7 @@ from scipy import stats as sps
 
 torch = pytest.importorskip("torch")
 torch.set_num_threads(1)
+DEVICE = torch.device(os.environ.get("SPECULANT_TEST_DEVICE", "cpu"))
 
 from speculant import verify as ref  # noqa: E402
 from speculant import verify_torch as vt  # noqa: E402
@@ -17,12 +21,12 @@ from test_verify import _chi2_pvalue, _first_token_counts, _random_dists  # noqa
 
 def torch_verifier(p, q, seed):
     """verify_torch.verify_sampled behind verify.verify_sampled's signature (p, q fixed; drafts vary)."""
-    gen = torch.Generator().manual_seed(seed)
-    p_t = torch.from_numpy(p)
-    q_t = None if q is None else torch.from_numpy(q)
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    p_t = torch.from_numpy(p).to(DEVICE)
+    q_t = None if q is None else torch.from_numpy(q).to(DEVICE)
 
     def verifier(draft, draft_probs, target_probs, rng):
-        return vt.verify_sampled(torch.from_numpy(np.asarray(draft, dtype=np.int64)),
+        return vt.verify_sampled(torch.from_numpy(np.asarray(draft, dtype=np.int64)).to(DEVICE),
                                  None if draft_probs is None else q_t, p_t, gen)
     return verifier
 
@@ -38,18 +42,18 @@ def test_probs_match_numpy_reference(params):
     logits[0, :10] = logits[0, 0]  # ties at the cut-offs
     logits[1] = np.round(logits[1])  # many ties
     want = ref.probs_from_logits(logits, params)
-    got = vt.probs_from_logits(torch.from_numpy(logits), params).numpy()
+    got = vt.probs_from_logits(torch.from_numpy(logits).to(DEVICE), params).cpu().numpy()
     np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-15)
     assert np.array_equal(got > 0, want > 0)  # the same tokens survive every filter
 
 
 def test_greedy_verification():
-    t = lambda *x: torch.tensor(x)  # noqa: E731
-    logits = lambda best: torch.nn.functional.one_hot(torch.tensor(best), 10).float()  # noqa: E731
+    t = lambda *x: torch.tensor(x, device=DEVICE)  # noqa: E731
+    logits = lambda best: torch.nn.functional.one_hot(torch.tensor(best, device=DEVICE), 10).float()  # noqa: E731
     assert vt.verify_greedy(t(3, 4, 5), logits([3, 4, 5, 9])) == (3, 9)  # all accepted + bonus
     assert vt.verify_greedy(t(3, 4, 5), logits([3, 7, 5, 9])) == (1, 7)  # recovered at the mismatch
     assert vt.verify_greedy(t(3, 4, 5), logits([2, 4, 5, 9])) == (0, 2)
-    assert vt.verify_greedy(torch.tensor([], dtype=torch.long), logits([2])) == (0, 2)  # plain decoding
+    assert vt.verify_greedy(torch.tensor([], dtype=torch.long, device=DEVICE), logits([2])) == (0, 2)  # plain decoding
 
 
 def test_greedy_matches_numpy_on_random_logits():
@@ -58,7 +62,7 @@ def test_greedy_matches_numpy_on_random_logits():
         k = int(rng.integers(0, 6))
         logits = rng.standard_normal((k + 1, 8))
         draft = np.where(rng.random(k) < 0.7, logits[:k].argmax(-1), rng.integers(0, 8, k))
-        assert vt.verify_greedy(torch.from_numpy(draft), torch.from_numpy(logits)) == \
+        assert vt.verify_greedy(torch.from_numpy(draft).to(DEVICE), torch.from_numpy(logits).to(DEVICE)) == \
             ref.verify_greedy(draft, logits.argmax(-1))
 
 
@@ -108,7 +112,7 @@ def test_same_law_as_numpy_verifier():
 
 def test_impossible_draft_is_always_rejected():
     """A deterministic draft the target gives probability 0 is rejected; the recovered token is drawn from p."""
-    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64)
-    gen = torch.Generator().manual_seed(0)
-    outcomes = {vt.verify_sampled(torch.tensor([2]), None, p, gen) for _ in range(50)}
+    p = torch.tensor([[0.5, 0.5, 0.0], [0.0, 0.0, 1.0]], dtype=torch.float64, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(0)
+    outcomes = {vt.verify_sampled(torch.tensor([2], device=DEVICE), None, p, gen) for _ in range(50)}
     assert outcomes == {(0, 0), (0, 1)}
