@@ -10,7 +10,7 @@ NATIVE := native/build-llama.sh $(wildcard native/*.patch native/src/*)
 MODELS := qwen2.5-coder-1.5b-instruct qwen2.5-coder-0.5b-instruct qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0 \
 	smollm2-135m-instruct
 
-.PHONY: setup models demo test clean
+.PHONY: setup models demo test test-all clean
 
 $(BIN)/.llama: $(NATIVE)
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -35,7 +35,12 @@ demo: $(BIN)/.installed
 	$(BIN)/speculant pull  # the default target and draft
 	$(BIN)/speculant demo
 
+# the CI suite: every path at least once; the tests marked slow (tests/conftest.py SLOW) repeat a path with a
+# bigger model or another setting, or run a whole benchmark, and are left to test-all
 test: $(BIN)/.installed-test models
+	$(BIN)/python -m pytest -q -ra --durations=25 -m "not slow"
+
+test-all: $(BIN)/.installed-test models
 	$(BIN)/python -m pytest -q -ra --durations=25
 
 clean:

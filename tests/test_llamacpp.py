@@ -24,7 +24,8 @@ def _batch_vs_single(backend, text, sizes, offsets=(4,)):
     assert len(toks) >= max(offsets) + max(sizes), "text too short for these passes"
     backend.rewind(0)
     backend.eval(toks[:min(offsets)], n_logits=0)
-    single = {min(offsets) + i: backend.eval([t])[0] for i, t in enumerate(toks[min(offsets):])}  # pos -> [V]
+    reach = max(offsets) + max(sizes)  # one-token passes only as far as the batched ones go
+    single = {min(offsets) + i: backend.eval([t])[0] for i, t in enumerate(toks[min(offsets):reach])}  # pos -> [V]
     worst = 0.0
     for offset in offsets:
         for size in sizes:
@@ -45,6 +46,13 @@ def test_every_pass_size_up_to_the_invariant_limit_is_bit_identical_smollm2(smal
     """Verify and decode passes (1..64 tokens) at two cache offsets, one crossing a 256-position boundary."""
     assert small_target.invariant_rows >= 64
     assert _batch_vs_single(small_target, LONG_TEXT, range(1, 65), offsets=(4, 230)) == 0.0
+
+
+def test_pass_sizes_are_bit_identical_smollm2(small_target):
+    """The CI's cut of the test above: every size a verify pass takes (1..17), then sizes that end inside and on
+    the kernels' 4-, 8-, 16- and 64-column tiles, at the same two offsets."""
+    assert _batch_vs_single(small_target, LONG_TEXT, list(range(1, 18)) + [24, 31, 33, 48, 63, 64],
+                            offsets=(4, 230)) == 0.0
 
 
 def test_pass_sizes_are_bit_identical_qwen(qwen_target):
@@ -97,7 +105,8 @@ def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft_shipped):
 def small_requantized(tmp_path_factory):
     """SmolLM2 requantized by llama.cpp's quantizer to each 32-value type our kernels take, and to IQ3_S,
     IQ2_XXS and IQ1_M (an importance matrix made up for the last two; in all three, the ffn_down rows of 1536
-    values; the other rows, of 576, fall back to other types): {type: path}."""
+    values; the other rows, of 576, fall back to other types): qtype -> path, made on first use (the CI's
+    suite runs some types only)."""
     from conftest import small_imatrix_entries, write_imatrix
     from speculant import models, quantize
 
@@ -105,13 +114,15 @@ def small_requantized(tmp_path_factory):
     if not src.exists():
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("requantized")
-    made = {}
     imatrix = out / "smollm2.imatrix.gguf"
     write_imatrix(imatrix, small_imatrix_entries())
-    for qtype in ("Q8_0", "Q5_0", "Q4_0", "Q5_1", "IQ4_NL", "IQ3_S", "IQ2_XXS", "IQ1_M"):
-        made[qtype] = out / f"smollm2-{qtype}.gguf"
-        quantize.make(src, made[qtype], quantize.file_type(qtype), allow_requantize=True, progress=False,
-                      imatrix=imatrix if qtype in quantize.NEEDS_IMATRIX else None)
+
+    def made(qtype):
+        path = out / f"smollm2-{qtype}.gguf"
+        if not path.exists():
+            quantize.make(src, path, quantize.file_type(qtype), allow_requantize=True, progress=False,
+                          imatrix=imatrix if qtype in quantize.NEEDS_IMATRIX else None)
+        return path
     return made
 
 
@@ -126,7 +137,7 @@ def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtyp
 
     from speculant.backends.llamacpp import LlamaCppBackend
 
-    path = small_requantized[qtype]
+    path = small_requantized(qtype)
     # IQ2_XXS, IQ1_M: not the first 3
     matrix = "blk.3.ffn_down.weight" if qtype in ("IQ3_S", "IQ2_XXS", "IQ1_M") else "blk.0.ffn_up.weight"
     assert {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}[matrix] == qtype
@@ -350,7 +361,9 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
     batch-invariant 64-token passes, so the whole common prefix is kept; a stock build's runs 512-token fast
     passes (stock: prefill_chunk = n_batch), and then only the first chunk, computed by the same fast pass, is
     kept and the rest recomputed in the fresh prefill's own chunks."""
-    doc = qwen_target.tokenize(LONG_TEXT * 3)[:700]
+    # the stock build's first chunk is 512 tokens; ours needs only a rest of more than 64 tokens (one fast pass)
+    n_doc, n_prefilled, n_decoded = (700, 519, 610) if stock else (300, 150, 200)
+    doc = qwen_target.tokenize(LONG_TEXT * 3)[:n_doc]
     second = doc + qwen_target.tokenize(" How old is the lighthouse keeper?")
     default = qwen_target.prefill_chunk
     assert default == min(qwen_target.n_batch, qwen_target.invariant_rows)
@@ -359,8 +372,8 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
 
     def after_first_request():
         qwen_target.rewind(0)
-        qwen_target.prefill(doc[:519])
-        for t in doc[519:610]:  # decode steps
+        qwen_target.prefill(doc[:n_prefilled])
+        for t in doc[n_prefilled:n_decoded]:  # decode steps
             qwen_target.eval([t])
 
     try:
@@ -374,7 +387,7 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
             assert kept == qwen_target.n_batch
             assert qwen_target._passes[:kept] == [(0, kept)] * kept
         else:  # every position of the earlier request carries over, the decoded ones included
-            assert kept == 610 and set(qwen_target._passes) == {0}
+            assert kept == n_decoded and set(qwen_target._passes) == {0}
         warm = qwen_target.eval(second[-1:])[0]
         assert warm.tobytes() == cold.tobytes()
         # what this guards against: keeping every cached position and evaluating the rest in one fast pass
