@@ -7,6 +7,7 @@ baseline and the speculative path on one code path, so greedy identity compares 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import codecs
 import functools
 import threading
@@ -472,6 +473,8 @@ def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Ge
     penalties per row (each with the drafts before it), a grammar's mask per row (on demand, up to the first
     rejection), then greedy or rejection sampling. Returns (n_accepted, next token, seconds spent masking)."""
     adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
+    if draft.probs is not None and not isinstance(draft.probs, np.ndarray):  # q left on a draft's device
+        draft = dataclasses.replace(draft, probs=draft.probs.cpu().numpy())
     if constraint is not None:
         rows = MaskedRows(adjusted, constraint, params, draft.tokens)
         if params.greedy:

@@ -10,6 +10,8 @@ Steps, each timed and reported on its own; a failing step is reported and the ne
             (sdpa + DynamicCache)
   replay    the committed traces (docs/bench/traces/) replayed on the 32B shape with the 0.5B draft, beside
             transformers' generate and assisted generation on the same weights
+  draft     ms per draft step of the 0.5B shape as ModelDrafter runs it: tokens chosen on the device (one
+            transfer per draft, or a small one per step) vs the host loop (each logits row to the host)
 --smoke runs the same steps with tiny shapes (on CPU without a GPU) in well under a minute.
 """
 
@@ -289,7 +291,48 @@ def step_replay(opts) -> dict:
     return out
 
 
-STEPS = {"env": step_env, "identity": step_identity, "replay": step_replay, "costs": step_costs}
+def step_draft(opts) -> dict:
+    """ms per draft step of the draft shape as the engine runs it: ModelDrafter.propose of k = 4 after a 256-token
+    context (a one-token catch-up, then 3 fed-back steps: 4 passes), with the tokens chosen on the device (all
+    passes back to back and one transfer, as a fixed k; or a small transfer a step, as the adaptive policy
+    reads) and with the host loop (each step's logits row to the host), beside one bare pass. The replay
+    charges a draft step as a bare pass and a device argmax."""
+    from .drafters.model import ModelDrafter
+    from .shapes import random_backend
+    from .verify import SamplingParams
+
+    dev, k = opts.device, 4
+    b = random_backend(opts.replay_draft_shape, device=dev, n_ctx=1024, seed=3)
+    ids = [(19 * i + 3) % b.n_vocab for i in range(CONTEXT)]
+    rng = np.random.default_rng(0)
+    out = {"shape": opts.replay_draft_shape, "bare pass": _ours_pass_ms(b, 1, opts.repeats, dev)}
+    try:
+        for label, p_min, host, params in (("device, k at once", 0.0, False, SamplingParams()),
+                                           ("device, read each step", 1e-9, False, SamplingParams()),
+                                           ("host loop", 0.0, True, SamplingParams()),
+                                           ("device, sampled T=1", 0.0, False, SamplingParams(1.0)),
+                                           ("host loop, sampled T=1", 0.0, True, SamplingParams(1.0))):
+            drafter = ModelDrafter(b, b.n_vocab, p_min=p_min)  # p_min > 0: a decision every step
+            if host:
+                b.draft_steps = None  # the host loop: ModelDrafter looks the method up on the instance
+            try:
+                b.rewind(0)
+                b.eval(ids[:-1], n_logits=0)
+                ms = _median_ms(lambda: drafter.propose(ids, k, params, rng), opts.repeats, dev) / k
+            finally:
+                if host:
+                    del b.draft_steps
+            out[label] = round(ms, 3)
+    finally:
+        b.close()
+        del b
+        _free()
+    _say("  " + "  ".join(f"{label}: {v} ms" for label, v in out.items() if label != "shape")
+         + f"  (per draft step, {out['shape']})")
+    return out
+
+
+STEPS = {"env": step_env, "identity": step_identity, "replay": step_replay, "costs": step_costs, "draft": step_draft}
 
 
 def main(argv=None) -> int:
@@ -307,11 +350,13 @@ def main(argv=None) -> int:
 
     import torch
 
+    from .backends.torch import resolve_device
+
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()
     opts = argparse.Namespace(
-        device=args.device or ("cuda" if torch.cuda.is_available() else "cpu"),
+        device=resolve_device(args.device),
         identity_shape="tiny" if args.smoke else "qwen2.5-1.5b",
         cost_shapes=["tiny-draft", "tiny"] if args.smoke else ["qwen2.5-0.5b", "qwen2.5-1.5b", "qwen2.5-7b",
                                                                "qwen2.5-32b"],

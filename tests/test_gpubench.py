@@ -26,7 +26,7 @@ def run_script(tmp_path, *args):
 def test_smoke_runs_every_step(tmp_path):
     r, res = run_script(tmp_path, "--trace", str(TRACE))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert all(s.startswith("ok") for s in res["status"].values()) and len(res["status"]) == 4
+    assert all(s.startswith("ok") for s in res["status"].values()) and len(res["status"]) == 5
     assert "IDENTICAL" in r.stdout and "DIFFERENT" not in r.stdout
     ident = res["results"]["identity"]
     assert ident["eager_max_diff"] == 0.0 and ident["greedy_identity"] is True
@@ -36,6 +36,9 @@ def test_smoke_runs_every_step(tmp_path):
     assert {row["category"] for row in replay["rows"]} == {"coding", "summarization"}
     assert all(row["speedup"] > 0 and row["tokens"] > 0 for row in replay["rows"])
     assert "| variant | category |" in r.stdout
+    draft = res["results"]["draft"]
+    assert {"bare pass", "device, k at once", "host loop", "device, sampled T=1"} <= set(draft)
+    assert all(v > 0 for k, v in draft.items() if k != "shape")
 
 
 def test_a_failing_step_does_not_stop_the_others(tmp_path):

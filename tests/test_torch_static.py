@@ -4,6 +4,7 @@ On CPU the graphs are off and the same fixed-shape code runs eagerly; the CUDA t
 visible (scripts/gpu_bench.sh runs the same checks at real shapes); SPECULANT_TEST_DEVICE=cuda runs the
 speculative runs there too."""
 
+import dataclasses
 import os
 
 import numpy as np
@@ -128,6 +129,118 @@ def test_sampled_generation_verifies_on_the_device():
     assert runs[0].stats.accepted >= 0.9 * runs[0].stats.drafted > 0
 
 
+def _host_logit_rows(backend):
+    """Count the draft's passes that bring logits to the host (what draft_steps is there to avoid)."""
+    calls = []
+    decode = backend._decode
+
+    def counted(tokens, start, n_logits):
+        calls.append(n_logits)
+        return decode(tokens, start, n_logits)
+    backend._decode = counted
+    return calls
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_static_draft_chooses_its_tokens_on_the_device(adaptive):
+    """ModelDrafter on a static draft runs draft_steps: each step's token is chosen where the logits are and fed
+    to the next pass there; no draft logits reach the host. Greedy output is the plain output, and with a fixed
+    k (all passes back to back, one transfer) each proposal is the host loop's: same tokens, same passes."""
+    from speculant.drafters.model import ModelDrafter
+    from speculant.verify import SamplingParams
+
+    target = random_backend("tiny", rows=16, seed=4, std=0.2, device=DEVICE)
+    plain = Engine(target).generate(PROMPT, max_tokens=40)
+    draft = random_backend("tiny-draft", seed=5, std=0.2, device=DEVICE)
+    host_rows = _host_logit_rows(draft)
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4, adaptive=adaptive)
+    r = engine.generate(PROMPT, max_tokens=40)
+    assert r.tokens == plain.tokens and r.stats.drafted > 0
+    assert not any(host_rows)  # only prompt prefills (no logits) went through the host path
+    if adaptive:
+        return
+    draft, same = (random_backend("tiny-draft", seed=5, std=0.2, device=DEVICE) for _ in range(2))
+    same.draft_steps = None  # the host loop
+    on_device, on_host = ModelDrafter(draft, target.n_vocab), ModelDrafter(same, target.n_vocab)
+    rng = np.random.default_rng(0)
+    for n in (20, 23, 31, 32, 26):  # catch-ups of one and more tokens, a rewind
+        a = on_device.propose(IDS[:n], 4, SamplingParams(), rng)
+        b = on_host.propose(IDS[:n], 4, SamplingParams(), rng)
+        assert draft.tokens == same.tokens
+        assert (a.tokens, a.steps, a.keys, a.catchup_tokens) == (b.tokens, b.steps, b.keys, b.catchup_tokens)
+        assert len(a.tokens) == 4
+
+
+def _top4_joint(target, params):
+    """P(first two tokens) [V, V] when the static target alone samples with top_k=4 params."""
+    from speculant.verify import probs_from_logits
+
+    V = target.n_vocab
+    joint = np.zeros((V, V))
+    first = probs_from_logits(target.sync(PROMPT)[0], params)
+    for t in np.flatnonzero(first):
+        joint[t] = first[t] * probs_from_logits(target.sync(PROMPT + [int(t)])[0], params)
+    return joint.ravel()
+
+
+def _near_copy(std, noise):
+    """The static target's model ("tiny", seed 4) with normal noise of noise * std added to every weight: a draft
+    that agrees with its target often, not always."""
+    from speculant.backends.torch_static import StaticTorchBackend
+    from speculant.shapes import random_model
+
+    model = random_model("tiny", seed=4, std=std, device=DEVICE)
+    gen = torch.Generator(device=DEVICE).manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen, device=DEVICE, dtype=p.dtype) * noise * std)
+    return StaticTorchBackend(model, name="tiny-near", n_ctx=512)
+
+
+def _device_drafted_counts(target, draft, params, n_runs):
+    from speculant.drafters.model import ModelDrafter
+
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=2, adaptive=False)
+    V = target.n_vocab
+    counts = np.zeros(V * V, dtype=np.int64)
+    drafted = accepted = 0
+    for i in range(n_runs):
+        r = engine.generate(PROMPT, max_tokens=3, params=dataclasses.replace(params, seed=params.seed + i))
+        counts[r.tokens[0] * V + r.tokens[1]] += 1
+        drafted, accepted = drafted + r.stats.drafted, accepted + r.stats.accepted
+    return counts, drafted, accepted
+
+
+N_RUNS = 800
+
+
+def test_sampled_tokens_drafted_on_the_device_keep_the_target_law():
+    """T > 0: the draft samples on its device from q (top-k 4 of another model's logits) and q stays there for
+    verify_step; the first two output tokens follow the target's own law (chi-square and TV against the exact
+    joint), and the same test fails a draft that proposes its argmax while reporting q."""
+    from synthetic import pvalue
+
+    from speculant.verify import SamplingParams
+
+    params = SamplingParams(1.0, top_k=4, seed=50_000)
+    target = random_backend("tiny", rows=16, seed=4, std=0.5, device=DEVICE)
+    draft = _near_copy(0.5, 0.05)
+    exact = _top4_joint(target, params)
+    counts, drafted, accepted = _device_drafted_counts(target, draft, params, N_RUNS)
+    assert drafted > N_RUNS and 0.2 * drafted < accepted < 0.9 * drafted  # proposals of both outcomes
+    assert pvalue(counts, exact) > 1e-4
+    assert 0.5 * np.abs(counts / counts.sum() - exact).sum() < 0.1
+    real_steps = draft.draft_steps
+
+    def argmax_steps(*args, **kwargs):  # a wrong draft: proposes q's argmax, reports q
+        for _, confidence, q in real_steps(*args, **kwargs):
+            yield int(q.argmax()), confidence, q
+    draft.draft_steps = argmax_steps
+    wrong, _, _ = _device_drafted_counts(target, draft, params, 300)  # fails at p ~ 1e-73 with 800
+    assert pvalue(wrong, exact) < 1e-6
+
+
 def test_real_weights_same_greedy_as_torch_backend():
     """SmolLM2 (Llama architecture, real weights and tokenizer): the static backend's greedy output is the
     existing backend's, and a speculative run with a llama.cpp draft is token for token the same."""
@@ -170,6 +283,14 @@ def test_fused_weights_leave_the_model_unchanged():
     attn = model.model.layers[0].self_attn
     assert attn.k_proj.weight.data_ptr() == wrapped._qkv[0][0][attn.q_proj.weight.shape[0]:].data_ptr()
     assert sum(p.numel() for p in model.parameters()) == n_params
+    again = StaticTorchBackend(model, name="tiny", n_ctx=512, rows=16)  # a second backend over the same model
+    for fused in ("_qkv", "_gate_up"):
+        for (w1, b1), (w2, b2) in zip(getattr(wrapped, fused), getattr(again, fused)):
+            assert w1.data_ptr() == w2.data_ptr() and w1.shape == w2.shape  # a view, not a copy
+            assert (b1 is None) == (b2 is None) and (b1 is None or b1.data_ptr() == b2.data_ptr())
+    assert attn.k_proj.weight.data_ptr() == again._qkv[0][0][attn.q_proj.weight.shape[0]:].data_ptr()
+    assert np.array_equal(again.eval(IDS[:40], n_logits=40), wrapped.eval(IDS[:40], n_logits=40))
+    wrapped.rewind(0)
     np.testing.assert_allclose(wrapped.eval(IDS[:40], n_logits=40), static.eval(IDS[:40], n_logits=40))
 
 

@@ -31,7 +31,7 @@ the weights of a transformers model, so nothing in it depends on transformers' c
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import numpy as np
 import torch
@@ -51,15 +51,34 @@ def shape_class(n: int) -> int:
     return next(c for c in SHAPE_CLASSES if c >= n)
 
 
+def _joined(parts: list[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The tensor that parts [rows_i, ...] are consecutive slices of (layers fused before: another backend over
+    the same model), as a view; None when they are not."""
+    first = parts[0]
+    at = first.storage_offset()
+    for t in parts:
+        if t.untyped_storage().data_ptr() != first.untyped_storage().data_ptr() or t.storage_offset() != at \
+                or not t.is_contiguous():
+            return None
+        at += t.numel()
+    shape = (sum(t.shape[0] for t in parts),) + tuple(first.shape[1:])
+    return first.new_empty(0).set_(first.untyped_storage(), first.storage_offset(), shape)
+
+
 def _fuse_linears(mods) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
     """One weight [sum of out, in] (and bias) for linear layers that read the same input: one matmul instead
-    of several. The modules keep their parameters as views into it, so no weight is held twice."""
-    weight = torch.cat([m.weight.data for m in mods])
-    biased = [m.bias is not None for m in mods]
+    of several. The modules keep their parameters as views into it, so no weight is held twice (nor when the
+    model was fused already: then the fused weight is a view of theirs)."""
+    weights = [m.weight.data for m in mods]
+    weight = _joined(weights)
+    if weight is None:
+        weight = torch.cat(weights)
     bias = None
-    if any(biased):
-        bias = torch.cat([m.bias.data if m.bias is not None else m.weight.new_zeros(m.weight.shape[0])
-                          for m in mods])
+    if any(m.bias is not None for m in mods):
+        biases = [m.bias.data if m.bias is not None else m.weight.new_zeros(m.weight.shape[0]) for m in mods]
+        bias = _joined(biases) if all(m.bias is not None for m in mods) else None
+        if bias is None:
+            bias = torch.cat(biases)
     at = 0
     for m in mods:
         rows = m.weight.shape[0]
@@ -164,7 +183,7 @@ class StaticTorchBackend(TorchBackend):
             self._gate_up = [_fuse_linears((l.mlp.gate_proj, l.mlp.up_proj)) for l in base.layers]
         self._graphs: dict = {}  # (rows, n_blocks, draft attention) -> (graph, ids, pos, logits)
         self._pool = None
-        self._gen: Optional[torch.Generator] = None  # device random draws for sampled verification
+        self._gen: Optional[torch.Generator] = None  # device random draws: sampled verification, a draft's draws
 
     # -- one fixed-shape pass -----------------------------------------------------------------------------
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
@@ -220,13 +239,16 @@ class StaticTorchBackend(TorchBackend):
             self._graphs[key] = (graph, ids, pos, logits)
         return self._graphs[key]
 
-    def _pass(self, chunk: Sequence[int], start: int) -> torch.Tensor:
-        """One fixed-shape pass over up to MAX_ROWS tokens at positions start.. -> logits [len(chunk), V]."""
+    def _pass(self, chunk, start: int) -> torch.Tensor:
+        """One fixed-shape pass over up to MAX_ROWS tokens at positions start.. -> logits [len(chunk), V].
+        chunk: token ids, or a long tensor of them already on the device (a draft step's chosen token)."""
         n_real = len(chunk)
         rows = self.rows or shape_class(n_real)
-        # pinned (graphs run on CUDA only): a copy from pageable memory would make the host wait for the GPU
-        ids = torch.tensor(list(chunk) + [chunk[-1]] * (rows - n_real), dtype=torch.long,  # padding rows
-                           pin_memory=self.graphs)
+        if torch.is_tensor(chunk):  # padding rows repeat the last token
+            ids = chunk if rows == n_real else torch.cat([chunk, chunk[-1:].expand(rows - n_real)])
+        else:  # pinned (graphs run on CUDA only): a copy from pageable memory would make the host wait for the GPU
+            ids = torch.tensor(list(chunk) + [chunk[-1]] * (rows - n_real), dtype=torch.long,
+                               pin_memory=self.graphs)
         n_blocks = (start + rows - 1) // KV_BLOCK + 1
         if self.graphs:
             graph, g_ids, g_pos, g_logits = self._graph(rows, n_blocks)
@@ -239,8 +261,9 @@ class StaticTorchBackend(TorchBackend):
         return self._run(ids.to(self.device), pos, n_blocks)[:n_real]
 
     @torch.no_grad()
-    def decode_device(self, tokens: Sequence[int], start: int, n_logits: int) -> torch.Tensor:
-        """Evaluate tokens at positions start..; float32 logits of the last n_logits on the device [n_logits, V]."""
+    def decode_device(self, tokens, start: int, n_logits: int) -> torch.Tensor:
+        """Evaluate tokens (ids, or a long tensor of them on the device) at positions start..; float32 logits of
+        the last n_logits on the device [n_logits, V]."""
         width = self.rows or MAX_ROWS
         first_logit = len(tokens) - max(n_logits, 0)
         out = []
@@ -263,6 +286,54 @@ class StaticTorchBackend(TorchBackend):
         self.tokens.extend(int(t) for t in context[common:])
         return logits
 
+    @torch.no_grad()
+    def draft_steps(self, context: Sequence[int], params: SamplingParams, n_vocab: int, seed: int,
+                    k: int, read_each: bool = True) -> Iterator[tuple[int, float, Optional[torch.Tensor]]]:
+        """A draft model's steps with each token chosen on the device and fed to the next pass there, so no
+        logits cross to the host. Yields (token, confidence, q) per step: the argmax (greedy) or a draw from q
+        (the draft's probabilities over n_vocab ids [n_vocab] float64, left on the device; None when greedy), and
+        the draft's max probability. Resuming the generator runs the next step's pass; at most k steps.
+        read_each: the caller decides step by step, so each step's token and confidence cross (one small
+        transfer a step); False: all k passes run back to back and one transfer brings every token (a draft of
+        fixed length, whose decisions do not depend on the values)."""
+        gen = None
+        if not params.greedy:
+            if self._gen is None:
+                self._gen = torch.Generator(device=self.device)
+            gen = self._gen.manual_seed(seed)
+
+        def choose(logits: torch.Tensor):  # [1, V] -> token [1] long, confidence [1] float64, q [n_vocab] | None
+            v = logits.shape[-1]
+            if v > n_vocab:
+                logits = logits[:, :n_vocab]
+            elif v < n_vocab:  # the draft's vocabulary padded to the target's: the others get no probability
+                logits = torch.nn.functional.pad(logits, (0, n_vocab - v), value=-float("inf"))
+            if params.greedy:
+                return logits.argmax(-1), torch.softmax(logits.double(), -1).amax(-1), None
+            q = verify_torch.probs_from_logits(logits, params)[0]  # [n_vocab]
+            return verify_torch.sample(q, gen).view(1), q.amax().view(1), q
+
+        logits = self.sync_device(context, 1)  # [1, V]
+        start = len(self.tokens)  # where the first drafted token goes
+        if read_each:
+            for i in range(k):
+                token, confidence, q = choose(logits)
+                t, c = torch.cat([token.double(), confidence]).tolist()
+                yield int(t), c, q
+                if i + 1 < k:
+                    logits = self.decode_device(token, start + i, 1)
+                    self.tokens.append(int(t))
+            return
+        picks = []
+        for i in range(k):
+            picks.append(choose(logits))
+            if i + 1 < k:
+                logits = self.decode_device(picks[-1][0], start + i, 1)
+        values = torch.stack([torch.cat([t.double(), c]) for t, c, _ in picks]).tolist()  # [k, 2]: one transfer
+        self.tokens.extend(int(t) for t, _ in values[:-1])
+        for (t, c), (_, _, q) in zip(values, picks):
+            yield int(t), c, q
+
     def verify_step(self, context: Sequence[int], k: int, draft_probs: Optional[np.ndarray],
                     params: SamplingParams, rng: np.random.Generator) -> tuple[int, int]:
         """One target pass over the last k+1 tokens of context (the last token and k drafts) and their
@@ -274,7 +345,8 @@ class StaticTorchBackend(TorchBackend):
         if self._gen is None:
             self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
-        q = None if draft_probs is None else torch.from_numpy(np.asarray(draft_probs)).to(self.device)
+        q = None if draft_probs is None else torch.as_tensor(draft_probs).to(self.device)  # [k, V], there already
+        # when the draft ran on this device (draft_steps)
         return verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
 
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:

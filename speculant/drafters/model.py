@@ -15,6 +15,17 @@ from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
 from .base import Draft, Drafter
 
 
+def _stack(probs: list):
+    """The drafted tokens' q [k, V] (numpy, or a torch tensor where the draft chose on its device), or None."""
+    if not probs:
+        return None
+    if isinstance(probs[0], np.ndarray):
+        return np.stack(probs)
+    import torch
+
+    return torch.stack(probs)
+
+
 class ModelDrafter(Drafter):
     name = "draft"
 
@@ -64,45 +75,29 @@ class ModelDrafter(Drafter):
         budget = budget or DraftBudget(k)
         behind = self.backend.behind(context)  # tokens to catch up on (about: rejections rewind)
         k = min(budget.start(self.name, free=False, behind=behind), self.backend.n_ctx - len(context) + 1)
-        tokens: list[int] = []
-        probs: list[np.ndarray] = []
-        keys: list[str] = []
         if k <= 0:
-            return Draft(tokens, None, self.name)
+            return Draft([], None, self.name)
+        tokens: list[int] = []
+        probs: list = []  # [V] per token: numpy, or torch tensors on the draft's device
+        keys: list[str] = []
+        state = self.constraint.fork() if self.constraint is not None else None
         t0 = time.perf_counter()
-        # the request's logit bias and penalties, as the target's (verify.adjust_logits): q then follows p
-        n_prompt = min(self.n_prompt or len(context), len(context))
-        fit = (lambda x: adjust_logits(self._fit(x), params, list(context) + tokens, n_prompt)) if params.adjusts \
-            else self._fit
-        logits = fit(self.backend.sync(self._ids(context))[0])  # [V]
-        steps = 1
-        state = self.constraint.fork() if self.constraint is not None else None  # under a grammar, q is over the
-        # allowed ones among the DRAFT_CHECK likeliest tokens (any q is verified exactly): a full scan costs ms
-        # more than the usual one or two new tokens: a prefill (new prompt, or after plain steps)
-        catchup_time = time.perf_counter() - t0 if behind > 2 else 0.0
-        for i in range(k):
+        catchup_time = 0.0
+        steps = 1  # draft passes run: the first catches up, then one per drafted token fed back
+        for i, (token, confidence, q) in enumerate(self._steps(context, k, params, rng, state, tokens, budget,
+                                                               timed=behind > 2)):
+            if i == 0 and behind > 2:  # a prefill (new prompt, or after plain steps)
+                catchup_time = time.perf_counter() - t0
             # the draft's confidence is its max probability, never a property of the sampled token: which
             # proposals get verified must not depend on the sampled value, or the rejection test is not exact
-            if params.greedy:
-                allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) \
-                    if state is not None and not state.allows_all else logits
-                if state is not None and not np.isfinite(allowed).any():  # none allowed among the likeliest
-                    break
-                token = int(np.argmax(allowed))
-                confidence = 1.0 / float(np.exp(logits - logits[token]).sum())  # softmax of the token; sum >= 1
-            else:
-                q = masked_probs(logits, state, params, limit=DRAFT_CHECK) \
-                    if state is not None and not state.allows_all else probs_from_logits(logits, params)
-                if q is None:
-                    break
-                confidence = float(q.max())
             if confidence < self.p_min:
                 break
             key = confidence_key(confidence)
             if not budget.take(self.name, key):
                 break
-            if not params.greedy:
+            if token is None:
                 token = sample(q, rng)
+            if q is not None:
                 probs.append(q)
             tokens.append(token)
             keys.append(key)
@@ -110,13 +105,46 @@ class ModelDrafter(Drafter):
                 if token in state.eog:  # the grammar is complete: nothing follows
                     break
                 state.accept(token)
-            if i + 1 < k and budget.more(self.name):
-                logits = fit(self.backend.eval(self._ids([token]))[0])
-                steps += 1
-            else:
+            if not (i + 1 < k and budget.more(self.name)):
                 break
-        return Draft(tokens, np.stack(probs) if probs else None, self.name, catchup_time,
-                     catchup_tokens=behind if catchup_time else 0, keys=keys, steps=steps, paid=self.name)
+            steps += 1  # resuming runs the next pass
+        return Draft(tokens, _stack(probs), self.name, catchup_time, catchup_tokens=behind if catchup_time else 0,
+                     keys=keys, steps=steps, paid=self.name)
+
+    def _steps(self, context, k, params, rng, state, tokens, budget, timed: bool = False):
+        """(token, confidence, q) per draft step; resuming runs the next step's pass, fed tokens[-1]. token is
+        None where the caller samples it from q (on the host, once the budget has taken the proposal). timed:
+        the first step is a catch-up whose time is measured, so it must have finished when it is yielded.
+        A static torch backend chooses on its device (draft_steps: no logits cross to the host) where no
+        host-side transform is needed (a grammar, logit bias and penalties, a cut vocabulary)."""
+        device_steps = getattr(self.backend, "draft_steps", None)
+        if device_steps is not None and state is None and not params.adjusts and self.keep is None:
+            fixed = budget.policy is None and self.p_min <= 0.0 and not timed  # every step is taken up to k
+            seed = 0 if params.greedy else int(rng.integers(2**63))  # the request's seed decides the draws
+            yield from device_steps(context, params, self.n_vocab_target, seed, k, read_each=not fixed)
+            return
+        # the request's logit bias and penalties, as the target's (verify.adjust_logits): q then follows p
+        n_prompt = min(self.n_prompt or len(context), len(context))
+        fit = (lambda x: adjust_logits(self._fit(x), params, list(context) + tokens, n_prompt)) if params.adjusts \
+            else self._fit
+        logits = fit(self.backend.sync(self._ids(context))[0])  # [V]
+        while True:
+            # under a grammar, q is over the allowed ones among the DRAFT_CHECK likeliest tokens (any q is
+            # verified exactly): a full scan costs ms more than the usual one or two new tokens
+            if params.greedy:
+                allowed = constrain_row(logits, state, params, limit=DRAFT_CHECK) \
+                    if state is not None and not state.allows_all else logits
+                if state is not None and not np.isfinite(allowed).any():  # none allowed among the likeliest
+                    return
+                token = int(np.argmax(allowed))
+                yield token, 1.0 / float(np.exp(logits - logits[token]).sum()), None  # softmax of the token
+            else:
+                q = masked_probs(logits, state, params, limit=DRAFT_CHECK) \
+                    if state is not None and not state.allows_all else probs_from_logits(logits, params)
+                if q is None:
+                    return
+                yield None, float(q.max()), q
+            logits = fit(self.backend.eval(self._ids([tokens[-1]]))[0])
 
     def begin(self, context: Sequence[int]) -> None:
         self.n_prompt = len(context)
