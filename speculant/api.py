@@ -26,10 +26,9 @@ def uses_static_torch(device: Optional[str], self_spec: bool = False) -> bool:
     """The torch backend on a CUDA device is StaticTorchBackend (static KV, CUDA graphs: a pass costs ~1/8 of
     an eager one); CPUs, and a target that drafts with its own layers (self_spec: layer subsets), keep
     TorchBackend."""
-    import torch
+    from .backends.torch import resolve_device
 
-    resolved = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return str(resolved).startswith("cuda") and not self_spec
+    return resolve_device(device).startswith("cuda") and not self_spec
 
 
 def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",

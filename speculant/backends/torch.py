@@ -500,6 +500,11 @@ class TorchBackend(Backend):
         self.cache = self.new_cache() if getattr(self, "model", None) is not None else None
 
 
+def resolve_device(device: Optional[str]) -> str:
+    """The torch device a --device setting names: None is CUDA when a GPU is visible, else the CPU."""
+    return device or ("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def check_device(device: str) -> None:
     """A clear SettingsError for a device this torch cannot use."""
     try:
@@ -527,7 +532,7 @@ def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device
 
     if threads:
         torch.set_num_threads(threads)
-    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(device)
     check_device(device)  # before any conversion or loading
     dtype = _parse_dtype(dtype) or default_dtype(device)
     path = resolve_model_dir(model_name_or_path)
