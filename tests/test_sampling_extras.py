@@ -99,7 +99,7 @@ def test_the_same_test_fails_rows_adjusted_with_the_history_before_the_pass(monk
         return np.stack([adjust_logits(row, params, list(tokens[:len(tokens) - n + 1]), n_prompt) for row in logits])
 
     monkeypatch.setattr(engine_mod, "adjust_logits", stale)
-    assert pvalue(sampled_joint(STRONG, 20_000), exact_joint(STRONG)) < 1e-6
+    assert pvalue(sampled_joint(STRONG, 5_000), exact_joint(STRONG)) < 1e-6  # ~1e-46 at 3,000 runs
 
 
 @pytest.mark.parametrize("k", [1, 4])
