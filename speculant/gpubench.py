@@ -9,7 +9,8 @@ Steps, each timed and reported on its own; a failing step is reported and the ne
             graphs (fixed 16 rows, and shape classes), ours eager, the existing TorchBackend, transformers eager
             (sdpa + DynamicCache)
   replay    the committed traces (docs/bench/traces/) replayed on the 32B shape with the 0.5B draft, beside
-            transformers' generate and assisted generation on the same weights
+            transformers' generate and assisted generation on the same weights; a trace that recorded its
+            draft's agreement is also replayed at fixed k = 4, 5, 6, 8
   draft     ms per draft step of the 0.5B shape as ModelDrafter runs it: tokens chosen on the device (one
             transfer per draft, or a small one per step) vs the host loop (each logits row to the host)
 --smoke runs the same steps with tiny shapes (on CPU without a GPU) in well under a minute.
@@ -276,7 +277,8 @@ def step_replay(opts) -> dict:
             if opts.over_budget():
                 _say(f"  {path}: skipped (time budget)")
                 continue
-            res = replay(doc, target, draft)
+            ks = opts.replay_ks if any(r.get("agree") for r in doc["runs"]) else ()
+            res = replay(doc, target, draft, ks=ks)
             n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))
             res["hf"] = hf_generate_speed(target.model, draft.model, n_prompt,
                                           int(doc["settings"].get("n_predict") or 64), target.device)
@@ -362,7 +364,7 @@ def main(argv=None) -> int:
                                                                "qwen2.5-32b"],
         replay_shape="tiny" if args.smoke else "qwen2.5-32b",
         replay_draft_shape="tiny-draft" if args.smoke else "qwen2.5-0.5b",
-        repeats=3 if args.smoke else 7, existing_backend=True, traces=args.trace,
+        repeats=3 if args.smoke else 7, existing_backend=True, traces=args.trace, replay_ks=(4, 5, 6, 8),
         over_budget=lambda: time.perf_counter() - t_start > args.budget)
     _say(f"speculant GPU bench ({'smoke, tiny shapes' if args.smoke else 'Qwen2.5 shapes, random weights'}) "
          f"on {opts.device}")

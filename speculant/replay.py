@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
+
+import numpy as np
 
 from .errors import SettingsError
 
@@ -67,6 +69,42 @@ def _pass(backend, n: int, start: int) -> int:
     (the argmax's transfer is the step's only sync, as in verify_step). Returns the last argmax."""
     logits = backend.decode_device(_tokens(n, backend.n_vocab, start), start, n)  # [n, V]
     return int(logits.argmax(-1)[-1].item())
+
+
+def draft_agreement(drafter, prompt: Sequence[int], output: Sequence[int]) -> Optional[list[int]]:
+    """Per output token, 1 where the draft model's greedy choice after the prompt and the output before it is
+    that token, else 0 (None for a drafter that is not one draft model). Greedy drafting proposes exactly these
+    choices as long as the tokens before are right, so a draft of k from output position i is accepted as far
+    as the run of 1s from i: a replay can draft any fixed k from it (steps_at_k). One draft pass over the
+    output (its logits are those of one-token passes: our kernels' bit-identity)."""
+    from .drafters.model import ModelDrafter
+
+    if type(drafter) is not ModelDrafter or not output:
+        return None
+    context = list(prompt) + list(output)
+    logits = drafter.backend.sync(drafter._ids(context[:-1]), n_logits=len(output))  # [len(output), V]
+    return [int(int(np.argmax(drafter._fit(row))) == t) for row, t in zip(logits, output)]
+
+
+def steps_at_k(agree: Sequence[int], k: int) -> list[list]:
+    """The steps (STEP_FIELDS) of greedy drafting with a fixed k over a run whose agreement is `agree`: each
+    drafts min(k, tokens left - 1) in as many draft passes, and keeps its run of agreeing tokens and the
+    target's own."""
+    steps, pos, n = [], 0, len(agree)
+    while pos < n:
+        k_now = min(k, n - pos - 1)
+        accepted = 0
+        while accepted < k_now and agree[pos + accepted]:
+            accepted += 1
+        steps.append(["draft", k_now, accepted, k_now + 1, k_now, 0] if k_now > 0 else ["none", 0, 0, 1, 0, 0])
+        pos += accepted + 1
+    return steps
+
+
+def at_k(run: dict, k: int) -> dict:
+    """A traced run with a recorded agreement, drafted with a fixed k instead (its variant says so)."""
+    return {**run, "variant": f"fixed k={k}", "k": k, "generated_tokens": len(run["agree"]),
+            "steps": steps_at_k(run["agree"], k)}
 
 
 def draft_passes(steps: list, i: int) -> list[int]:
@@ -128,38 +166,55 @@ class _Rows:
         self.backend.rows = self.saved
 
 
-def replay(doc: dict, target, draft, *, categories=None, variants=None, warmup: bool = True, log=None) -> dict:
+def replay(doc: dict, target, draft, *, categories=None, variants=None, ks: Sequence[int] = (),
+           warmup: bool = True, log=None) -> dict:
     """Replay every non-plain run of a trace on (target, draft) and plain decoding of the same outputs.
+    ks: also draft each prompt with these fixed k, from the agreement its greedy draft run recorded (at_k).
     Returns {"rows": [per variant x category], "runs": n}. Plain runs at 1 row per pass (no invariance
     needed), the speculative target at its fixed width."""
     runs = [r for r in doc["runs"] if r.get("method") != "plain" and r.get("steps")
             and (not categories or r["category"] in categories) and (not variants or r["variant"] in variants)]
     if not runs:
         raise SettingsError("the trace has no speculative runs to replay (after --categories / --variants)")
+    agreed = {}  # (category, prompt) -> its first run with an agreement
+    for r in runs:
+        if r.get("agree"):
+            agreed.setdefault((r["category"], r["prompt_id"]), r)
+    if ks and not agreed:
+        raise SettingsError("the trace records no draft agreement to replay a fixed k from (record it again "
+                            "with `speculant bench --trace`, greedy, the draft method)")
+    jobs = [(r, r) for r in runs] + [(r, at_k(r, k)) for k in ks for r in agreed.values()]
     if warmup:  # graph capture and allocator growth stay out of the timings: every run once, for the (rows,
-        for r in runs:  # KV blocks) classes of its passes (a later, longer run would capture while timed)
-            replay_run(r, target, draft)
+        # KV blocks) classes of its passes (a later, longer run would capture while timed); of the fixed-k
+        # jobs the longest k (the same positions, the widest draft catch-up)
+        for r, job in jobs:
+            if job is r or job["k"] == max(ks):
+                replay_run(job, target, draft)
+        for r in runs:
             with _Rows(target, None):
                 replay_plain(r, target)
     groups: dict = {}
-    for r in runs:
-        spec = replay_run(r, target, draft)
-        with _Rows(target, None):
-            plain = replay_plain(r, target)
-        g = groups.setdefault((r["variant"], r["category"]), {"spec_s": 0.0, "plain_s": 0.0, "tokens": 0,
-                                                              "target_passes": 0, "draft_passes": 0, "runs": 0,
-                                                              "drafted": 0, "accepted": 0})
+    plain_s: dict = {}  # id(run) -> seconds of its plain decoding (timed once, beside its first job)
+    for r, job in jobs:
+        spec = replay_run(job, target, draft)
+        if id(r) not in plain_s:
+            with _Rows(target, None):
+                plain_s[id(r)] = replay_plain(r, target)["seconds"]
+        plain = plain_s[id(r)] * job["generated_tokens"] / r["generated_tokens"]
+        g = groups.setdefault((job["variant"], job["category"]), {"spec_s": 0.0, "plain_s": 0.0, "tokens": 0,
+                                                                  "target_passes": 0, "draft_passes": 0, "runs": 0,
+                                                                  "drafted": 0, "accepted": 0})
         g["spec_s"] += spec["seconds"]
-        g["plain_s"] += plain["seconds"]
+        g["plain_s"] += plain
         g["tokens"] += spec["tokens"]
         g["target_passes"] += spec["target_passes"]
         g["draft_passes"] += spec["draft_passes"]
-        g["drafted"] += sum(s[1] for s in r["steps"])
-        g["accepted"] += sum(s[2] for s in r["steps"])
+        g["drafted"] += sum(s[1] for s in job["steps"])
+        g["accepted"] += sum(s[2] for s in job["steps"])
         g["runs"] += 1
         if log:
-            log(f"  {r['variant']} {r['category']}/{r['prompt_id']}: {spec['tokens'] / spec['seconds']:.1f} tok/s "
-                f"vs plain {plain['tokens'] / plain['seconds']:.1f}")
+            log(f"  {job['variant']} {r['category']}/{r['prompt_id']}: {spec['tokens'] / spec['seconds']:.1f} "
+                f"tok/s vs plain {job['generated_tokens'] / plain:.1f}")
     rows = []
     for (variant, category), g in groups.items():
         rows.append({"variant": variant, "category": category, "runs": g["runs"], "tokens": g["tokens"],
@@ -244,6 +299,9 @@ def add_cli(sub, *_ignored) -> None:
     p.add_argument("--no-graphs", action="store_true", help="eager passes on CUDA (no CUDA graphs)")
     p.add_argument("--categories", default=None, help="comma list of categories to replay (default all)")
     p.add_argument("--variants", default=None, help="comma list of traced variants, e.g. draft-k4 (default all)")
+    p.add_argument("--k", default=None, metavar="K,K...",
+                   help="also draft every prompt with these fixed draft lengths, from the draft agreement its "
+                        "greedy run recorded (e.g. 2,4,6,8)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate / assisted generation")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
@@ -295,17 +353,25 @@ def cmd_replay(args) -> int:
 
     import torch
 
+    from .backends.torch import resolve_device
+
     doc = read_trace(args.trace)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = resolve_device(args.device)
     cats = [c for c in args.categories.split(",") if c] if args.categories else None
     variants = [v for v in args.variants.split(",") if v] if args.variants else None
+    try:
+        ks = [int(k) for k in args.k.split(",") if k] if args.k else []
+    except ValueError:
+        raise SettingsError(f"--k takes a comma list of draft lengths, e.g. 2,4,6; got {args.k!r}") from None
+    if any(not 1 <= k <= 32 for k in ks):
+        raise SettingsError(f"--k: draft lengths must be in [1, 32], got {args.k!r}")
     longest = max((int(r["prompt_tokens"]) + int(r["generated_tokens"]) for r in doc["runs"]), default=0)
     target, draft = build_pair(args.shape, args.draft_shape, device, args.dtype, args.rows,
                                False if args.no_graphs else None, n_ctx=longest + 128)
     log = lambda s: print(s, file=sys.stderr)  # noqa: E731
-    result = replay(doc, target, draft, categories=cats, variants=variants, log=log)
+    result = replay(doc, target, draft, categories=cats, variants=variants, ks=ks, log=log)
     hf = {}
     if not args.no_hf:
         n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))

@@ -128,3 +128,20 @@ def sqrt_p_verifier(draft_tokens, draft_probs, target_probs, rng):
         if rng.random() >= np.sqrt(p[x]):
             return i, int(rng.choice(V, p=residual(p, None, x)))
     return len(draft_tokens), int(rng.choice(V, p=target_probs[-1]))
+
+
+def near_copy(shape: str = "tiny", seed: int = 4, std: float = 0.5, noise: float = 0.05, device: str = "cpu"):
+    """A StaticTorchBackend (shape classes: a draft) over random_model(shape, seed, std) with normal noise of
+    noise * std added to every weight: a draft that agrees with the unperturbed target often, not always."""
+    import torch
+
+    from speculant.backends.torch_static import StaticTorchBackend
+    from speculant.shapes import random_model
+
+    model = random_model(shape, seed=seed, std=std, device=device)
+    gen = torch.Generator(device=device).manual_seed(9)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not name.endswith("norm.weight"):
+                p.add_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * noise * std)
+    return StaticTorchBackend(model, name=f"{shape}-near", n_ctx=512)

@@ -183,21 +183,6 @@ def _top4_joint(target, params):
     return joint.ravel()
 
 
-def _near_copy(std, noise):
-    """The static target's model ("tiny", seed 4) with normal noise of noise * std added to every weight: a draft
-    that agrees with its target often, not always."""
-    from speculant.backends.torch_static import StaticTorchBackend
-    from speculant.shapes import random_model
-
-    model = random_model("tiny", seed=4, std=std, device=DEVICE)
-    gen = torch.Generator(device=DEVICE).manual_seed(9)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if not name.endswith("norm.weight"):
-                p.add_(torch.randn(p.shape, generator=gen, device=DEVICE, dtype=p.dtype) * noise * std)
-    return StaticTorchBackend(model, name="tiny-near", n_ctx=512)
-
-
 def _device_drafted_counts(target, draft, params, n_runs):
     from speculant.drafters.model import ModelDrafter
 
@@ -219,13 +204,13 @@ def test_sampled_tokens_drafted_on_the_device_keep_the_target_law():
     """T > 0: the draft samples on its device from q (top-k 4 of another model's logits) and q stays there for
     verify_step; the first two output tokens follow the target's own law (chi-square and TV against the exact
     joint), and the same test fails a draft that proposes its argmax while reporting q."""
-    from synthetic import pvalue
+    from synthetic import near_copy, pvalue
 
     from speculant.verify import SamplingParams
 
     params = SamplingParams(1.0, top_k=4, seed=50_000)
     target = random_backend("tiny", rows=16, seed=4, std=0.5, device=DEVICE)
-    draft = _near_copy(0.5, 0.05)
+    draft = near_copy(std=0.5, noise=0.05, device=DEVICE)
     exact = _top4_joint(target, params)
     counts, drafted, accepted = _device_drafted_counts(target, draft, params, N_RUNS)
     assert drafted > N_RUNS and 0.2 * drafted < accepted < 0.9 * drafted  # proposals of both outcomes

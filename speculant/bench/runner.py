@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Optional
 
 from ..errors import SettingsError, SpeculantError
+from ..replay import draft_agreement
 from ..verify import SamplingParams
 from . import stats as bstats
 from .methods import Method, MethodContext, Variant
@@ -267,6 +268,12 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                                                "prompt_tokens": s.prompt_tokens,
                                                "generated_tokens": s.generated_tokens,
                                                "steps": engines[v.label].trace})
+                                plain_prompt = not (p.prediction or p.grammar or p.call_grammar)
+                                if temp == 0 and plain_prompt and v.method.name == "draft":
+                                    eng = engines[v.label]
+                                    traces[-1]["agree"] = draft_agreement(
+                                        eng.drafter, eng.tokenize_prompt(rendered[p.id], is_chat=True),
+                                        res.tokens)
                             bar.update(1)
                         bar.set_postfix_str(f"{p.category}/{p.id} T={temp:g}", refresh=False)
         finally:
