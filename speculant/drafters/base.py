@@ -28,7 +28,8 @@ class Shadow:
 @dataclass
 class Draft:
     tokens: list[int]  # [k] proposed token ids
-    probs: Optional[np.ndarray]  # [k, V] the draft's q for each proposal, or None for a deterministic draft
+    probs: Optional[np.ndarray]  # [k, V] the draft's q for each proposal (a torch tensor left on the device by a
+    # static draft: draft_steps), or None for a deterministic draft
     source: str  # which drafter produced it ("draft", "lookup", ...)
     catchup_time: float = 0.0  # seconds spent bringing the drafter's cache up to the context (a prefill)
     catchup_tokens: int = 0  # tokens processed by that catch-up
