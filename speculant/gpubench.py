@@ -13,6 +13,8 @@ Steps, each timed and reported on its own; a failing step is reported and the ne
             draft's agreement is also replayed at fixed k = 4, 5, 6, 8
   draft     ms per draft step of the 0.5B shape as ModelDrafter runs it: tokens chosen on the device (one
             transfer per draft, or a small one per step) vs the host loop (each logits row to the host)
+  engine    decode tokens/s of the whole engine (plain, and speculative with a same-weights draft) beside the
+            bare passes of the steps it took: what the engine's host side adds to the replayed passes
 --smoke runs the same steps with tiny shapes (on CPU without a GPU) in well under a minute.
 """
 
@@ -334,7 +336,53 @@ def step_draft(opts) -> dict:
     return out
 
 
-STEPS = {"env": step_env, "identity": step_identity, "replay": step_replay, "costs": step_costs, "draft": step_draft}
+def step_engine(opts) -> dict:
+    """The whole engine on the device, against the bare passes it runs: plain decoding and greedy speculation
+    (k = 4, fixed) of the identity shape with a same-weights draft (it accepts nearly everything), 64 tokens,
+    decode tokens/s through Engine.generate beside replay_run of exactly the steps it took. Their ratio is what
+    the engine's host side (policy, stats, detokenization, transfers) costs on top of the passes, which the
+    replay does not charge."""
+    from .drafters.model import ModelDrafter
+    from .engine import Engine
+    from .replay import replay_run
+    from .shapes import SHAPES, random_backend
+
+    dev, shape, n = opts.device, opts.identity_shape, 64
+    target = random_backend(shape, rows=16, device=dev, n_ctx=1024, seed=7, std=0.05)
+    draft = random_backend(shape, device=dev, n_ctx=1024, seed=7, std=0.05)
+    prompt = [(37 * i + 11) % SHAPES[shape][5] for i in range(200)]
+    out: dict = {"shape": shape}
+    try:
+        for label, engine in (("plain", Engine(target)),
+                              ("speculative k=4", Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4,
+                                                         adaptive=False))):
+            engine.generate(prompt, max_tokens=8)  # warm-up: graphs for these shapes
+            engine.trace = []
+            best = None
+            for _ in range(3):
+                engine.trace = []
+                r = engine.generate(prompt, max_tokens=n)
+                best = r if best is None or r.stats.decode_time < best.stats.decode_time else best
+                steps = engine.trace
+            run = {"prompt_tokens": len(prompt), "generated_tokens": best.stats.generated_tokens, "steps": steps}
+            bare = min(replay_run(run, target, draft if label != "plain" else None)["seconds"] for _ in range(3))
+            out[label] = {"engine_tok_s": round(best.stats.tokens_per_s, 2),
+                          "bare_passes_tok_s": round(run["generated_tokens"] / bare, 2),
+                          "engine_over_bare": round(best.stats.decode_time / bare, 3),
+                          "tau": round(best.stats.generated_tokens / len(steps), 2)}
+            _say(f"  {label}: engine {out[label]['engine_tok_s']} tok/s, its passes alone "
+                 f"{out[label]['bare_passes_tok_s']} tok/s (engine / passes time {out[label]['engine_over_bare']}x, "
+                 f"τ {out[label]['tau']})")
+    finally:
+        for b in (target, draft):
+            b.close()
+        del target, draft
+        _free()
+    return out
+
+
+STEPS = {"env": step_env, "identity": step_identity, "replay": step_replay, "costs": step_costs, "draft": step_draft,
+         "engine": step_engine}
 
 
 def main(argv=None) -> int:

@@ -26,7 +26,7 @@ def run_script(tmp_path, *args):
 def test_smoke_runs_every_step(tmp_path):
     r, res = run_script(tmp_path, "--trace", str(TRACE))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert all(s.startswith("ok") for s in res["status"].values()) and len(res["status"]) == 5
+    assert all(s.startswith("ok") for s in res["status"].values()) and len(res["status"]) == 6
     assert "IDENTICAL" in r.stdout and "DIFFERENT" not in r.stdout
     ident = res["results"]["identity"]
     assert ident["eager_max_diff"] == 0.0 and ident["greedy_identity"] is True
@@ -39,6 +39,9 @@ def test_smoke_runs_every_step(tmp_path):
     draft = res["results"]["draft"]
     assert {"bare pass", "device, k at once", "host loop", "device, sampled T=1"} <= set(draft)
     assert all(v > 0 for k, v in draft.items() if k != "shape")
+    engine = res["results"]["engine"]
+    assert engine["plain"]["tau"] == 1.0 and engine["speculative k=4"]["tau"] > 4  # a same-weights draft
+    assert all(row["engine_tok_s"] > 0 and row["engine_over_bare"] > 0 for k, row in engine.items() if k != "shape")
 
 
 def test_a_failing_step_does_not_stop_the_others(tmp_path):
