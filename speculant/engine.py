@@ -7,8 +7,8 @@ baseline and the speculative path on one code path, so greedy identity compares 
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import codecs
+import dataclasses
 import functools
 import threading
 import time

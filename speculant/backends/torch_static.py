@@ -345,8 +345,8 @@ class StaticTorchBackend(TorchBackend):
         if self._gen is None:
             self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
-        q = None if draft_probs is None else torch.as_tensor(draft_probs).to(self.device)  # [k, V], there already
-        # when the draft ran on this device (draft_steps)
+        # q [k, V]: numpy, or already on the device when a static draft chose there (draft_steps)
+        q = None if draft_probs is None else torch.as_tensor(draft_probs).to(self.device)
         return verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
 
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
