@@ -5,6 +5,8 @@ import sys
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))  # tests/synthetic.py
+if os.environ.get("SPECULANT_TEST_DEVICE", "cpu") == "cpu":  # Triton kernels on CPU tensors: its interpreter
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from speculant import models  # noqa: E402
 
