@@ -79,12 +79,12 @@ def random_model(shape: str, *, dtype=None, device: str = "cpu", seed: int = 0, 
 
 
 def random_backend(shape: str, *, static: bool = True, rows: Optional[int] = None, graphs: Optional[bool] = None,
-                   n_ctx: int = 4096, **kwargs):
+                   n_ctx: int = 4096, kernels: Optional[str] = None, **kwargs):
     """A backend over random weights of the named shape: StaticTorchBackend (static=True) or TorchBackend."""
     from .backends.torch import TorchBackend
     from .backends.torch_static import StaticTorchBackend
 
     model = random_model(shape, **kwargs)
     if static:
-        return StaticTorchBackend(model, name=shape, n_ctx=n_ctx, rows=rows, graphs=graphs)
+        return StaticTorchBackend(model, name=shape, n_ctx=n_ctx, rows=rows, graphs=graphs, kernels=kernels)
     return TorchBackend(model, name=shape, n_ctx=n_ctx)

@@ -93,9 +93,41 @@ def test_speculative_greedy_equals_plain(draft_shape):
         assert r.stats.accepted > r.stats.drafted // 2
 
 
-def test_bad_settings_are_clear_errors():
+@pytest.mark.parametrize("rows", [16, None])
+def test_the_triton_kernels_compute_what_torch_does(rows):
+    """kernels='triton' (here in Triton's interpreter) gives the torch kernels' logits, rounding aside, for a
+    target's fixed rows and a draft's shape classes, across a KV block."""
+    kernel = random_backend("tiny", rows=rows, seed=2, kernels="triton")
+    plain = random_backend("tiny", rows=rows, seed=2, kernels="torch")
+    for n in (1, 20):
+        kernel.rewind(0), plain.rewind(0)
+        np.testing.assert_allclose(kernel.eval(IDS[:n], n_logits=n), plain.eval(IDS[:n], n_logits=n),
+                                   atol=1e-5, rtol=1e-5)
+    # a pass across the 256-position KV block over the same cached context (the interpreter is slow: torch's
+    # kernels fill the cache, then each pass runs both ways)
+    plain.rewind(0)
+    plain.eval(IDS[:250], n_logits=0)
+    passes = {}
+    for kernels in ("torch", "triton"):
+        plain.rewind(250)
+        plain.kernels = kernels
+        passes[kernels] = plain.eval(IDS[250:270], n_logits=20)
+    np.testing.assert_allclose(passes["triton"], passes["torch"], atol=1e-5, rtol=1e-5)
+
+
+def test_bad_settings_are_clear_errors(monkeypatch):
     with pytest.raises(SettingsError, match="rows"):
         random_backend("tiny", rows=65)
+    with pytest.raises(SettingsError, match="kernels must be"):
+        random_backend("tiny", rows=16, kernels="flash")
+    for rows in (16, None):
+        assert random_backend("tiny", rows=rows, device=DEVICE).kernels == ("triton" if DEVICE == "cuda" else "torch")
+    if DEVICE == "cpu":
+        from speculant.backends import triton_kernels
+
+        monkeypatch.setattr(triton_kernels, "interpreted", lambda: False)
+        with pytest.raises(SettingsError, match="interpreter"):
+            random_backend("tiny", rows=16, kernels="triton")
     if not torch.cuda.is_available():
         with pytest.raises(SettingsError, match="CUDA graphs need a CUDA device"):
             random_backend("tiny", graphs=True)
@@ -107,12 +139,18 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA GPU")
 
 
 @cuda
-def test_cuda_graphs_bit_identical_to_eager_and_invariant():
-    eager = random_backend("tiny", rows=16, graphs=False, device="cuda", seed=6)
-    graphs = random_backend("tiny", rows=16, graphs=True, device="cuda", seed=6)
+@pytest.mark.parametrize("kernels", ["triton", "torch"])
+def test_cuda_graphs_bit_identical_to_eager_and_invariant(kernels):
+    eager = random_backend("tiny", rows=16, graphs=False, device="cuda", seed=6, kernels=kernels)
+    graphs = random_backend("tiny", rows=16, graphs=True, device="cuda", seed=6, kernels=kernels)
     a, b = eager.eval(IDS[:100], n_logits=100), graphs.eval(IDS[:100], n_logits=100)
     assert np.array_equal(a, b)
     check_invariant(graphs, IDS, sizes=(1, 2, 5, 8, 16, 17, 40))
+    if kernels == "triton":  # around the first SPLIT positions: rows before them are in passes of both kinds
+        from speculant.backends.triton_kernels import SPLIT
+
+        long_ids = [(37 * i + 11) % 500 for i in range(SPLIT + 20)]
+        check_invariant(graphs, long_ids, sizes=(1, 2, 5, 16, 17, 33))
 
 
 def test_sampled_generation_verifies_on_the_device():
@@ -299,3 +337,26 @@ def test_the_torch_backend_on_cuda_is_the_static_one(monkeypatch):
     assert type(engine.drafter.backend) is StaticTorchBackend and engine.drafter.backend.rows is None
     engine = api.load_engine(name, backend="torch", device="cpu", n_ctx=256, self_spec=True)
     assert type(engine.target) is TorchBackend
+
+
+def test_other_model_types_stay_on_the_eager_backend(monkeypatch, capsys):
+    """A model whose layers _run does not compute (Qwen3: q/k norms) is refused by the static backend, and
+    load_static_backend (the CUDA path of --backend torch) keeps it on TorchBackend, which runs transformers'
+    own layers, with a warning, instead of computing it wrongly."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from speculant.backends import torch as torch_backends
+    from speculant.backends.torch import TorchBackend
+    from speculant.backends.torch_static import StaticTorchBackend, load_static_backend
+    from speculant.errors import ModelError
+
+    model = Qwen3ForCausalLM(Qwen3Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=4,
+                                         num_key_value_heads=2, head_dim=16, intermediate_size=128, vocab_size=512))
+    with pytest.raises(ModelError, match="not 'qwen3'"):
+        StaticTorchBackend(model, name="tiny-qwen3")
+    monkeypatch.setattr(torch_backends, "load_torch_backend",
+                        lambda *a, **k: TorchBackend(model, name="tiny-qwen3", n_ctx=k["n_ctx"]))
+    b = load_static_backend("tiny-qwen3", rows=16)
+    assert type(b) is TorchBackend
+    assert "tiny-qwen3 (qwen3) runs on the eager torch backend" in capsys.readouterr().err
+    assert b.eval(IDS[:5], n_logits=1).shape == (1, 512)

@@ -12,6 +12,9 @@ kernels on fixed buffers, so everything a pass touches is allocated once and eve
     with an online softmax and a position mask, as in torch.py. Blocks past a row's position contribute
     exactly 0, so a row's result does not depend on how many blocks a pass visits; a graph is captured per
     (rows, blocks). A draft's (rows None) is one scaled_dot_product_attention call over the visited blocks.
+    On CUDA both run Triton kernels between the matmuls instead (triton_kernels: RoPE with the K/V stores, the
+    same online softmax over the same absolute offsets, residual add + RMSNorm, SwiGLU; 9 launches a layer
+    against ~25), which read the positions on the device, so one graph per row count serves every position.
   * kernels: a graph replays every kernel of a pass, so their number sets a small model's pass time (an H200
     runs ~3 us per kernel). q/k/v and gate/up are one matmul each (the modules keep their weights as views
     into the fused ones), RoPE runs on q and k at once, the masks are made once per pass, and RMSNorm is
@@ -31,6 +34,7 @@ the weights of a transformers model, so nothing in it depends on transformers' c
 
 from __future__ import annotations
 
+import sys
 from typing import Iterator, Optional, Sequence
 
 import numpy as np
@@ -39,10 +43,13 @@ import torch
 from .. import verify_torch
 from ..errors import ModelError, SettingsError
 from ..verify import SamplingParams
+from . import triton_kernels
 from .base import common_prefix
 from .torch import KV_BLOCK, TorchBackend
 
 SHAPE_CLASSES = (1, 2, 4, 8, 16, 32, 64)
+# the decoder layers _run computes (no q/k norms, no extra layer norms, no sliding window, no soft-capping)
+MODEL_TYPES = ("llama", "qwen2")
 MAX_ROWS = SHAPE_CLASSES[-1]
 
 
@@ -139,32 +146,52 @@ def fused_attention(q, keys, values, keep: torch.Tensor, scaling: float) -> torc
     return out.reshape(n_heads, n_rows, d).transpose(0, 1).reshape(n_rows, n_heads * d)
 
 
+def _eps(norm) -> float:
+    """An RMSNorm module's epsilon (transformers names it variance_epsilon or eps)."""
+    return float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+
+
 def _rms_norm(norm, x: torch.Tensor) -> torch.Tensor:
-    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight,
-                                        getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+    return torch.nn.functional.rms_norm(x, (x.shape[-1],), norm.weight, _eps(norm))
 
 
 class StaticTorchBackend(TorchBackend):
     """TorchBackend with a static KV buffer and fixed-shape passes, captured as CUDA graphs on CUDA.
 
     rows: None = shape classes (a draft model); an int = every pass has exactly that many rows (a target
-    whose batched logits must equal one-at-a-time logits). graphs: capture CUDA graphs (default: on CUDA)."""
+    whose batched logits must equal one-at-a-time logits). graphs: capture CUDA graphs (default: on CUDA).
+    kernels: "triton" (triton_kernels between the matmuls: RoPE with the K/V stores, attention, residual add +
+    RMSNorm, SwiGLU; invariant), "torch" (block_attention for a target, fused_attention for a draft), or None:
+    Triton's on CUDA where they build and compute what torch does (triton_kernels.check), else torch. (A draft
+    needs no invariance; Triton's are fewer launches.)"""
 
     def __init__(self, model, tokenizer=None, *, rows: Optional[int] = None, graphs: Optional[bool] = None,
-                 **kwargs):
+                 kernels: Optional[str] = None, **kwargs):
         super().__init__(model, tokenizer, **kwargs)
         if rows is not None and not (isinstance(rows, int) and 1 <= rows <= MAX_ROWS):
             raise SettingsError(f"rows must be an integer in [1, {MAX_ROWS}] or None, got {rows!r}")
         on_cuda = self.device.type == "cuda"
         if graphs and not on_cuda:
             raise SettingsError(f"CUDA graphs need a CUDA device; this model is on {self.device}")
+        if kernels is None:  # Triton's where they build and check out on this device (once per device)
+            kernels = "triton" if on_cuda and not triton_kernels.check(str(self.device), self.dtype) else "torch"
+        if kernels not in ("triton", "torch"):
+            raise SettingsError(f"kernels must be 'triton' or 'torch', got {kernels!r}")
+        if kernels == "triton" and not triton_kernels.available():
+            raise SettingsError("kernels='triton' needs triton (it ships with CUDA builds of torch)")
+        if kernels == "triton" and not on_cuda and not triton_kernels.interpreted():
+            raise SettingsError(f"kernels='triton' on {self.device} run only in Triton's interpreter "
+                                "(TRITON_INTERPRET=1, for tests); use kernels='torch'")
         self.rows = rows
+        self.kernels = kernels
         self.graphs = on_cuda if graphs is None else bool(graphs)
         cfg = model.config
         base = model.model
-        if not all(hasattr(layer, a) for layer in base.layers
-                   for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
-            raise ModelError(f"{self.name}: the static backend supports Llama/Qwen2-style decoder layers only")
+        if getattr(cfg, "model_type", None) not in MODEL_TYPES or not all(
+                hasattr(layer, a) for layer in base.layers
+                for a in ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")):
+            raise ModelError(f"{self.name}: the static backend computes {' and '.join(MODEL_TYPES)} decoder layers "
+                             f"only, not {getattr(cfg, 'model_type', None)!r}")
         self.n_heads = int(cfg.num_attention_heads)
         self.n_kv = int(getattr(cfg, "num_key_value_heads", None) or self.n_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // self.n_heads)
@@ -181,6 +208,11 @@ class StaticTorchBackend(TorchBackend):
             self._qkv = [_fuse_linears((l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj))
                          for l in base.layers]
             self._gate_up = [_fuse_linears((l.mlp.gate_proj, l.mlp.up_proj)) for l in base.layers]
+        # (weight, eps) of every RMSNorm in order: layer inputs, post-attention, ..., the final norm
+        self._norms = [(n.weight, _eps(n))
+                       for n in [m for layer in base.layers
+                                 for m in (layer.input_layernorm, layer.post_attention_layernorm)] + [base.norm]]
+        self._silu = getattr(cfg, "hidden_act", "silu") == "silu"  # SwiGLU in a Triton kernel (else torch's act)
         self._graphs: dict = {}  # (rows, n_blocks, draft attention) -> (graph, ids, pos, logits)
         self._pool = None
         self._gen: Optional[torch.Generator] = None  # device random draws: sampled verification, a draft's draws
@@ -188,6 +220,8 @@ class StaticTorchBackend(TorchBackend):
     # -- one fixed-shape pass -----------------------------------------------------------------------------
     def _run(self, ids: torch.Tensor, pos: torch.Tensor, n_blocks: int) -> torch.Tensor:
         """ids, pos [rows] -> float32 logits [rows, V]; writes every row's K/V at its position."""
+        if self.kernels == "triton":
+            return self._run_triton(ids, pos, split=n_blocks * KV_BLOCK > triton_kernels.SPLIT)
         base = self.model.model
         n, d = ids.shape[0], self.head_dim
         n_qk = (self.n_heads + self.n_kv) * d
@@ -218,8 +252,36 @@ class StaticTorchBackend(TorchBackend):
             h = h + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
         return self.model.get_output_embeddings()(_rms_norm(base.norm, h)).float()  # [rows, V]
 
+    def _run_triton(self, ids: torch.Tensor, pos: torch.Tensor, split: bool) -> torch.Tensor:
+        """_run with Triton kernels between the matmuls (triton_kernels), 9 launches a layer instead of ~25:
+        RoPE with the K/V stores, attention (both read the positions on the device, so any number of KV blocks),
+        each residual add with the RMSNorm after it, and SwiGLU. split: the pass reaches past the first SPLIT
+        positions, so the attention splits the keys (a row before them gets the same bits either way, a row
+        past them is in such a pass whichever pass it is in)."""
+        base = self.model.model
+        tk = triton_kernels
+        h, x = tk.add_rms_norm(base.embed_tokens(ids), None, *self._norms[0])  # h [rows, hidden], x: normed
+        for i, layer in enumerate(base.layers):
+            attn = layer.self_attn
+            k_cache, v_cache = self.kv[i, 0], self.kv[i, 1]  # [kv_heads, capacity, d]
+            qkv = torch.nn.functional.linear(x, *self._qkv[i])  # [rows, (H+2KV)d]
+            q = tk.rope_and_store(qkv, pos, self._inv_freq, self._rope_scale, k_cache, v_cache, self.n_heads,
+                                  self.n_kv)  # [heads, rows, d]
+            out = tk.invariant_attention(q, k_cache, v_cache, pos, attn.scaling, split)  # [rows, heads * d]
+            h, x = tk.add_rms_norm(h, attn.o_proj(out), *self._norms[2 * i + 1])
+            gate_up = torch.nn.functional.linear(x, *self._gate_up[i])  # [rows, 2 * intermediate]
+            if self._silu:
+                act = tk.silu_mul(gate_up)
+            else:
+                gate, up = gate_up.chunk(2, -1)
+                act = layer.mlp.act_fn(gate) * up
+            h, x = tk.add_rms_norm(h, layer.mlp.down_proj(act), *self._norms[2 * i + 2])
+        return self.model.get_output_embeddings()(x).float()  # [rows, V]
+
     def _graph(self, rows: int, n_blocks: int):
         """The captured graph for this shape (captured on first use; warm-up writes only scratch slots)."""
+        if self.kernels == "triton":  # one graph serves every position before SPLIT, one every position past it
+            n_blocks = 1 if n_blocks * KV_BLOCK <= triton_kernels.SPLIT else self.capacity // KV_BLOCK
         key = (rows, n_blocks, self.rows is None)  # the last: which attention _run takes
         if key not in self._graphs:
             ids = torch.zeros(rows, dtype=torch.long, device=self.device)
@@ -361,12 +423,18 @@ class StaticTorchBackend(TorchBackend):
 
 
 def load_static_backend(model_name_or_path, dtype=None, device: Optional[str] = None, *, rows: Optional[int] = 16,
-                        graphs: Optional[bool] = None, n_ctx: int = 4096,
-                        threads: Optional[int] = None) -> StaticTorchBackend:
+                        graphs: Optional[bool] = None, n_ctx: int = 4096, threads: Optional[int] = None,
+                        kernels: Optional[str] = None) -> TorchBackend:
     """load_torch_backend's model and tokenizer (registered name, GGUF or transformers directory) behind the
-    static backend. rows: the fixed pass width (None: shape classes, for a draft)."""
+    static backend. rows: the fixed pass width (None: shape classes, for a draft). A model of another type
+    than MODEL_TYPES stays on the TorchBackend (with a warning), which runs transformers' own layers."""
     from .torch import load_torch_backend
 
     tb = load_torch_backend(model_name_or_path, dtype, device, n_ctx=n_ctx, threads=threads)
+    model_type = getattr(tb.model.config, "model_type", None)
+    if model_type not in MODEL_TYPES:  # e.g. Gemma 3 (q/k norms, four norms a layer): transformers' own modules
+        print(f"speculant: warning: {tb.name} ({model_type}) runs on the eager torch backend: the static one (CUDA "
+              f"graphs) computes {' and '.join(MODEL_TYPES)} layers only", file=sys.stderr)
+        return tb
     return StaticTorchBackend(tb.model, tb.tokenizer, name=tb.name, n_ctx=tb.n_ctx, specials=tb.specials,
-                              source=tb.source, rows=rows, graphs=graphs)
+                              source=tb.source, rows=rows, graphs=graphs, kernels=kernels)
