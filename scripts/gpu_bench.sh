@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # The GPU benchmark of issue 15, one command: random weights of real Qwen2.5 shapes (no model files travel).
-#   env       versions and the device
-#   identity  bit-identical logits: a token alone vs in verify passes of every size, CUDA graphs vs eager,
-#             speculative greedy output == plain output (Qwen2.5-1.5B shape)
+#   env       versions and the device; whether our Triton kernels build and match torch there
+#   identity  bit-identical logits: a token alone vs in verify passes of every size (around the 256-position KV
+#             block and the 1,024-position attention split), with the Triton kernels and with torch's, CUDA
+#             graphs vs eager, speculative greedy output == plain output (Qwen2.5-1.5B shape)
 #   replay    the committed traces (docs/bench/traces/*.json, real runs recorded on CPU) replayed with the
 #             Qwen2.5-32B shape as target and the 0.5B shape as draft: tokens/s and speedup per category,
 #             beside transformers' generate and assisted generation on the same weights
 #   costs     ms per pass over n = 1, 5, 8, 16 tokens after 256 context tokens (0.5B, 1.5B, 7B, 32B shapes):
-#             ours with CUDA graphs (16 fixed rows; shape classes), ours eager, the existing TorchBackend,
-#             transformers eager (sdpa + DynamicCache)
+#             ours with CUDA graphs (16 fixed rows; shape classes; each with Triton's kernels and torch's),
+#             ours eager, the existing TorchBackend, transformers eager (sdpa + DynamicCache)
+#   draft     ms per draft step (0.5B shape) as ModelDrafter runs it: tokens chosen on the device vs the host
+#   engine    decode tokens/s through Engine.generate beside the bare passes of the same steps
 # Each step reports on its own and a failing step does not stop the next; a summary closes the output and
 # $OUT/results.json (or bench-out/gpu/results.json) holds every number. Budget: under 8 minutes on an H200
 # (shapes and traces past BENCH_BUDGET seconds, default 420, are skipped; a hard stop at BENCH_TIMEOUT).

@@ -2,12 +2,12 @@
 shapes, so nothing but this repository has to reach the GPU machine.
 
 Steps, each timed and reported on its own; a failing step is reported and the next one runs:
-  env       torch / CUDA / transformers versions, the device
-  identity  bit-identity on the static backend: a token decoded alone vs in verify passes of every size,
-            graphs vs eager, and speculative greedy output == plain output
+  env       torch / CUDA / transformers / triton versions, the device, whether the Triton kernels check out
+  identity  bit-identity on the static backend: a token decoded alone vs in verify passes of every size
+            (with the default kernels, and torch's), graphs vs eager, and speculative greedy == plain output
   costs     ms per pass over n = 1, 5, 8, 16 new tokens after a 256-token context, per shape: ours with CUDA
-            graphs (fixed 16 rows, and shape classes), ours eager, the existing TorchBackend, transformers eager
-            (sdpa + DynamicCache)
+            graphs (fixed 16 rows, and shape classes; each with the Triton kernels and with torch's),
+            ours eager, the existing TorchBackend, transformers eager (sdpa + DynamicCache)
   replay    the committed traces (docs/bench/traces/) replayed on the 32B shape with the 0.5B draft, beside
             transformers' generate and assisted generation on the same weights; a trace that recorded its
             draft's agreement is also replayed at fixed k = 4, 5, 6, 8
@@ -92,6 +92,15 @@ def step_env(opts) -> dict:
     if opts.device.startswith("cuda"):
         p = torch.cuda.get_device_properties(0)
         info.update(gpu=p.name, gpu_memory_gib=round(p.total_memory / 2**30, 1))
+        from .backends import triton_kernels
+
+        try:
+            import triton
+            info["triton"] = triton.__version__
+        except ImportError:
+            info["triton"] = None
+        # ok: RoPE + K/V stores and attention run as Triton kernels (the default where this holds)
+        info["triton_kernels"] = triton_kernels.check(opts.device, torch.bfloat16) or "ok"
     for k, v in info.items():
         _say(f"  {k}: {v}")
     return info
@@ -106,30 +115,41 @@ def step_identity(opts) -> dict:
     dev, shape = opts.device, opts.identity_shape
     on_cuda = dev.startswith("cuda")
     out: dict = {"shape": shape}
-    modes = [("graphs", True), ("eager", False)] if on_cuda else [("eager", False)]
+    # the default kernels (on CUDA: Triton's where they check out), and torch's on CUDA beside them
+    modes = [("graphs", True, None), ("eager", False, None), ("graphs_torch_kernels", True, "torch")] \
+        if on_cuda else [("eager", False, None)]
     from .shapes import SHAPES
 
-    ids = [(37 * i + 11) % SHAPES[shape][5] for i in range(CONTEXT + 64)]
+    from .backends.triton_kernels import SPLIT
+
+    # passes around the 256-position KV block, and (on CUDA) around the first SPLIT positions, where Triton's
+    # attention starts splitting the keys: rows before it are in passes of both kinds
+    bases = (CONTEXT - 8, SPLIT - 8) if on_cuda else (CONTEXT - 8,)
+    ids = [(37 * i + 11) % SHAPES[shape][5] for i in range(max(bases) + 64)]
     singles = {}
-    for mode, graphs in modes:
-        b = random_backend(shape, rows=16, graphs=graphs, device=dev, n_ctx=1024, seed=7)
-        base = CONTEXT - 8  # passes below end past the 256-position KV block
-        b.eval(ids[:base], n_logits=0)
-        single = np.stack([b.eval([x])[0] for x in ids[base:base + 48]])  # [48, V]
-        singles[mode] = single
+    for mode, graphs, kernels in modes:
+        b = random_backend(shape, rows=16, graphs=graphs, device=dev, n_ctx=max(bases) + 128, seed=7,
+                           kernels=kernels)
+        out[f"{mode}_kernels"] = b.kernels
         diffs = {}
-        for n in (1, 2, 5, 8, 16, 17, 33):
-            for off in (0, 3):
-                at = base + off
-                b.rewind(at)
-                b.eval(ids[len(b.tokens):at], n_logits=0)  # a shorter earlier pass may have cut it
-                batch = b.eval(ids[at:at + n], n_logits=n)
-                d = float(np.abs(batch - single[off:off + n]).max())
-                diffs[f"n={n},off={off}"] = d
+        for base in bases:
+            b.rewind(0)
+            b.eval(ids[:base], n_logits=0)
+            single = np.stack([b.eval([x])[0] for x in ids[base:base + 48]])  # [48, V]
+            if base == bases[0]:
+                singles[mode] = single
+            for n in (1, 2, 5, 8, 16, 17, 33):
+                for off in (0, 3):
+                    at = base + off
+                    b.rewind(at)
+                    b.eval(ids[len(b.tokens):at], n_logits=0)  # a shorter earlier pass may have cut it
+                    batch = b.eval(ids[at:at + n], n_logits=n)
+                    diffs[f"at={base},n={n},off={off}"] = float(np.abs(batch - single[off:off + n]).max())
         worst = max(diffs.values())
         out[f"{mode}_max_diff"] = worst
-        _say(f"  {mode}: alone vs verify passes n=1..33 at offsets 0,3 (crossing a KV block): max |diff| {worst} "
-             f"{'IDENTICAL' if worst == 0.0 else 'DIFFERENT'}")
+        _say(f"  {mode} ({b.kernels} kernels): alone vs verify passes n=1..33 at offsets 0,3 after "
+             f"{', '.join(map(str, bases))} tokens (crossing a KV block{', the first split' if on_cuda else ''}): "
+             f"max |diff| {worst} {'IDENTICAL' if worst == 0.0 else 'DIFFERENT'}")
         b.close()
         del b
         _free()
@@ -223,9 +243,12 @@ def step_costs(opts) -> dict:
             _free()
             continue
         setups = []
-        if on_cuda:
+        if on_cuda:  # the defaults (Triton's kernels where they check out), and torch's
             setups += [("ours graphs, 16 rows", dict(rows=16, graphs=True)),
-                       ("ours graphs, shape classes", dict(rows=None, graphs=True))]
+                       ("ours graphs, 16 rows, torch kernels", dict(rows=16, graphs=True, kernels="torch")),
+                       ("ours graphs, 8 rows", dict(rows=8, graphs=True)),  # a target's width for k <= 7
+                       ("ours graphs, shape classes", dict(rows=None, graphs=True)),
+                       ("ours graphs, classes, torch kernels", dict(rows=None, graphs=True, kernels="torch"))]
         setups += [("ours eager, 16 rows", dict(rows=16, graphs=False))]
         rows: dict = {}
 
@@ -248,7 +271,7 @@ def step_costs(opts) -> dict:
             rows["transformers eager sdpa"] = {"failed": f"{type(e).__name__}: {str(e).splitlines()[0][:160]}"}
         table[shape] = rows
         for label, r in rows.items():
-            _say(f"  {shape:14s} {label:28s} " + "  ".join(f"n={n}: {ms:8.2f} ms" if isinstance(ms, float)
+            _say(f"  {shape:14s} {label:34s} " + "  ".join(f"n={n}: {ms:8.2f} ms" if isinstance(ms, float)
                                                           else f"{n}: {ms}" for n, ms in r.items()))
         _say(f"  ({shape}: {time.perf_counter() - t0:.1f} s)")
         if on_cuda:
@@ -273,7 +296,8 @@ def step_replay(opts) -> dict:
     docs = [read_trace(t) for t in traces]
     longest = max(int(r["prompt_tokens"]) + int(r["generated_tokens"]) for d in docs for r in d["runs"])
     target, draft = build_pair(opts.replay_shape, opts.replay_draft_shape, opts.device, n_ctx=longest + 128)
-    out = {}
+    out = {"kernels": target.kernels}
+    _say(f"  kernels: {target.kernels}")
     try:
         for path, doc in zip(traces, docs):
             if opts.over_budget():
