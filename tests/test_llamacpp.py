@@ -193,9 +193,10 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    """{file type: path} of _smollm2_as_moe for Q4_0 experts (repacked on x86), Q8_0 (not), and the Q8_0 file
-    requantized to Q4_K_M: Q4_K and Q6_K ffn_down experts (rows of 1536 values: whole K-quant superblocks), which
-    llama.cpp's tiled K-quant kernel takes once 8 or more of a pass's tokens go to one expert."""
+    """{file type: path} of _smollm2_as_moe for Q4_0 experts (repacked on x86), Q8_0 (not), MXFP4 (gpt-oss's
+    experts' type; repacked on x86), and the Q8_0 file requantized to Q4_K_M: Q4_K and Q6_K ffn_down experts (rows
+    of 1536 values: whole K-quant superblocks), which llama.cpp's tiled K-quant kernel takes once 8 or more of a
+    pass's tokens go to one expert."""
     from speculant import quantize
 
     from speculant import models
@@ -204,7 +205,8 @@ def moe_models(tmp_path_factory):
     if not src.exists():
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("moe")
-    made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
+    made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype)
+            for qtype in ("Q4_0", "Q8_0", "MXFP4")}
     made["Q4_K_M"] = out / "smollm2-moe-Q4_K_M.gguf"
     quantize.make(made["Q8_0"], made["Q4_K_M"], quantize.file_type("Q4_K_M"), allow_requantize=True, progress=False)
     same = _smollm2_as_moe(src, out / "smollm2-moe-same-Q8_0.gguf", "Q8_0", noise=0.0)
@@ -215,7 +217,7 @@ def moe_models(tmp_path_factory):
 
 
 @pytest.mark.parametrize("ftype,repack", [("Q4_0", True), ("Q8_0", True), ("Q4_0", False), ("Q4_K_M", True),
-                                          ("Q4_K_M", False)])
+                                          ("Q4_K_M", False), ("MXFP4", True), ("MXFP4", False)])
 def test_pass_sizes_are_bit_identical_mixture_of_experts(moe_models, ftype, repack):
     """A mixture-of-experts target (SmolLM2's first 8 layers rebuilt with 4 experts each, 2 used per token:
     _smollm2_as_moe): its expert matrices go through llama.cpp's mul_mat_id (per token, the gemv of repacked

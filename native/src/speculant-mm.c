@@ -3,8 +3,8 @@
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
 // _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K, _iq2_xxs_q8_K, _iq2_xs_q8_K, _iq2_s_q8_K, _iq3_xxs_q8_K,
-// _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0; ggml_gemv_q4_K_8x8_q8_K,
-// ggml_gemv_q4_0_8x8_q8_0 and ggml_gemv_iq4_nl_8x8_q8_0 for the repacked layout), whatever the number of tokens
+// _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0, _mxfp4_q8_0; ggml_gemv_q4_K_8x8_q8_K,
+// ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_iq4_nl_8x8_q8_0 and ggml_gemv_mxfp4_8x8_q8_0 for the repacked layout), whatever the number of tokens
 // in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
 // SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ1/IQ2/IQ3
 // types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
@@ -1351,36 +1351,54 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 }
 #endif
 
-// IQ4_NL rows as ggml repacks them on AVX2 (block_iq4_nlx8: q4_0x8's layout, table indices without the XOR), in
-// the lanes of ggml_gemv_iq4_nl_8x8_q8_0: per block and row, the table values times q8 summed exactly (here |w|
-// times q8 carrying w's sign, which keeps maddubs from saturating), one fused multiply-add by x.d * y.d. 256-bit
-// on every level: the table values do not fit VNNI's unsigned operand without a per-column correction.
+// IQ4_NL and MXFP4 rows as ggml repacks them on AVX2 (block_iq4_nlx8: q4_0x8's layout, table indices without the
+// XOR; block_mxfp4x8: the same quants after an E8M0 exponent per row), in the lanes of ggml_gemv_iq4_nl_8x8_q8_0
+// and ggml_gemv_mxfp4_8x8_q8_0 (one template): per block and row, the table values times q8 summed exactly (here
+// |w| times q8 carrying w's sign, which keeps maddubs from saturating), one fused multiply-add by x's scale times
+// y.d. 256-bit on every level: the table values do not fit VNNI's unsigned operand without a per-column correction.
 typedef q4_0x8 iq4_nlx8;
 
-static inline __attribute__((always_inline)) void iq4_nlx8_cols(const int NC, const int nb, const iq4_nlx8 * x,
-                                                               const block_q8_0 * const * y, const int * order,
-                                                               float * const * out) {
-    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) iq4_values));
+typedef struct {
+    uint8_t e[8];     // each row's E8M0 exponent (the scale is GGML_CPU_E8M0_TO_FP32_HALF of it)
+    uint8_t qs[128];  // as q4_0x8's, table indices
+} mxfp4x8;
+
+// mx: MXFP4 (kvalues_fp4, E8M0 scales) rather than IQ4_NL (iq4_values, fp16 scales); a constant at every call
+static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, const bool mx, const int nb,
+                                                              const void * x, const block_q8_0 * const * y,
+                                                              const int * order, float * const * out) {
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (mx ? kvalues_fp4 : iq4_values)));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
     const __m256i row_order = _mm256_set_epi32(7, 6, 3, 2, 5, 4, 1, 0);
+    const size_t block_bytes = mx ? sizeof(mxfp4x8) : sizeof(iq4_nlx8);
     __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        const iq4_nlx8 * xb = x + i;
+        const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
         __m256i w[2][4], wabs[2][4];  // [rows 4*half .. 4*half+3][values 8k .. 8k+7]
         for (int half = 0; half < 2; ++half) {
-            const __m256i lo = _mm256_loadu_si256((const __m256i *) (xb->qs + 32 * half));       // bytes 0-7
-            const __m256i hi = _mm256_loadu_si256((const __m256i *) (xb->qs + 64 + 32 * half));  // bytes 8-15
+            const __m256i lo = _mm256_loadu_si256((const __m256i *) (qs + 32 * half));       // bytes 0-7
+            const __m256i hi = _mm256_loadu_si256((const __m256i *) (qs + 64 + 32 * half));  // bytes 8-15
             w[half][0] = _mm256_shuffle_epi8(table, _mm256_and_si256(lo, m4));
             w[half][1] = _mm256_shuffle_epi8(table, _mm256_and_si256(hi, m4));
             w[half][2] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(lo, 4), m4));
             w[half][3] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(hi, 4), m4));
             for (int k = 0; k < 4; ++k) wabs[half][k] = _mm256_sign_epi8(w[half][k], w[half][k]);
         }
-        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        __m256 xd;
+        if (mx) {
+            const uint8_t * e = ((const mxfp4x8 *) xb)->e;
+            xd = _mm256_set_ps(GGML_CPU_E8M0_TO_FP32_HALF(e[7]), GGML_CPU_E8M0_TO_FP32_HALF(e[6]),
+                               GGML_CPU_E8M0_TO_FP32_HALF(e[5]), GGML_CPU_E8M0_TO_FP32_HALF(e[4]),
+                               GGML_CPU_E8M0_TO_FP32_HALF(e[3]), GGML_CPU_E8M0_TO_FP32_HALF(e[2]),
+                               GGML_CPU_E8M0_TO_FP32_HALF(e[1]), GGML_CPU_E8M0_TO_FP32_HALF(e[0]));
+        } else {
+            xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const iq4_nlx8 *) xb)->d));
+        }
         for (int c = 0; c < NC; ++c) {
             const int8_t * q8 = y[c][i].qs;
             __m256i s[2];
@@ -1445,6 +1463,7 @@ static size_t repacked_group_bytes(enum ggml_type type, int n) {
     switch (type) {
         case GGML_TYPE_Q4_K: return (size_t) (n / QK_K) * sizeof(q4_Kx8);
         case GGML_TYPE_Q6_K: return (size_t) (n / QK_K) * sizeof(q6_Kx8);
+        case GGML_TYPE_MXFP4: return (size_t) (n / QK8_0) * sizeof(mxfp4x8);
         default:             return (size_t) (n / QK8_0) * sizeof(q4_0x8);
     }
 }
@@ -1468,27 +1487,31 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
         switch (type) {
             case GGML_TYPE_Q4_K: SPECULANT_BY_NC_REPACKED(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
             case GGML_TYPE_Q6_K: SPECULANT_BY_NC_REPACKED(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
-            case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, iq4_nlx8_cols, n / QK8_0, x, y0, order, o); break;
+            case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, false, n / QK8_0, x, y0, order, o); break;
+            case GGML_TYPE_MXFP4: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, true, n / QK8_0, x, y0, order, o); break;
             default:             SPECULANT_BY_NC_REPACKED(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
         }
     }
 }
 
 bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
-    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL)
+    return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL
+            || type == GGML_TYPE_MXFP4)
         && interleave == 8 && rows == 8;
 }
 
 void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_iq4_nl_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+void ggml_gemv_mxfp4_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
 static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                           size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
-    if (type == GGML_TYPE_IQ4_NL && ncols == 1 && !order) {
+    if ((type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4) && ncols == 1 && !order) {
         // one token: ggml's own gemv, the same bits as our kernel and 1.5% faster per decode step in paired A/Bs
-        // on a whole model (AVX2, 2 threads)
-        ggml_gemv_iq4_nl_8x8_q8_0(n, dst, 0, x, wdata, 1, (int) nrows);
+        // on a whole model (AVX2, 2 threads; IQ4_NL, whose template MXFP4's shares)
+        (type == GGML_TYPE_IQ4_NL ? ggml_gemv_iq4_nl_8x8_q8_0 : ggml_gemv_mxfp4_8x8_q8_0)(n, dst, 0, x, wdata, 1,
+                                                                                         (int) nrows);
         return;
     }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
@@ -1575,6 +1598,15 @@ static void q4_0x8_pack(const block_q4_0 * rows, int nb, uint8_t xor_mask, q4_0x
 }
 
 _Static_assert(sizeof(block_iq4_nl) == sizeof(block_q4_0), "block_iq4_nl has block_q4_0's layout");
+
+// make_block_mxfp4x8: the exponents, then q4_0x8's chunks without the XOR
+static void mxfp4x8_pack(const block_mxfp4 * rows, int nb, mxfp4x8 * out) {
+    for (int i = 0; i < nb; ++i) {
+        mxfp4x8 * o = out + i;
+        for (int r = 0; r < 8; ++r) o->e[r] = rows[(size_t) r * nb + i].e;
+        for (int k = 0; k < 16; ++k) memcpy(o->qs + 8 * k, rows[(size_t) (k % 8) * nb + i].qs + 8 * (k / 8), 8);
+    }
+}
 
 // -- plain layout, 32-value blocks: Q8_0, Q5_0, Q4_0 against q8_0 columns; Q4_1, Q5_1 against q8_1 --
 //
@@ -1783,13 +1815,23 @@ static inline __attribute__((always_inline)) void dot_q0(const int NC, const enu
 }
 #endif
 
-// IQ4_NL x q8_0 for NC columns, as ggml_vec_dot_iq4_nl_q8_0 (AVX2) forms it: the table values times q8 in its
-// sign-trick lanes, blocks 0, 2, 4, ... fused into one accumulator and 1, 3, 5, ... into another, the two summed
-// at the end; an odd last block is added in scalar float. 256-bit on every level, as for the repacked rows.
-static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const int nb, const block_iq4_nl * x,
-                                                            const block_q8_0 * const * y, const int * order,
-                                                            float * out) {
-    const __m128i values128 = _mm_loadu_si128((const __m128i *) iq4_values);
+// IQ4_NL (MXFP4) x q8_0 for NC columns, as ggml_vec_dot_iq4_nl_q8_0 (ggml_vec_dot_mxfp4_q8_0) forms it on AVX2:
+// the table values times q8 in its sign-trick lanes, blocks 0, 2, 4, ... fused into one accumulator and 1, 3, 5,
+// ... into another, the two summed at the end; an odd last block is added in scalar float. 256-bit on every
+// level, as for the repacked rows. mx: MXFP4 (kvalues_fp4, an E8M0 scale) rather than IQ4_NL (iq4_values, fp16),
+// a constant at every call.
+static inline __attribute__((always_inline)) float lut4_scale(const bool mx, const uint8_t * block) {
+    return mx ? GGML_CPU_E8M0_TO_FP32_HALF(((const block_mxfp4 *) block)->e)
+              : fp16_to_fp32(((const block_iq4_nl *) block)->d);
+}
+
+static inline __attribute__((always_inline)) void dot_lut4(const int NC, const bool mx, const int nb, const void * x,
+                                                          const block_q8_0 * const * y, const int * order,
+                                                          float * out) {
+    const int8_t * values = mx ? kvalues_fp4 : iq4_values;
+    const size_t block_bytes = mx ? sizeof(block_mxfp4) : sizeof(block_iq4_nl);
+    const size_t qs_offset = mx ? offsetof(block_mxfp4, qs) : offsetof(block_iq4_nl, qs);
+    const __m128i values128 = _mm_loadu_si128((const __m128i *) values);
     const __m128i m4b = _mm_set1_epi8(0x0f);
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 acc[2][SPECULANT_MM_COLS];
@@ -1797,11 +1839,12 @@ static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const
     const int paired = nb & ~1;
     for (int ii = 0; ii < paired; ++ii) {
         const int i = order ? order[ii] : ii;
-        const __m128i q4bits = _mm_loadu_si128((const __m128i *) x[i].qs);
+        const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
         const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values128, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
                                            _mm_shuffle_epi8(values128, _mm_and_si128(q4bits, m4b)));
         const __m256i wabs = _mm256_sign_epi8(w, w);
-        const float xd = fp16_to_fp32(x[i].d);
+        const float xd = lut4_scale(mx, xb);
         for (int c = 0; c < NC; ++c) {
             const __m256i q8 = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
             const __m256i lanes = _mm256_madd_epi16(_mm256_maddubs_epi16(wabs, _mm256_sign_epi8(q8, w)), ones);
@@ -1813,12 +1856,14 @@ static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const
         float sumf = hsum8(_mm256_add_ps(acc[0][c], acc[1][c]));
         if (paired < nb) {  // ggml's scalar tail, the same expression (and its contraction, if any)
             const int i = order ? order[paired] : paired;
+            const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+            const uint8_t * qs = xb + qs_offset;
             int sumi1 = 0, sumi2 = 0;
-            for (int j = 0; j < QK4_NL / 2; ++j) {
-                sumi1 += y[c][i].qs[j] * iq4_values[x[i].qs[j] & 0xf];
-                sumi2 += y[c][i].qs[j + QK4_NL / 2] * iq4_values[x[i].qs[j] >> 4];
+            for (int j = 0; j < QK8_0 / 2; ++j) {
+                sumi1 += y[c][i].qs[j] * values[qs[j] & 0xf];
+                sumi2 += y[c][i].qs[j + QK8_0 / 2] * values[qs[j] >> 4];
             }
-            const float d = fp16_to_fp32(y[c][i].d) * fp16_to_fp32(x[i].d);
+            const float d = fp16_to_fp32(y[c][i].d) * lut4_scale(mx, xb);
             sumf += d * (sumi1 + sumi2);
         }
         out[c] = sumf;
@@ -1827,9 +1872,10 @@ static inline __attribute__((always_inline)) void dot_iq4_nl(const int NC, const
 
 // nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 (q8_1) columns, `group` columns per weight
 // unpacking; row r x column c at out[r * row_stride + c * col_stride]
-// plain IQ4_NL rows: dot_iq4_nl takes q8_0 columns as they are (256-bit lanes on every level, no VNNI data)
-static void iq4_nl_rows(int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols, size_t row_size,
-                        int ncols, int group, const int * order, float * out, size_t row_stride, size_t col_stride) {
+// plain IQ4_NL and MXFP4 rows: dot_lut4 takes q8_0 columns as they are (256-bit lanes on every level, no VNNI data)
+static void lut4_rows(const bool mx, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
+                      size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
+                      size_t col_stride) {
     const int nb = n / QK8_0;
     for (int c0 = 0; c0 < ncols; c0 += group) {
         const int nc = ncols - c0 < group ? ncols - c0 : group;
@@ -1837,7 +1883,11 @@ static void iq4_nl_rows(int n, const char * x, size_t x_stride, int64_t nrows, c
         for (int c = 0; c < nc; ++c) y[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
         for (int64_t r = 0; r < nrows; ++r) {
             float tmp[SPECULANT_MM_COLS];
-            SPECULANT_BY_NC(nc, dot_iq4_nl, nb, (const block_iq4_nl *) (x + r * x_stride), y, order, tmp);
+            if (mx) {
+                SPECULANT_BY_NC(nc, dot_lut4, true, nb, x + r * x_stride, y, order, tmp);
+            } else {
+                SPECULANT_BY_NC(nc, dot_lut4, false, nb, x + r * x_stride, y, order, tmp);
+            }
             for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
         }
     }
@@ -1847,8 +1897,9 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
                     size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
                     size_t col_stride) {
     const int nb = n / QK8_0;
-    if (type == GGML_TYPE_IQ4_NL) {
-        iq4_nl_rows(n, x, x_stride, nrows, ycols, row_size, ncols, group, order, out, row_stride, col_stride);
+    if (type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4) {
+        lut4_rows(type == GGML_TYPE_MXFP4, n, x, x_stride, nrows, ycols, row_size, ncols, group, order, out,
+                  row_stride, col_stride);
         return;
     }
 #ifdef Q0_UNSIGNED
@@ -1904,7 +1955,7 @@ static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
         || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K
-        || iq_grid_type(type);
+        || type == GGML_TYPE_MXFP4 || iq_grid_type(type);
 }
 
 // one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
@@ -1956,7 +2007,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
     return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
-        || type == GGML_TYPE_Q2_K || iq_grid_type(type);
+        || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_Q2_K || iq_grid_type(type);
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
@@ -2085,6 +2136,7 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
             case GGML_TYPE_Q4_K: q4_Kx8_pack(x, nb, packed); break;
             case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, packed); break;
             case GGML_TYPE_IQ4_NL: q4_0x8_pack(x, nb, 0, packed); break;
+            case GGML_TYPE_MXFP4: mxfp4x8_pack(x, nb, packed); break;
             default:             q4_0x8_pack(x, nb, 0x88, packed); break;
         }
         repacked_rows(t, n, packed, 8, y, row_size, ncols, group, order, out, 8);
@@ -2094,6 +2146,7 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
                 case GGML_TYPE_Q4_K: ggml_gemv_q4_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 case GGML_TYPE_Q4_0: ggml_gemv_q4_0_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 case GGML_TYPE_IQ4_NL: ggml_gemv_iq4_nl_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
+                case GGML_TYPE_MXFP4: ggml_gemv_mxfp4_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 default: rc = 1; break;
             }
         }
