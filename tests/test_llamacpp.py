@@ -193,10 +193,10 @@ def _smollm2_as_moe(src, dst, qtype: str, n_layer: int = 8, n_expert: int = 4, n
 
 @pytest.fixture(scope="module")
 def moe_models(tmp_path_factory):
-    """{file type: path} of _smollm2_as_moe for Q4_0 experts (repacked on x86), Q8_0 (not), MXFP4 (gpt-oss's
-    experts' type; repacked on x86), and the Q8_0 file requantized to Q4_K_M: Q4_K and Q6_K ffn_down experts (rows
-    of 1536 values: whole K-quant superblocks), which llama.cpp's tiled K-quant kernel takes once 8 or more of a
-    pass's tokens go to one expert."""
+    """{file type: path} of _smollm2_as_moe for Q4_0 experts (repacked on x86), Q8_0 (not), the Q8_0 file
+    requantized to MXFP4_MOE (MXFP4 experts, gpt-oss's type, repacked on x86; the rest Q8_0), and to Q4_K_M: Q4_K
+    and Q6_K ffn_down experts (rows of 1536 values: whole K-quant superblocks), which llama.cpp's tiled K-quant
+    kernel takes once 8 or more of a pass's tokens go to one expert."""
     from speculant import quantize
 
     from speculant import models
@@ -205,8 +205,9 @@ def moe_models(tmp_path_factory):
     if not src.exists():
         pytest.skip("smollm2-135m-instruct not pulled (run `make models`)")
     out = tmp_path_factory.mktemp("moe")
-    made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype)
-            for qtype in ("Q4_0", "Q8_0", "MXFP4")}
+    made = {qtype: _smollm2_as_moe(src, out / f"smollm2-moe-{qtype}.gguf", qtype) for qtype in ("Q4_0", "Q8_0")}
+    made["MXFP4"] = out / "smollm2-moe-MXFP4.gguf"  # as a user makes one: speculant quantize ... MXFP4_MOE
+    quantize.make(made["Q8_0"], made["MXFP4"], quantize.file_type("MXFP4_MOE"), allow_requantize=True, progress=False)
     made["Q4_K_M"] = out / "smollm2-moe-Q4_K_M.gguf"
     quantize.make(made["Q8_0"], made["Q4_K_M"], quantize.file_type("Q4_K_M"), allow_requantize=True, progress=False)
     same = _smollm2_as_moe(src, out / "smollm2-moe-same-Q8_0.gguf", "Q8_0", noise=0.0)
