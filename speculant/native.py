@@ -139,11 +139,11 @@ def exactness_problems() -> list[str]:
 
 # Quantized weight types whose matrices our build's multi-token kernels compute, a pass over n tokens for about the
 # price of one weight read (native/src/speculant-mm.c, plain or repacked layout; tests/test_native.py checks this
-# set against the build). Other quantized types (TQ1_0, TQ2_0, Q1_0, NVFP4, ...; Q2_K where it is
+# set against the build). Other quantized types (TQ1_0, Q1_0, NVFP4, ...; Q2_K where it is
 # repacked, below) are computed one token at a time: each token of a verify pass adds its own pass over those weights.
 BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                            "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
-                           "MXFP4"})
+                           "MXFP4", "TQ2_0"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 

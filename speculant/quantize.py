@@ -33,12 +33,13 @@ from . import models
 from .errors import ModelError, SettingsError
 
 # llama_ftype values (llama.h) of the file types worth making here (every one but Q1_0 verifies at batch cost;
-# MXFP4_MOE: a mixture of experts' expert matrices in MXFP4, as gpt-oss ships, the rest Q8_0)
+# MXFP4_MOE: a mixture of experts' expert matrices in MXFP4, as gpt-oss ships, the rest Q8_0; TQ2_0: ternary, for
+# models trained so (BitNet b1.58), others lose their meaning)
 FILE_TYPES = {"F32": 0, "F16": 1, "BF16": 32, "Q4_0": 2, "Q4_1": 3, "Q5_0": 8, "Q5_1": 9, "Q8_0": 7,
               "Q2_K": 10, "Q3_K_S": 11, "Q3_K_M": 12, "Q3_K_L": 13, "Q4_K_S": 14, "Q4_K_M": 15, "Q5_K_S": 16,
               "Q5_K_M": 17, "Q6_K": 18, "IQ2_XXS": 19, "IQ2_XS": 20, "IQ2_S": 28, "IQ2_M": 29, "IQ3_XXS": 23,
               "IQ3_XS": 22, "IQ3_S": 26, "IQ3_M": 27, "IQ4_NL": 25, "IQ4_XS": 30, "IQ1_S": 24, "IQ1_M": 31,
-              "MXFP4_MOE": 38, "Q1_0": 40}
+              "MXFP4_MOE": 38, "TQ2_0": 37, "Q1_0": 40}
 # file types whose main tensor type llama.cpp's quantizer refuses to make without an importance matrix (--imatrix:
 # what llama-imatrix computes from a calibration text, .gguf or the older .dat)
 NEEDS_IMATRIX = {"IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ2_M", "IQ3_XXS", "IQ3_XS"}

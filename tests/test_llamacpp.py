@@ -104,8 +104,8 @@ def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft_shipped):
 @pytest.fixture(scope="module")
 def small_requantized(tmp_path_factory):
     """SmolLM2 requantized by llama.cpp's quantizer to each 32-value type our kernels take, and to IQ3_S,
-    IQ2_XXS and IQ1_M (an importance matrix made up for the last two; in all three, the ffn_down rows of 1536
-    values; the other rows, of 576, fall back to other types): qtype -> path, made on first use (the CI's
+    IQ2_XXS, IQ1_M (an importance matrix made up for these two) and TQ2_0 (in these four, the ffn_down rows of
+    1536 values; the other rows, of 576, fall back to other types): qtype -> path, made on first use (the CI's
     suite runs some types only)."""
     from conftest import small_imatrix_entries, write_imatrix
     from speculant import models, quantize
@@ -128,18 +128,20 @@ def small_requantized(tmp_path_factory):
 
 @pytest.mark.parametrize("qtype,repack", [("Q8_0", True), ("Q5_0", True), ("Q4_0", True), ("Q4_0", False),
                                           ("Q5_1", True), ("IQ4_NL", True), ("IQ4_NL", False), ("IQ3_S", True),
-                                          ("IQ2_XXS", True), ("IQ1_M", True)])
+                                          ("IQ2_XXS", True), ("IQ1_M", True), ("TQ2_0", True)])
 def test_pass_sizes_are_bit_identical_other_weight_types(small_requantized, qtype, repack):
     """Q8_0, Q5_0 and Q5_1 (plain layout), Q4_0 and IQ4_NL repacked 8 rows at a time (llama.cpp's layout on x86)
-    and unrepacked, IQ3_S and IQ2_XXS (one kernel for the IQ2 and IQ3 types), IQ1_M (one for IQ1_S and IQ1_M;
-    test_native checks each type against ggml's kernel): every pass size up to the invariant limit gives a token the bits of its one-token pass. (The shipped SmolLM2 file is Q4_1: the tests above.)"""
+    and unrepacked, IQ3_S and IQ2_XXS (one kernel for the IQ2 and IQ3 types), IQ1_M (one for IQ1_S and IQ1_M),
+    TQ2_0 (ternary; its ffn_down rows; test_native checks each type against ggml's kernel): every pass size up to
+    the invariant limit gives a token the bits of its one-token pass. (The shipped SmolLM2 file is Q4_1: the tests
+    above.)"""
     from gguf import GGUFReader
 
     from speculant.backends.llamacpp import LlamaCppBackend
 
     path = small_requantized(qtype)
     # IQ2_XXS, IQ1_M: not the first 3
-    matrix = "blk.3.ffn_down.weight" if qtype in ("IQ3_S", "IQ2_XXS", "IQ1_M") else "blk.0.ffn_up.weight"
+    matrix = "blk.3.ffn_down.weight" if qtype in ("IQ3_S", "IQ2_XXS", "IQ1_M", "TQ2_0") else "blk.0.ffn_up.weight"
     assert {t.name: t.tensor_type.name for t in GGUFReader(path, "r").tensors}[matrix] == qtype
     b = LlamaCppBackend(path, n_ctx=512, repack=repack)
     try:

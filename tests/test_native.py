@@ -96,22 +96,22 @@ def test_no_instruction_set_is_hard_coded():
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S, IQ1_S, IQ1_M = 16, 17, 18, 21, 22, 19, 29
-MXFP4 = 39
+MXFP4, TQ2_0 = 39, 35
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
          Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", IQ2_XXS: "IQ2_XXS",
          IQ2_XS: "IQ2_XS", IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS", IQ3_S: "IQ3_S", IQ1_S: "IQ1_S", IQ1_M: "IQ1_M",
-         MXFP4: "MXFP4"}
+         MXFP4: "MXFP4", TQ2_0: "TQ2_0"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
                Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136, IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110,
-               IQ1_S: 50, IQ1_M: 56, MXFP4: 17}
+               IQ1_S: 50, IQ1_M: 56, MXFP4: 17, TQ2_0: 66}
 BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q2_K: 256, Q3_K: 256, Q4_K: 256, Q5_K: 256,
                 Q6_K: 256, IQ4_NL: 32, IQ4_XS: 256, IQ2_XXS: 256, IQ2_XS: 256, IQ2_S: 256, IQ3_XXS: 256, IQ3_S: 256,
-                IQ1_S: 256, IQ1_M: 256, MXFP4: 32}
+                IQ1_S: 256, IQ1_M: 256, MXFP4: 32, TQ2_0: 256}
 # fp16 scales (and minimums: Q4_1/Q5_1's m, the K-quants' dmin) in a block
 SCALE_OFFSETS = {Q4_0: (0,), Q4_1: (0, 2), Q5_0: (0,), Q5_1: (0, 2), Q8_0: (0,), Q2_K: (80, 82), Q3_K: (108,),
                  Q4_K: (0, 2), Q5_K: (0, 2), Q6_K: (208,), IQ4_NL: (0,), IQ4_XS: (0,), IQ2_XXS: (0,), IQ2_XS: (0,),
                  IQ2_S: (0,), IQ3_XXS: (0,), IQ3_S: (0,), IQ1_S: (0,), IQ1_M: (),
-                 MXFP4: ()}  # IQ1_M's, and MXFP4's E8M0 exponent: _random_weights
+                 MXFP4: (), TQ2_0: (64,)}  # IQ1_M's, and MXFP4's E8M0 exponent: _random_weights
 WITH_MIN = {Q4_1, Q5_1}  # their activations are q8_1 rows: d, s = d * (sum of the values), values
 # 256 .. 8960 values per row (the Qwen shapes; 896 and 4864 in the 0.5B draft; an odd block count, which IQ4_NL's
 # one-token kernel ends in scalar code)
@@ -122,7 +122,7 @@ BLOCK_COUNTS = {256: (1, 6, 35), 32: (1, 27, 28, 152, 280)}
 # 16 columns per unpacking: the IQ2/IQ3 kernel (dot_iq_grid) and the IQ1 one (dot_iq1)
 IQ_GRID = {IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S, IQ1_S, IQ1_M}
 PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL, Q2_K, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS,
-         IQ3_S, IQ1_S, IQ1_M, MXFP4]
+         IQ3_S, IQ1_S, IQ1_M, MXFP4, TQ2_0]
 # 8 rows at a time (how targets load on x86; IQ4_NL: K-quant rows of 896 or 576 values in IQ4_XS and IQ2/IQ3 files;
 # MXFP4: a mixture of experts' expert matrices in MXFP4_MOE files, gpt-oss's)
 REPACKED = [Q4_K, Q6_K, Q4_0, IQ4_NL, MXFP4]

@@ -3,7 +3,7 @@
 // Each kernel computes every output element with one fixed sequence of float operations, that of one of ggml's
 // one-token kernels (ggml's AVX2 dot products for the plain layout: ggml_vec_dot_q4_K_q8_K, _q5_K_q8_K,
 // _q6_K_q8_K, _q3_K_q8_K, _q2_K_q8_K, _iq4_xs_q8_K, _iq2_xxs_q8_K, _iq2_xs_q8_K, _iq2_s_q8_K, _iq3_xxs_q8_K,
-// _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0, _mxfp4_q8_0; ggml_gemv_q4_K_8x8_q8_K,
+// _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0, _mxfp4_q8_0, _tq2_0_q8_K; ggml_gemv_q4_K_8x8_q8_K,
 // ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_iq4_nl_8x8_q8_0 and ggml_gemv_mxfp4_8x8_q8_0 for the repacked layout), whatever the number of tokens
 // in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
 // SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ1/IQ2/IQ3
@@ -301,6 +301,47 @@ static inline __attribute__((always_inline)) void dot_q2_K(const int NC, const i
         }
         for (int c = 0; c < NC; ++c) {
             acc[c] = fma_lanes(y[c][i].d * xd, sumi[c], acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
+}
+
+// TQ2_0 (ternary, BitNet b1.58's) x q8_K for NC columns, as ggml_vec_dot_tq2_0_q8_K forms it: each value's two
+// bits (0, 1, 2) times q8 in 16-bit lanes, the column's block sums taken off (the -1 of every value), lanes paired
+// into 32 bits, then a float multiply and add (not fused in its source: the same expression here). The four
+// shifted copies of a block's bits are made once for every column.
+static inline __attribute__((always_inline)) void dot_tq2_0(const int NC, const int nb, const block_tq2_0 * x,
+                                                           const block_q8_K * const * y, const int * order,
+                                                           float * out) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[SPECULANT_MM_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        __m256i q[2][4];  // [32-byte half of qs][bits 2k, 2k+1 of each byte]
+        for (int j = 0; j < 2; ++j) {
+            const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
+            for (int k = 0; k < 4; ++k) q[j][k] = _mm256_and_si256(_mm256_srli_epi16(bits, 2 * k), m3);
+        }
+        const float xd = fp16_to_fp32(x[i].d);
+        for (int c = 0; c < NC; ++c) {
+            __m256i sumi0 = _mm256_setzero_si256(), sumi1 = _mm256_setzero_si256();  // 16-bit: 256 * 127 fits
+            for (int j = 0; j < 2; ++j) {
+                const int8_t * q8 = y[c][i].qs + 128 * j;
+                __m256i p[4];
+                for (int k = 0; k < 4; ++k) {
+                    p[k] = _mm256_maddubs_epi16(q[j][k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k)));
+                }
+                sumi0 = _mm256_add_epi16(sumi0, _mm256_add_epi16(p[0], p[1]));
+                sumi1 = _mm256_add_epi16(sumi1, _mm256_add_epi16(p[2], p[3]));
+            }
+            __m256i sumi = _mm256_sub_epi16(_mm256_add_epi16(sumi0, sumi1),
+                                            _mm256_loadu_si256((const __m256i *) y[c][i].bsums));
+            sumi = _mm256_madd_epi16(sumi, ones);
+            const __m256 d = _mm256_set1_ps(y[c][i].d * xd);
+            acc[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), d), acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
@@ -1955,10 +1996,11 @@ static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
         || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_Q2_K
-        || type == GGML_TYPE_MXFP4 || iq_grid_type(type);
+        || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_TQ2_0 || iq_grid_type(type);
 }
 
-// one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS) against ncols q8_K columns,
+// one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, TQ2_0, IQ1/IQ2/IQ3)
+// against ncols q8_K columns,
 // `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
                     int ncols, int group, const int * order, float * out) {
@@ -1977,6 +2019,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
             case GGML_TYPE_Q3_K:   SPECULANT_BY_NC(nc, dot_q3_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_Q2_K:   SPECULANT_BY_NC(nc, dot_q2_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_IQ4_XS: SPECULANT_BY_NC(nc, dot_iq4_xs, nb, xrow, y, order, o); continue;
+            case GGML_TYPE_TQ2_0:  SPECULANT_BY_NC(nc, dot_tq2_0, nb, xrow, y, order, o); continue;
             default: break;
         }
 #ifdef SPECULANT_MM_HAVE_512
@@ -2007,7 +2050,7 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
     return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
-        || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_Q2_K || iq_grid_type(type);
+        || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_TQ2_0 || type == GGML_TYPE_Q2_K || iq_grid_type(type);
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {

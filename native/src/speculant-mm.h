@@ -1,6 +1,6 @@
 // speculant: batch-invariant multi-token matmul kernels for ggml's CPU backend (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
-// IQ4_XS, IQ4_NL, MXFP4, Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S weights;
-// Q4_K, Q6_K, Q4_0, IQ4_NL and MXFP4 repacked 8 rows at a time).
+// IQ4_XS, IQ4_NL, MXFP4, TQ2_0, Q8_0, Q5_0, Q4_0, Q5_1, Q4_1, IQ1_S, IQ1_M, IQ2_XXS, IQ2_XS, IQ2_S, IQ3_XXS, IQ3_S
+// weights; Q4_K, Q6_K, Q4_0, IQ4_NL and MXFP4 repacked 8 rows at a time).
 //
 // A pass over n tokens must give every output the bits a one-token pass gives it, or speculative
 // verification would not be exact. These kernels compute each output element with one fixed sequence of
@@ -44,7 +44,8 @@ bool speculant_mm_small_pass(const struct ggml_tensor * src0, const struct ggml_
 bool speculant_mm_few_tokens(const struct ggml_tensor * src1);
 
 // true when the kernels below handle src0's type on this build (AVX2 and up); false for a one-token pass over
-// Q2_K, Q3_K, Q5_K, IQ4_XS, IQ4_NL, MXFP4 or IQ1/IQ2/IQ3 weights (ggml's own loop: the same bits, a little faster)
+// Q2_K, Q3_K, Q5_K, IQ4_XS, IQ4_NL, MXFP4, TQ2_0 or IQ1/IQ2/IQ3 weights (ggml's own loop: the same bits, a little
+// faster)
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1);
 
 // dst rows [ir0, ir1) of src0 x every column of the quantized src1 (q8_K rows of row_size bytes at wdata)
