@@ -1394,9 +1394,10 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 
 // IQ4_NL and MXFP4 rows as ggml repacks them on AVX2 (block_iq4_nlx8: q4_0x8's layout, table indices without the
 // XOR; block_mxfp4x8: the same quants after an E8M0 exponent per row), in the lanes of ggml_gemv_iq4_nl_8x8_q8_0
-// and ggml_gemv_mxfp4_8x8_q8_0 (one template): per block and row, the table values times q8 summed exactly (here
-// |w| times q8 carrying w's sign, which keeps maddubs from saturating), one fused multiply-add by x's scale times
-// y.d. 256-bit on every level: the table values do not fit VNNI's unsigned operand without a per-column correction.
+// and ggml_gemv_mxfp4_8x8_q8_0 (one template): per block and row, the table values times q8 summed exactly, one
+// fused multiply-add by x's scale times y.d. AVX-512 with VNNI: all 8 rows in one register, each table value plus
+// 128 as an unsigned byte times q8, less 128 x the column's block sum. Otherwise 256-bit: |w| times q8 carrying
+// w's sign, which keeps maddubs from saturating. Every way, the same integers and the same float operations.
 typedef q4_0x8 iq4_nlx8;
 
 typedef struct {
@@ -1404,10 +1405,64 @@ typedef struct {
     uint8_t qs[128];  // as q4_0x8's, table indices
 } mxfp4x8;
 
+static inline __m256 lut4x8_scales(const bool mx, const uint8_t * xb) {
+    if (mx) {
+        const uint8_t * e = ((const mxfp4x8 *) xb)->e;
+        return _mm256_set_ps(GGML_CPU_E8M0_TO_FP32_HALF(e[7]), GGML_CPU_E8M0_TO_FP32_HALF(e[6]),
+                             GGML_CPU_E8M0_TO_FP32_HALF(e[5]), GGML_CPU_E8M0_TO_FP32_HALF(e[4]),
+                             GGML_CPU_E8M0_TO_FP32_HALF(e[3]), GGML_CPU_E8M0_TO_FP32_HALF(e[2]),
+                             GGML_CPU_E8M0_TO_FP32_HALF(e[1]), GGML_CPU_E8M0_TO_FP32_HALF(e[0]));
+    }
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const iq4_nlx8 *) xb)->d));
+}
+
+#if defined(SPECULANT_MM_HAVE_512) && defined(Q4KX8_VNNI)
+#define LUT4X8_SUMS 1  // the kernel takes the columns' q8_0 block sums
+
 // mx: MXFP4 (kvalues_fp4, E8M0 scales) rather than IQ4_NL (iq4_values, fp16 scales); a constant at every call
 static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, const bool mx, const int nb,
                                                               const void * x, const block_q8_0 * const * y,
-                                                              const int * order, float * const * out) {
+                                                              const int32_t * const * ysum, const int * order,
+                                                              float * const * out) {
+    const __m128i values = _mm_loadu_si128((const __m128i *) (mx ? kvalues_fp4 : iq4_values));
+    const __m512i table = _mm512_broadcast_i32x4(_mm_xor_si128(values, _mm_set1_epi8((char) 0x80)));  // w + 128
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const size_t block_bytes = mx ? sizeof(mxfp4x8) : sizeof(iq4_nlx8);
+    __m256 acc[REPACKED_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
+        const __m512i lo = _mm512_loadu_si512((const void *) qs);         // bytes 0-7 of every row
+        const __m512i hi = _mm512_loadu_si512((const void *) (qs + 64));  // bytes 8-15
+        // values 0-7, 8-15, 16-23 and 24-31 of every row, plus 128
+        const __m512i w[4] = {_mm512_shuffle_epi8(table, _mm512_and_si512(lo, m4)),
+                              _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4)),
+                              _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4)),
+                              _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4))};
+        const __m256 xd = lut4x8_scales(mx, xb);
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs;
+            __m512i s = _mm512_setzero_si512();
+            for (int k = 0; k < 4; ++k) s = _mm512_dpbusd_epi32(s, w[k], _mm512_set1_epi64(load64(q8 + 8 * k)));
+            const __m256i irow = _mm512_cvtepi64_epi32(_mm512_add_epi32(s, _mm512_srli_epi64(s, 32)));
+            const __m256i isum = _mm256_sub_epi32(irow, _mm256_set1_epi32(128 * ysum[c][i]));
+            const __m256 yd = _mm256_set1_ps(fp16_to_fp32(y[c][i].d));
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum), _mm256_mul_ps(xd, yd), acc[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
+}
+
+#else
+
+static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, const bool mx, const int nb,
+                                                              const void * x, const block_q8_0 * const * y,
+                                                              const int32_t * const * ysum, const int * order,
+                                                              float * const * out) {
+    (void) ysum;
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *) (mx ? kvalues_fp4 : iq4_values)));
     const __m256i m4 = _mm256_set1_epi8(0x0F);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -1430,16 +1485,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
             w[half][3] = _mm256_shuffle_epi8(table, _mm256_and_si256(_mm256_srli_epi16(hi, 4), m4));
             for (int k = 0; k < 4; ++k) wabs[half][k] = _mm256_sign_epi8(w[half][k], w[half][k]);
         }
-        __m256 xd;
-        if (mx) {
-            const uint8_t * e = ((const mxfp4x8 *) xb)->e;
-            xd = _mm256_set_ps(GGML_CPU_E8M0_TO_FP32_HALF(e[7]), GGML_CPU_E8M0_TO_FP32_HALF(e[6]),
-                               GGML_CPU_E8M0_TO_FP32_HALF(e[5]), GGML_CPU_E8M0_TO_FP32_HALF(e[4]),
-                               GGML_CPU_E8M0_TO_FP32_HALF(e[3]), GGML_CPU_E8M0_TO_FP32_HALF(e[2]),
-                               GGML_CPU_E8M0_TO_FP32_HALF(e[1]), GGML_CPU_E8M0_TO_FP32_HALF(e[0]));
-        } else {
-            xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) ((const iq4_nlx8 *) xb)->d));
-        }
+        const __m256 xd = lut4x8_scales(mx, xb);
         for (int c = 0; c < NC; ++c) {
             const int8_t * q8 = y[c][i].qs;
             __m256i s[2];
@@ -1459,6 +1505,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
     }
     for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], acc[c]);
 }
+#endif
 
 // the sum of each q8_0 block's 32 values, for ncols columns of nb blocks: sums[c * nb + i]
 static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int ncols, int32_t * sums) {
@@ -1510,7 +1557,7 @@ static size_t repacked_group_bytes(enum ggml_type type, int n) {
 }
 
 // 8 repacked rows (x) against ncols columns, `group` columns per weight unpacking; column c's 8 results at
-// out + c * out_stride. ysums: the q8_0 block sums of the columns (Q4_0 only).
+// out + c * out_stride. ysums: the q8_0 block sums of the columns (Q4_0; IQ4_NL and MXFP4 where LUT4X8_SUMS).
 static void repacked_group(enum ggml_type type, int n, const void * x, const char * ycols, size_t row_size, int ncols,
                            int group, const int32_t * ysums, const int * order, float * out, size_t out_stride) {
     for (int c0 = 0; c0 < ncols; c0 += group) {
@@ -1528,8 +1575,8 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
         switch (type) {
             case GGML_TYPE_Q4_K: SPECULANT_BY_NC_REPACKED(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
             case GGML_TYPE_Q6_K: SPECULANT_BY_NC_REPACKED(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
-            case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, false, n / QK8_0, x, y0, order, o); break;
-            case GGML_TYPE_MXFP4: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, true, n / QK8_0, x, y0, order, o); break;
+            case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, false, n / QK8_0, x, y0, ys, order, o); break;
+            case GGML_TYPE_MXFP4:  SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, true, n / QK8_0, x, y0, ys, order, o); break;
             default:             SPECULANT_BY_NC_REPACKED(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
         }
     }
@@ -1557,7 +1604,12 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
     }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
     int32_t * ysums = NULL;
-    if (type == GGML_TYPE_Q4_0) {
+#ifdef LUT4X8_SUMS
+    const bool sums = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+#else
+    const bool sums = type == GGML_TYPE_Q4_0;
+#endif
+    if (sums) {
         const size_t need = (size_t) ncols * (n / QK8_0);
         ysums = need <= sizeof(stack_sums) / sizeof(int32_t) ? stack_sums : malloc(sizeof(int32_t) * need);
         q8_0_block_sums(n / QK8_0, wdata, row_size, ncols, ysums);
@@ -1866,6 +1918,23 @@ static inline __attribute__((always_inline)) float lut4_scale(const bool mx, con
               : fp16_to_fp32(((const block_iq4_nl *) block)->d);
 }
 
+// sumf (the vector part's sum) plus an odd last block i, as ggml's scalar tail adds it: the same expression (and
+// its contraction, if any)
+static inline __attribute__((always_inline)) float lut4_tail(float sumf, const bool mx, const void * x,
+                                                            const block_q8_0 * y, int i) {
+    const int8_t * values = mx ? kvalues_fp4 : iq4_values;
+    const uint8_t * xb = (const uint8_t *) x + i * (mx ? sizeof(block_mxfp4) : sizeof(block_iq4_nl));
+    const uint8_t * qs = xb + (mx ? offsetof(block_mxfp4, qs) : offsetof(block_iq4_nl, qs));
+    int sumi1 = 0, sumi2 = 0;
+    for (int j = 0; j < QK8_0 / 2; ++j) {
+        sumi1 += y[i].qs[j] * values[qs[j] & 0xf];
+        sumi2 += y[i].qs[j + QK8_0 / 2] * values[qs[j] >> 4];
+    }
+    const float d = fp16_to_fp32(y[i].d) * lut4_scale(mx, xb);
+    sumf += d * (sumi1 + sumi2);
+    return sumf;
+}
+
 static inline __attribute__((always_inline)) void dot_lut4(const int NC, const bool mx, const int nb, const void * x,
                                                           const block_q8_0 * const * y, const int * order,
                                                           float * out) {
@@ -1894,34 +1963,103 @@ static inline __attribute__((always_inline)) void dot_lut4(const int NC, const b
         }
     }
     for (int c = 0; c < NC; ++c) {
-        float sumf = hsum8(_mm256_add_ps(acc[0][c], acc[1][c]));
-        if (paired < nb) {  // ggml's scalar tail, the same expression (and its contraction, if any)
-            const int i = order ? order[paired] : paired;
-            const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
-            const uint8_t * qs = xb + qs_offset;
-            int sumi1 = 0, sumi2 = 0;
-            for (int j = 0; j < QK8_0 / 2; ++j) {
-                sumi1 += y[c][i].qs[j] * values[qs[j] & 0xf];
-                sumi2 += y[c][i].qs[j + QK8_0 / 2] * values[qs[j] >> 4];
-            }
-            const float d = fp16_to_fp32(y[c][i].d) * lut4_scale(mx, xb);
-            sumf += d * (sumi1 + sumi2);
-        }
-        out[c] = sumf;
+        const float sumf = hsum8(_mm256_add_ps(acc[0][c], acc[1][c]));
+        out[c] = paired < nb ? lut4_tail(sumf, mx, x, y[c], order ? order[paired] : paired) : sumf;
     }
 }
 
+#ifdef Q0_UNSIGNED
+// With VNNI, RM rows at a time: each table value plus 128 as an unsigned byte times q8 (dpbusd), less 128 x the
+// sums of 4 adjacent q8 (the column's corr lanes, from q0_columns) is exactly the sign-trick lane (neither
+// saturates); the float part is dot_lut4's. out[r * SPECULANT_MM_COLS + c].
+#define LUT4_RM (Q0_RM / 2)  // 2 x RM x NC accumulators (even and odd blocks) must fit in the registers
+
+static inline __attribute__((always_inline)) void dot_lut4_vnni(const int NC, const bool mx, const int RM, const int nb,
+                                                               const char * x, size_t x_stride,
+                                                               const block_q8_0 * const * y,
+                                                               const q0_col * const * cols, const int * order,
+                                                               float * out) {
+    const int8_t * values = mx ? kvalues_fp4 : iq4_values;
+    const size_t block_bytes = mx ? sizeof(block_mxfp4) : sizeof(block_iq4_nl);
+    const size_t qs_offset = mx ? offsetof(block_mxfp4, qs) : offsetof(block_iq4_nl, qs);
+    const __m128i table = _mm_xor_si128(_mm_loadu_si128((const __m128i *) values), _mm_set1_epi8((char) 0x80));
+    const __m128i m4b = _mm_set1_epi8(0x0f);
+    __m256 acc[2][LUT4_RM][SPECULANT_MM_COLS];
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[0][r][c] = acc[1][r][c] = _mm256_setzero_ps();
+    const int paired = nb & ~1;
+    for (int ii = 0; ii < paired; ++ii) {
+        const int i = order ? order[ii] : ii;
+        __m256i u[LUT4_RM];
+        float xd[LUT4_RM];
+        for (int r = 0; r < RM; ++r) {
+            const uint8_t * xb = (const uint8_t *) x + r * x_stride + i * block_bytes;
+            const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
+            u[r] = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
+                                    _mm_shuffle_epi8(table, _mm_and_si128(q4bits, m4b)));
+            xd[r] = lut4_scale(mx, xb);
+        }
+        for (int c = 0; c < NC; ++c) {
+            const q0_col * col = cols[c] + i;
+            const __m256i corr = _mm256_loadu_si256((const __m256i *) col->corr);
+            const __m256i q8 = _mm256_loadu_si256((const __m256i *) y[c][i].qs);
+            for (int r = 0; r < RM; ++r) {
+                acc[ii & 1][r][c] = fma_lanes(col->d * xd[r], q0_dpbusd(corr, u[r], q8), acc[ii & 1][r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < RM; ++r) {
+        for (int c = 0; c < NC; ++c) {
+            const float sumf = hsum8(_mm256_add_ps(acc[0][r][c], acc[1][r][c]));
+            out[r * SPECULANT_MM_COLS + c] =
+                paired < nb ? lut4_tail(sumf, mx, x + r * x_stride, y[c], order ? order[paired] : paired) : sumf;
+        }
+    }
+}
+#endif
+
 // nrows rows of a 32-value type (x_stride bytes apart) against ncols q8_0 (q8_1) columns, `group` columns per weight
 // unpacking; row r x column c at out[r * row_stride + c * col_stride]
-// plain IQ4_NL and MXFP4 rows: dot_lut4 takes q8_0 columns as they are (256-bit lanes on every level, no VNNI data)
+// plain IQ4_NL and MXFP4 rows: dot_lut4 (dot_lut4_vnni) takes q8_0 columns (256-bit lanes on every level)
 static void lut4_rows(const bool mx, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
                       size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
                       size_t col_stride) {
     const int nb = n / QK8_0;
+#ifdef Q0_UNSIGNED
+    q0_col stack_cols[SCRATCH_BYTES / sizeof(q0_col)];  // this runs per chunk of rows: no allocation if it fits
+    const size_t need = (size_t) nb * group;
+    q0_col * cols = need <= sizeof(stack_cols) / sizeof(q0_col) ? stack_cols : malloc(sizeof(q0_col) * need);
+#endif
     for (int c0 = 0; c0 < ncols; c0 += group) {
         const int nc = ncols - c0 < group ? ncols - c0 : group;
         const block_q8_0 * y[SPECULANT_MM_COLS] = {0};
         for (int c = 0; c < nc; ++c) y[c] = (const block_q8_0 *) (ycols + (size_t) (c0 + c) * row_size);
+#ifdef Q0_UNSIGNED
+        const q0_col * cc[SPECULANT_MM_COLS] = {0};
+        for (int c = 0; c < nc; ++c) cc[c] = cols + (size_t) c * nb;
+        q0_columns(GGML_TYPE_Q8_0, nb, (const void * const *) y, nc, cols);  // q8_0 columns, offset 128
+        for (int64_t r0 = 0; r0 < nrows;) {
+            const int rm = nc > 1 && nrows - r0 >= LUT4_RM ? LUT4_RM : 1;
+            const char * xr = x + r0 * x_stride;
+            float tmp[LUT4_RM * SPECULANT_MM_COLS];
+            if (mx) {
+                if (rm == LUT4_RM) {
+                    SPECULANT_BY_NC(nc, dot_lut4_vnni, true, LUT4_RM, nb, xr, x_stride, y, cc, order, tmp);
+                } else {
+                    SPECULANT_BY_NC(nc, dot_lut4_vnni, true, 1, nb, xr, x_stride, y, cc, order, tmp);
+                }
+            } else {
+                if (rm == LUT4_RM) {
+                    SPECULANT_BY_NC(nc, dot_lut4_vnni, false, LUT4_RM, nb, xr, x_stride, y, cc, order, tmp);
+                } else {
+                    SPECULANT_BY_NC(nc, dot_lut4_vnni, false, 1, nb, xr, x_stride, y, cc, order, tmp);
+                }
+            }
+            for (int r = 0; r < rm; ++r) {
+                for (int c = 0; c < nc; ++c) out[(r0 + r) * row_stride + (c0 + c) * col_stride] = tmp[r * SPECULANT_MM_COLS + c];
+            }
+            r0 += rm;
+        }
+#else
         for (int64_t r = 0; r < nrows; ++r) {
             float tmp[SPECULANT_MM_COLS];
             if (mx) {
@@ -1931,7 +2069,13 @@ static void lut4_rows(const bool mx, int n, const char * x, size_t x_stride, int
             }
             for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
         }
+#endif
     }
+#ifdef Q0_UNSIGNED
+    if (cols != stack_cols) {
+        free(cols);
+    }
+#endif
 }
 
 static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
