@@ -126,7 +126,7 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
     if not isinstance(target, LlamaCppBackend) or build_info() is None:
         return None
     try:
-        share, slow = unbatched_weights(target.path, repacked=target.repack)
+        share, slow = unbatched_weights(target.path)
     except Exception:  # a file llama.cpp loaded but gguf-py cannot read: no advice rather than a failure
         return None
     if share < UNBATCHED_WARN_SHARE:

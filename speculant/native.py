@@ -138,30 +138,26 @@ def exactness_problems() -> list[str]:
 
 
 # Quantized weight types whose matrices our build's multi-token kernels compute, a pass over n tokens for about the
-# price of one weight read (native/src/speculant-mm.c, plain or repacked layout; tests/test_native.py checks this
-# set against the build). Other quantized types (TQ1_0, Q1_0, NVFP4, ...; Q2_K where it is
-# repacked, below) are computed one token at a time: each token of a verify pass adds its own pass over those weights.
+# price of one weight read (native/src/speculant-mm.c, plain or repacked layout, including Q2_K as llama.cpp repacks
+# it on AVX-512 CPUs; tests/test_native.py checks this set against the build). Other quantized types (TQ1_0, Q1_0,
+# NVFP4, ...) are computed one token at a time: each token of a verify pass adds its own pass over those weights.
 BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
                            "IQ4_NL", "IQ4_XS", "IQ1_S", "IQ1_M", "IQ2_XXS", "IQ2_XS", "IQ2_S", "IQ3_XXS", "IQ3_S",
                            "MXFP4", "TQ2_0"})
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
-# Types llama.cpp repacks 8 rows at a time on CPUs with AVX-512 only (q2_K_8x8), a layout our kernels do not take:
-# with repacked weights on such a CPU, those matrices are computed one token at a time after all.
-REPACKED_ON_AVX512_ONLY = frozenset({"Q2_K"})
-
-
-def unbatched_weights(path, repacked: bool = True) -> tuple[float, dict[str, int]]:
+def unbatched_weights(path) -> tuple[float, dict[str, int]]:
     """A GGUF's share of matmul weight bytes in quantized types without multi-token kernels, and those bytes by
-    type name (empty: none), from one read of its tensor list, for weights loaded repacked or not."""
+    type name (empty: none), from one read of its tensor list (the same whether the weights load repacked or not:
+    every layout llama.cpp repacks into on x86 has our kernels)."""
     from gguf import GGUFReader
 
     return unbatched_share([(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes))
-                            for t in GGUFReader(path, "r").tensors], repacked)
+                            for t in GGUFReader(path, "r").tensors])
 
 
-def unbatched_share(tensors, repacked: bool = True) -> tuple[float, dict[str, int]]:
+def unbatched_share(tensors) -> tuple[float, dict[str, int]]:
     """unbatched_weights over a tensor list [(name, type name, shape [ne0, ne1, ...], bytes)]: a file's, or what
     the quantizer would make (quantize.dry_run). The token embedding counts only where it is also the output
     layer (a lookup otherwise, no matmul). A mixture of experts' expert matrices ([ne0, ne1, n_expert], llama.cpp's
@@ -169,13 +165,11 @@ def unbatched_share(tensors, repacked: bool = True) -> tuple[float, dict[str, in
     tied = not any(name == "output.weight" for name, *_ in tensors)
     slow: dict[str, int] = {}
     total = 0
-    avx512_repacks = repacked and "avx512f" in cpu_flags()
     for name, ttype, shape, nbytes in tensors:
         if len(shape) < 2 or (name == "token_embd.weight" and not tied):
             continue
         total += nbytes
-        repacked_here = avx512_repacks and ttype in REPACKED_ON_AVX512_ONLY and int(shape[1]) % 8 == 0
-        if (ttype not in BATCHED_TYPES or repacked_here) and ttype not in FLOAT_TYPES:
+        if ttype not in BATCHED_TYPES and ttype not in FLOAT_TYPES:
             slow[ttype] = slow.get(ttype, 0) + nbytes
     return sum(slow.values()) / max(1, total), slow
 

@@ -249,7 +249,7 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
         compute_reserved=compute_reserved(f, n_ctx), output=outputs * f["n_vocab"] * 4,
         vocab_tables=RUNTIME_PER_VOCAB * f["n_vocab"], n_params=sum(t[4] for t in f["tensors"]),
         n_layer=f["n_layer"], n_vocab=f["n_vocab"], types=types,
-        unbatched=native.unbatched_share([t[:4] for t in tensors], repack)[0])
+        unbatched=native.unbatched_share([t[:4] for t in tensors])[0])
 
 
 def quantized_facts(path: Path, type_name: str) -> list:

@@ -96,14 +96,14 @@ def test_no_instruction_set_is_hard_coded():
 
 Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS = 2, 3, 6, 7, 8, 10, 11, 12, 13, 14, 20, 23
 IQ2_XXS, IQ2_XS, IQ3_XXS, IQ3_S, IQ2_S, IQ1_S, IQ1_M = 16, 17, 18, 21, 22, 19, 29
-MXFP4, TQ2_0 = 39, 35
+MXFP4, TQ2_0, TQ1_0 = 39, 35, 34
 NAMES = {Q4_0: "Q4_0", Q4_1: "Q4_1", Q5_0: "Q5_0", Q5_1: "Q5_1", Q8_0: "Q8_0", Q2_K: "Q2_K", Q3_K: "Q3_K",
          Q4_K: "Q4_K", Q5_K: "Q5_K", Q6_K: "Q6_K", IQ4_NL: "IQ4_NL", IQ4_XS: "IQ4_XS", IQ2_XXS: "IQ2_XXS",
          IQ2_XS: "IQ2_XS", IQ2_S: "IQ2_S", IQ3_XXS: "IQ3_XXS", IQ3_S: "IQ3_S", IQ1_S: "IQ1_S", IQ1_M: "IQ1_M",
          MXFP4: "MXFP4", TQ2_0: "TQ2_0"}
 BLOCK_BYTES = {Q4_0: 18, Q4_1: 20, Q5_0: 22, Q5_1: 24, Q8_0: 34, Q2_K: 84, Q3_K: 110, Q4_K: 144, Q5_K: 176,
                Q6_K: 210, IQ4_NL: 18, IQ4_XS: 136, IQ2_XXS: 66, IQ2_XS: 74, IQ2_S: 82, IQ3_XXS: 98, IQ3_S: 110,
-               IQ1_S: 50, IQ1_M: 56, MXFP4: 17, TQ2_0: 66}
+               IQ1_S: 50, IQ1_M: 56, MXFP4: 17, TQ2_0: 66, TQ1_0: 54}
 BLOCK_VALUES = {Q4_0: 32, Q4_1: 32, Q5_0: 32, Q5_1: 32, Q8_0: 32, Q2_K: 256, Q3_K: 256, Q4_K: 256, Q5_K: 256,
                 Q6_K: 256, IQ4_NL: 32, IQ4_XS: 256, IQ2_XXS: 256, IQ2_XS: 256, IQ2_S: 256, IQ3_XXS: 256, IQ3_S: 256,
                 IQ1_S: 256, IQ1_M: 256, MXFP4: 32, TQ2_0: 256}
@@ -125,7 +125,7 @@ PLAIN = [Q4_K, Q5_K, Q6_K, Q8_0, Q5_0, Q4_0, Q4_1, Q5_1, Q3_K, IQ4_XS, IQ4_NL, Q
          IQ3_S, IQ1_S, IQ1_M, MXFP4, TQ2_0]
 # 8 rows at a time (how targets load on x86; IQ4_NL: K-quant rows of 896 or 576 values in IQ4_XS and IQ2/IQ3 files;
 # MXFP4: a mixture of experts' expert matrices in MXFP4_MOE files, gpt-oss's)
-REPACKED = [Q4_K, Q6_K, Q4_0, IQ4_NL, MXFP4]
+REPACKED = [Q4_K, Q6_K, Q4_0, IQ4_NL, MXFP4, Q2_K]  # Q2_K: llama.cpp repacks it on AVX-512 CPUs only
 KERNELS = [(False, t) for t in PLAIN] + [(True, t) for t in REPACKED]
 KERNEL_IDS = [("repacked-" if r else "") + NAMES[t] for r, t in KERNELS]
 
@@ -222,6 +222,8 @@ def _mm(fn, qtype, repacked, x, y, ncols, group, reorder=0, with_ggml=False):
             out.ctypes.data, ggml.ctypes.data if with_ggml else None)
     if rc < 0 and fn.max_group(repacked) == 0:
         pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
+    if rc < 0 and repacked and qtype == Q2_K and fn.max_group(repacked) < 8:
+        pytest.skip("llama.cpp repacks Q2_K on AVX-512 CPUs only (no kernel for it in a 256-bit build)")
     assert rc >= 0, f"no kernel for {NAMES[qtype]}{' repacked' if repacked else ''} in this build"
     return out, (ggml if with_ggml and rc == 0 else None)
 
@@ -338,6 +340,8 @@ def test_every_isa_level_gives_the_same_bits(repacked, qtype):
     results = {}
     for variant, lib in _isa_libs():
         fn = _bind(lib)
+        if repacked and qtype == Q2_K and "avx512f" not in VARIANT_NEEDS[variant]:
+            continue  # llama.cpp repacks Q2_K on AVX-512 CPUs only
         groups = sorted({1, 4, fn.max_group(repacked)})  # AVX-512 kernels take 8 repacked tokens at a time
         outs = {_mm(fn, qtype, repacked, x, y, 9, group=g)[0].tobytes() for g in groups}
         assert len(outs) == 1, f"{variant}: {groups} tokens at a time differ"
@@ -348,34 +352,32 @@ def test_every_isa_level_gives_the_same_bits(repacked, qtype):
     assert all(r == first for r in results.values()), {v: r == first for v, r in results.items()}
 
 
-def test_unbatched_weights_count_q2_k_where_llama_cpp_repacks_it(tmp_path, monkeypatch):
-    """Q2_K has a plain-layout kernel, but llama.cpp repacks its matrices of a multiple of 8 rows on CPUs with
-    AVX-512 (q2_K_8x8), which our kernels do not take: there, with repacked weights, the warning must count them."""
+def test_unbatched_weights_count_the_types_without_kernels(tmp_path):
+    """The share the warning reads: matrices of a type without a multi-token kernel (TQ1_0) count, Q2_K does not
+    in either layout (plain; repacked 8 rows at a time as llama.cpp does on AVX-512 CPUs, q2_Kx8_cols), nor do
+    the token embeddings of an untied model (row lookups, no matmul)."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
-    path = tmp_path / "q2_k.gguf"
+    path = tmp_path / "mixed.gguf"
     writer = GGUFWriter(str(path), "llama")
     for name, rows, qtype in (("blk.0.ffn_up.weight", 8, Q2_K), ("blk.0.ffn_down.weight", 4, Q2_K),
+                              ("blk.0.attn_q.weight", 8, TQ1_0), ("token_embd.weight", 8, TQ1_0),
                               ("output.weight", 8, Q4_K)):
         writer.add_tensor(name, np.zeros((rows, BLOCK_BYTES[qtype]), np.uint8), raw_dtype=GGMLQuantizationType(qtype))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    total = 12 * BLOCK_BYTES[Q2_K] + 8 * BLOCK_BYTES[Q4_K]
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
-    assert native.unbatched_weights(path, repacked=False) == (0.0, {})
-    share, slow = native.unbatched_weights(path, repacked=True)  # the 8-row matrix only
-    assert slow == {"Q2_K": 8 * BLOCK_BYTES[Q2_K]} and share == pytest.approx(8 * BLOCK_BYTES[Q2_K] / total)
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma"}))
-    assert native.unbatched_weights(path, repacked=True) == (0.0, {})
+    share, slow = native.unbatched_weights(path)
+    assert slow == {"TQ1_0": 8 * BLOCK_BYTES[TQ1_0]}
+    assert share == pytest.approx(8 * BLOCK_BYTES[TQ1_0] / (12 * BLOCK_BYTES[Q2_K] + 8 * BLOCK_BYTES[TQ1_0]
+                                                            + 8 * BLOCK_BYTES[Q4_K]))
 
 
-def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices_by_type(tmp_path, monkeypatch):
+def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices_by_type(tmp_path):
     """Expert matrices ([n_embd, n_ff, n_expert]) go through llama.cpp's mul_mat_id, where our kernels take each
     expert's tokens together (test_llamacpp checks the bits): they count as any matrix of their type. Q4_K experts
-    verify at batch cost; Q2_K ones repacked on an AVX-512 CPU (a layout our kernels do not take) do not, and the
-    warning names them."""
+    verify at batch cost; TQ1_0 ones (no multi-token kernel) do not, and the warning names them."""
     from gguf import GGMLQuantizationType, GGUFWriter
 
     from speculant import api
@@ -398,14 +400,13 @@ def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices_by_type(tm
         def __init__(self, path):
             self.path, self.repack, self.name = path, True, "moe"
 
-    monkeypatch.setattr(native, "cpu_flags", lambda: frozenset({"avx2", "fma", "avx512f"}))
     batched = moe("q4_k.gguf", Q4_K)
-    assert native.unbatched_weights(batched, repacked=True) == (0.0, {})
+    assert native.unbatched_weights(batched) == (0.0, {})
     assert api.warn_unbatched_weights(Target(batched)) is None
-    slow_experts = moe("q2_k.gguf", Q2_K)
-    experts = 32 * BLOCK_BYTES[Q2_K]
-    share, slow = native.unbatched_weights(slow_experts, repacked=True)
-    assert slow == {"Q2_K": experts}
+    slow_experts = moe("tq1_0.gguf", TQ1_0)
+    experts = 32 * BLOCK_BYTES[TQ1_0]
+    share, slow = native.unbatched_weights(slow_experts)
+    assert slow == {"TQ1_0": experts}
     assert share == pytest.approx(experts / (experts + 8 * BLOCK_BYTES[Q4_K] + 8 * BLOCK_BYTES[Q6_K]))
     message = api.warn_unbatched_weights(Target(slow_experts))
-    assert message and "are Q2_K, which" in message and "Q4_K_M" in message
+    assert message and "are TQ1_0, which" in message and "Q4_K_M" in message

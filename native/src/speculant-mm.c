@@ -1128,6 +1128,96 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 }
 #endif
 
+// -- Q2_K repacked (block_q2_Kx8: llama.cpp repacks Q2_K 8 rows at a time on AVX-512 CPUs only) --
+//
+// ggml_gemv_q2_K_8x8_q8_K, per output element and superblock: the exact integer sum of scale x (2-bit values . q8)
+// over the 16 sub-blocks, and of min x (q8 block sum), each converted to float and added with one fused
+// multiply-add, by x.d * y.d and x.dmin * y.d into two accumulators; the second subtracted from the first at the
+// end. The integers are exact however they are formed, so all 8 rows go in one 512-bit register here.
+#if defined(SPECULANT_MM_HAVE_512)
+#define SPECULANT_MM_HAVE_Q2_KX8 1
+
+typedef struct {
+    ggml_half d[8];
+    ggml_half dmin[8];
+    uint8_t scales[128];  // 16 bytes per pair of sub-blocks (2p, 2p+1): row r's scale | min << 4 at 2r and 2r+1
+    uint8_t qs[512];      // 8-byte chunk k (of 64) holds bytes 8(k/8)..+7 of row k%8
+} q2_Kx8;
+
+_Static_assert(sizeof(q2_Kx8) == 8 * sizeof(block_q2_K), "block_q2_Kx8 layout");
+
+static inline __attribute__((always_inline)) void q2_Kx8_cols(const int NC, const int nb, const q2_Kx8 * x,
+                                                             const block_q8_K * const * y, const int * order,
+                                                             float * const * out) {
+    const __m512i m3 = _mm512_set1_epi8(3);
+    const __m128i m4 = _mm_set1_epi8(0x0F);
+    // a sub-block's scale byte of each row (odd sub-blocks: +1) into both int16 halves' bytes of lanes 2r, 2r+1
+    const __m128i dup_even = _mm_set_epi8(14, 14, 12, 12, 10, 10, 8, 8, 6, 6, 4, 4, 2, 2, 0, 0);
+    const __m128i dup_odd = _mm_add_epi8(dup_even, _mm_set1_epi8(1));
+#ifndef Q4KX8_VNNI
+    const __m512i ones = _mm512_set1_epi16(1);
+#endif
+    __m256 acc[REPACKED_COLS], acc_min[REPACKED_COLS];
+    for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_min[c] = _mm256_setzero_ps(); }
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const q2_Kx8 * xb = x + i;
+        __m512i isum[REPACKED_COLS];
+        for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
+        // bytes 16p + 32h .. +15 of each row (two chunks): value (byte >> 2j) & 3 is value 128h + 32j + 16p + l,
+        // of sub-block 8h + 2j + p
+        for (int h = 0; h < 2; ++h) {
+            for (int p = 0; p < 2; ++p) {
+                const __m512i raw0 = _mm512_loadu_si512((const void *) (xb->qs + 64 * (4 * h + 2 * p)));
+                const __m512i raw1 = _mm512_loadu_si512((const void *) (xb->qs + 64 * (4 * h + 2 * p + 1)));
+                for (int j = 0; j < 4; ++j) {
+                    const int sub = 8 * h + 2 * j + p;
+                    const __m512i w0 = _mm512_and_si512(_mm512_srli_epi16(raw0, 2 * j), m3);
+                    const __m512i w1 = _mm512_and_si512(_mm512_srli_epi16(raw1, 2 * j), m3);
+                    // each lane's row scale, as an int32 (high int16 zero): madd of an int16 sum by it is a product
+                    const __m128i pair = _mm_and_si128(_mm_loadu_si128((const __m128i *) (xb->scales + 16 * (sub / 2))), m4);
+                    const __m512i scale = _mm512_cvtepu8_epi32(_mm_shuffle_epi8(pair, sub % 2 ? dup_odd : dup_even));
+                    for (int c = 0; c < NC; ++c) {
+                        const int8_t * q8 = y[c][i].qs + 128 * h + 32 * j + 16 * p;
+                        const __m512i a0 = _mm512_set1_epi64(load64(q8)), a1 = _mm512_set1_epi64(load64(q8 + 8));
+#ifdef Q4KX8_VNNI  // |s| <= 8 * 3 * 128 < 2^15 per lane
+                        const __m512i s = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w0, a0), w1, a1);
+                        isum[c] = _mm512_dpwssd_epi32(isum[c], s, scale);
+#else
+                        const __m512i s = _mm512_madd_epi16(_mm512_add_epi16(_mm512_maddubs_epi16(w0, a0),
+                                                                             _mm512_maddubs_epi16(w1, a1)), ones);
+                        isum[c] = _mm512_add_epi32(isum[c], _mm512_madd_epi16(s, scale));
+#endif
+                    }
+                }
+            }
+        }
+        const __m256 xd = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->d));
+        const __m256 xdmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *) xb->dmin));
+        __m256i mins[8];  // sub-blocks 2q and 2q+1: the int16 pairs (min_2q, min_2q+1) of each row
+        for (int q = 0; q < 8; ++q) {
+            const __m128i pair = _mm_loadu_si128((const __m128i *) (xb->scales + 16 * q));
+            mins[q] = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(pair, 4), m4));
+        }
+        for (int c = 0; c < NC; ++c) {
+            __m256i imin = _mm256_setzero_si256();
+            for (int q = 0; q < 8; ++q) {
+                int32_t bsum_pair;  // the q8 block sums of sub-blocks 2q and 2q+1, as an int16 pair
+                memcpy(&bsum_pair, y[c][i].bsums + 2 * q, sizeof(bsum_pair));
+                imin = _mm256_add_epi32(imin, _mm256_madd_epi16(mins[q], _mm256_set1_epi32(bsum_pair)));
+            }
+            // lanes 2r and 2r+1 -> row r
+            const __m256i irow = _mm512_cvtepi64_epi32(_mm512_add_epi32(isum[c], _mm512_srli_epi64(isum[c], 32)));
+            const __m256 yd = _mm256_set1_ps(y[c][i].d);
+            acc[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(irow), _mm256_mul_ps(xd, yd), acc[c]);
+            acc_min[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(imin), _mm256_mul_ps(xdmin, yd), acc_min[c]);
+        }
+    }
+    for (int c = 0; c < NC; ++c) _mm256_storeu_ps(out[c], _mm256_sub_ps(acc[c], acc_min[c]));
+}
+#endif
+
 // -- Q6_K repacked (block_q6_Kx8; ggml repacks Q6_K on x86 only in our build, and every pass takes this kernel) --
 //
 // Per output element and superblock: the superblock's integer sum (the -32 offset of every 6-bit value folded in
@@ -1552,6 +1642,9 @@ static size_t repacked_group_bytes(enum ggml_type type, int n) {
         case GGML_TYPE_Q4_K: return (size_t) (n / QK_K) * sizeof(q4_Kx8);
         case GGML_TYPE_Q6_K: return (size_t) (n / QK_K) * sizeof(q6_Kx8);
         case GGML_TYPE_MXFP4: return (size_t) (n / QK8_0) * sizeof(mxfp4x8);
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+        case GGML_TYPE_Q2_K: return (size_t) (n / QK_K) * sizeof(q2_Kx8);
+#endif
         default:             return (size_t) (n / QK8_0) * sizeof(q4_0x8);
     }
 }
@@ -1575,6 +1668,9 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
         switch (type) {
             case GGML_TYPE_Q4_K: SPECULANT_BY_NC_REPACKED(nc, q4_Kx8_cols, n / QK_K, x, yk, order, o); break;
             case GGML_TYPE_Q6_K: SPECULANT_BY_NC_REPACKED(nc, q6_Kx8_cols, n / QK_K, x, yk, order, o); break;
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+            case GGML_TYPE_Q2_K: SPECULANT_BY_NC_REPACKED(nc, q2_Kx8_cols, n / QK_K, x, yk, order, o); break;
+#endif
             case GGML_TYPE_IQ4_NL: SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, false, n / QK8_0, x, y0, ys, order, o); break;
             case GGML_TYPE_MXFP4:  SPECULANT_BY_NC_REPACKED(nc, lut4x8_cols, true, n / QK8_0, x, y0, ys, order, o); break;
             default:             SPECULANT_BY_NC_REPACKED(nc, q4_0x8_cols, n / QK8_0, x, y0, ys, order, o); break;
@@ -1583,8 +1679,13 @@ static void repacked_group(enum ggml_type type, int n, const void * x, const cha
 }
 
 bool speculant_mm_repacked_supported(enum ggml_type type, int interleave, int rows) {
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+    const bool q2_K = type == GGML_TYPE_Q2_K;  // repacked by llama.cpp where AVX-512 is, and only there
+#else
+    const bool q2_K = false;
+#endif
     return (type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL
-            || type == GGML_TYPE_MXFP4)
+            || type == GGML_TYPE_MXFP4 || q2_K)
         && interleave == 8 && rows == 8;
 }
 
@@ -1592,14 +1693,18 @@ void ggml_gemv_q4_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const
 void ggml_gemv_q4_0_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_iq4_nl_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_mxfp4_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
+void ggml_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
 static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                           size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
-    if ((type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4) && ncols == 1 && !order) {
+    if ((type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_Q2_K) && ncols == 1 && !order) {
         // one token: ggml's own gemv, the same bits as our kernel and 1.5% faster per decode step in paired A/Bs
-        // on a whole model (AVX2, 2 threads; IQ4_NL, whose template MXFP4's shares)
-        (type == GGML_TYPE_IQ4_NL ? ggml_gemv_iq4_nl_8x8_q8_0 : ggml_gemv_mxfp4_8x8_q8_0)(n, dst, 0, x, wdata, 1,
-                                                                                         (int) nrows);
+        // on a whole model (AVX2, 2 threads; IQ4_NL, whose template MXFP4's shares); Q2_K's decode steps as before
+        switch (type) {
+            case GGML_TYPE_IQ4_NL: ggml_gemv_iq4_nl_8x8_q8_0(n, dst, 0, x, wdata, 1, (int) nrows); break;
+            case GGML_TYPE_MXFP4:  ggml_gemv_mxfp4_8x8_q8_0(n, dst, 0, x, wdata, 1, (int) nrows); break;
+            default:               ggml_gemv_q2_K_8x8_q8_K(n, dst, 0, x, wdata, 1, (int) nrows); break;
+        }
         return;
     }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
@@ -1693,6 +1798,20 @@ static void q4_0x8_pack(const block_q4_0 * rows, int nb, uint8_t xor_mask, q4_0x
 _Static_assert(sizeof(block_iq4_nl) == sizeof(block_q4_0), "block_iq4_nl has block_q4_0's layout");
 
 // make_block_mxfp4x8: the exponents, then q4_0x8's chunks without the XOR
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+static void q2_Kx8_pack(const block_q2_K * rows, int nb, q2_Kx8 * out) {
+    for (int i = 0; i < nb; ++i) {
+        q2_Kx8 * o = out + i;
+        for (int r = 0; r < 8; ++r) {
+            o->d[r] = rows[(size_t) r * nb + i].d;
+            o->dmin[r] = rows[(size_t) r * nb + i].dmin;
+        }
+        for (int k = 0; k < 64; ++k) memcpy(o->qs + 8 * k, rows[(size_t) (k % 8) * nb + i].qs + 8 * (k / 8), 8);
+        for (int k = 0; k < 128; ++k) o->scales[k] = rows[(size_t) ((k % 16) / 2) * nb + i].scales[2 * (k / 16) + k % 2];
+    }
+}
+#endif
+
 static void mxfp4x8_pack(const block_mxfp4 * rows, int nb, mxfp4x8 * out) {
     for (int i = 0; i < nb; ++i) {
         mxfp4x8 * o = out + i;
@@ -2324,6 +2443,9 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
             case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, packed); break;
             case GGML_TYPE_IQ4_NL: q4_0x8_pack(x, nb, 0, packed); break;
             case GGML_TYPE_MXFP4: mxfp4x8_pack(x, nb, packed); break;
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+            case GGML_TYPE_Q2_K: q2_Kx8_pack(x, nb, packed); break;
+#endif
             default:             q4_0x8_pack(x, nb, 0x88, packed); break;
         }
         repacked_rows(t, n, packed, 8, y, row_size, ncols, group, order, out, 8);
@@ -2334,6 +2456,7 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
                 case GGML_TYPE_Q4_0: ggml_gemv_q4_0_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 case GGML_TYPE_IQ4_NL: ggml_gemv_iq4_nl_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 case GGML_TYPE_MXFP4: ggml_gemv_mxfp4_8x8_q8_0(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
+                case GGML_TYPE_Q2_K: ggml_gemv_q2_K_8x8_q8_K(n, out_ggml + 8 * c, 8, packed, yc, 1, 8); break;
                 default: rc = 1; break;
             }
         }
