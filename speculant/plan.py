@@ -37,7 +37,9 @@ from .errors import ModelError, SettingsError
 
 MiB = 2 ** 20
 N_UBATCH = 512  # the backend's n_batch = n_ubatch (backends/llamacpp.py)
-REPACKED_TYPES = {"Q4_0", "Q4_K", "Q6_K", "IQ4_NL"}  # matrices our build repacks on x86 (AVX2 and up)
+# matrices our build repacks on x86: with AVX2 and up, and also with AVX-512 (llama.cpp's repack.cpp chooses)
+REPACKED_TYPES = {"Q4_0", "Q4_K", "Q6_K", "IQ4_NL", "MXFP4"}
+REPACKED_WITH_AVX512 = {"Q2_K"}
 KV_BYTES = 2  # f16 K and V cache
 RUNTIME_BASE = 48 * MiB  # interpreter, numpy, llama.cpp's libraries (fit to measured peaks, see below)
 # bytes per vocabulary entry of each loaded model: llama.cpp's token tables and ours (fit to measured peaks:
@@ -230,10 +232,11 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     types: dict[str, int] = {}
     repacked = 0
     repack = api.repack_weights()
+    repacked_types = REPACKED_TYPES | (REPACKED_WITH_AVX512 if "avx512f" in native.cpu_flags() else set())
     for name, ttype, shape, nbytes, n_elements in tensors:
         types[ttype] = types.get(ttype, 0) + nbytes
         # the token embeddings are read by row lookups, not matmuls: never repacked
-        if repack and ttype in REPACKED_TYPES and name != "token_embd.weight" and len(shape) >= 2 \
+        if repack and ttype in repacked_types and name != "token_embd.weight" and len(shape) >= 2 \
                 and shape[1] % 8 == 0:
             repacked += nbytes
     file_bytes = f["file_bytes"] - f["data_bytes"] + sum(types.values())

@@ -143,13 +143,13 @@ class _Kernels:
         self.entry.argtypes = TEST_ENTRY_ARGS
         self._max_group = lib.speculant_mm_max_group
         self._max_group.restype = ctypes.c_int
-        self._max_group.argtypes = [ctypes.c_int]
+        self._max_group.argtypes = [ctypes.c_int, ctypes.c_int]
 
     def __call__(self, *args):
         return self.entry(*args)
 
-    def max_group(self, repacked) -> int:
-        return self._max_group(int(repacked))
+    def max_group(self, qtype, repacked) -> int:
+        return self._max_group(int(qtype), int(repacked))
 
 
 def _bind(lib):
@@ -220,9 +220,9 @@ def _mm(fn, qtype, repacked, x, y, ncols, group, reorder=0, with_ggml=False):
     n = x.shape[-2] * BLOCK_VALUES[qtype]
     rc = fn(qtype, int(repacked), n, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, group, reorder,
             out.ctypes.data, ggml.ctypes.data if with_ggml else None)
-    if rc < 0 and fn.max_group(repacked) == 0:
+    if rc < 0 and fn.max_group(qtype, repacked) == 0:
         pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
-    if rc < 0 and repacked and qtype == Q2_K and fn.max_group(repacked) < 8:
+    if rc < 0 and repacked and qtype == Q2_K and fn.max_group(qtype, repacked) < 8:
         pytest.skip("llama.cpp repacks Q2_K on AVX-512 CPUs only (no kernel for it in a 256-bit build)")
     assert rc >= 0, f"no kernel for {NAMES[qtype]}{' repacked' if repacked else ''} in this build"
     return out, (ggml if with_ggml and rc == 0 else None)
@@ -246,11 +246,9 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
             assert single.tobytes() == ggml.tobytes(), f"{nb} blocks: one token differs from ggml's kernel"
         else:
             assert (repacked, qtype) == (True, Q6_K), "ggml's kernel should have been compared"
-        assert fn.max_group(repacked) >= 4
-        groups = list(range(2, fn.max_group(repacked) + 1))
-        if qtype in IQ_GRID:
-            groups.append(9)  # every column in one unpacking: the IQ2/IQ3 kernel takes up to 16
-        for group in groups:  # 9 columns: a full group and a remainder
+        assert fn.max_group(qtype, repacked) >= 4
+        for group in range(2, min(fn.max_group(qtype, repacked), 9) + 1):  # 9 columns: full groups and a remainder
+            # (the IQ1/IQ2/IQ3 kernels take up to 16 tokens: 9 is all in one unpacking)
             multi, _ = _mm(fn, qtype, repacked, x, y, 9, group=group)
             assert multi.tobytes() == single.tobytes(), f"{nb} blocks, {group} tokens at a time"
         w = dequantize(x.reshape(-1), GGMLQuantizationType(qtype)).reshape(8, -1).astype(np.float64)
@@ -264,7 +262,7 @@ def test_the_batched_types_named_in_python_are_the_builds():
     from gguf import GGMLQuantizationType
 
     fn = _kernel_lib()
-    if fn.max_group(0) == 0:
+    if fn.max_group(Q4_K, 0) == 0:
         pytest.skip("this build's CPU variant has no invariant kernels (no AVX2)")
     x = np.zeros(64 * 1024, np.uint8)  # room for 8 rows of 256 values of any type; zero scales
     y = np.zeros(64 * 1024, np.uint8)
@@ -278,16 +276,18 @@ def test_the_batched_types_named_in_python_are_the_builds():
     assert taken == native.BATCHED_TYPES
 
 
-@pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (False, Q4_1), (True, Q4_0)],
-                         ids=["Q8_0", "Q4_1", "repacked-Q4_0"])
+@pytest.mark.parametrize("repacked,qtype", [(False, Q8_0), (False, Q4_1), (True, Q4_0), (False, Q3_K)],
+                         ids=["Q8_0", "Q4_1", "repacked-Q4_0", "Q3_K"])
 def test_long_rows_and_many_tokens_outgrow_the_stack_scratch(repacked, qtype):
     """The per-call column data sits on the stack up to 48 KB and on the heap beyond: 400 blocks (12800 values)
-    x 64 tokens needs the heap for both kernels; the bits are those of ggml's one-token kernel all the same."""
+    x 64 tokens needs the heap for both kernels (Q3_K's VNNI kernel keeps its column data in a per-thread buffer
+    that grows: 400 superblocks x 64 tokens is 6.4 MB); the bits are those of ggml's one-token kernel all the
+    same."""
     fn = _kernel_lib()
     rng = np.random.default_rng(21)
     x = _random_weights(rng, qtype, 400)
     y, _ = _random_columns(rng, qtype, 64, 400)
-    multi, ggml = _mm(fn, qtype, repacked, x, y, 64, group=fn.max_group(repacked), with_ggml=True)
+    multi, ggml = _mm(fn, qtype, repacked, x, y, 64, group=fn.max_group(qtype, repacked), with_ggml=True)
     assert multi.tobytes() == ggml.tobytes()
 
 
@@ -342,7 +342,7 @@ def test_every_isa_level_gives_the_same_bits(repacked, qtype):
         fn = _bind(lib)
         if repacked and qtype == Q2_K and "avx512f" not in VARIANT_NEEDS[variant]:
             continue  # llama.cpp repacks Q2_K on AVX-512 CPUs only
-        groups = sorted({1, 4, fn.max_group(repacked)})  # AVX-512 kernels take 8 repacked tokens at a time
+        groups = sorted({1, 4, fn.max_group(qtype, repacked)})  # AVX-512 kernels take 8 repacked tokens at a time
         outs = {_mm(fn, qtype, repacked, x, y, 9, group=g)[0].tobytes() for g in groups}
         assert len(outs) == 1, f"{variant}: {groups} tokens at a time differ"
         results[variant] = outs.pop()

@@ -73,6 +73,18 @@ def test_repacked_weights_match_llama_cpp(model, monkeypatch):
     assert plan.plan_model(model, "target", 512).repacked == 0
 
 
+def test_repacked_q2_K_weights_match_llama_cpp(tmp_path):
+    """llama.cpp repacks Q2_K where the CPU has AVX-512 and leaves it plain elsewhere: the plan of the target
+    requantized to Q2_K (mostly Q2_K, then Q3_K, Q4_K repacked) counts what its CPU_REPACK buffer holds."""
+    need(TARGET)
+    path = tmp_path / "qwen-q2_k.gguf"
+    q8_0 = quantize.tensor_type("Q8_0", "test")  # embedding and output layer: quick to make
+    quantize.make(models.cached_path(TARGET), path, quantize.file_type("Q2_K"), allow_requantize=True,
+                  output_tensor_type=q8_0, token_embedding_type=q8_0, progress=False)
+    log = _llama_log(path, 512, True)
+    assert abs(plan.plan_model(str(path), "target", 512).repacked / 2 ** 20 - _mib(log, "CPU_REPACK model")) < 1.0
+
+
 def test_kv_per_token_from_metadata(monkeypatch):
     need(TARGET, SHIPPED_DRAFT)
     t, d = plan.plan_model(TARGET, "target", 4096), plan.plan_model(SHIPPED_DRAFT, "draft", 4096)

@@ -6,8 +6,8 @@
 // _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0, _mxfp4_q8_0, _tq2_0_q8_K; ggml_gemv_q4_K_8x8_q8_K,
 // ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_iq4_nl_8x8_q8_0 and ggml_gemv_mxfp4_8x8_q8_0 for the repacked layout), whatever the number of tokens
 // in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
-// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows; IQ_GRID_COLS for the IQ1/IQ2/IQ3
-// types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
+// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows and for Q3_K; IQ_GRID_COLS for the
+// IQ1/IQ2/IQ3 types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
 // gives the same bits.
 //
 // Attention products (F16 K, and V transposed, against the queries; flash attention stays off) keep ggml's own
@@ -342,58 +342,6 @@ static inline __attribute__((always_inline)) void dot_tq2_0(const int NC, const 
             sumi = _mm256_madd_epi16(sumi, ones);
             const __m256 d = _mm256_set1_ps(y[c][i].d * xd);
             acc[c] = _mm256_add_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sumi), d), acc[c]);
-        }
-    }
-    for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
-}
-
-// Q3_K x q8_K for NC columns, in ggml_vec_dot_q3_K_q8_K's integer lanes: each value's two low bits times q8,
-// minus 4 times q8 where its high bit (hmask) is clear, per 16 values times their signed six-bit scale.
-static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const int nb, const block_q3_K * x,
-                                                          const block_q8_K * const * y, const int * order,
-                                                          float * out) {
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i mone = _mm256_set1_epi8(1);
-    const uint32_t kmask1 = 0x03030303;
-    const uint32_t kmask2 = 0x0f0f0f0f;
-    __m256 acc[SPECULANT_MM_COLS];
-    for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
-
-    for (int ii = 0; ii < nb; ++ii) {
-        const int i = order ? order[ii] : ii;
-        const float xd = fp16_to_fp32(x[i].d);
-        uint32_t aux[3];  // 16 six-bit scales: low four bits in aux[0..1], high two in aux[2]
-        memcpy(aux, x[i].scales, 12);
-        const __m128i scales128 = _mm_sub_epi8(_mm_set_epi32(((aux[1] >> 4) & kmask2) | (((aux[2] >> 6) & kmask1) << 4),
-                                                             ((aux[0] >> 4) & kmask2) | (((aux[2] >> 4) & kmask1) << 4),
-                                                             (aux[1] & kmask2) | (((aux[2] >> 2) & kmask1) << 4),
-                                                             (aux[0] & kmask2) | (((aux[2] >> 0) & kmask1) << 4)),
-                                               _mm_set1_epi8(32));
-        const __m256i all_scales = _mm256_cvtepi8_epi16(scales128);
-        const __m256i hbits = _mm256_loadu_si256((const __m256i *) x[i].hmask);  // bit b of byte l: value 32b + l
-
-        __m256i sumi[SPECULANT_MM_COLS];
-        for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
-        for (int j = 0; j < QK_K / 128; ++j) {
-            const __m256i scales_j = k_scales_half(all_scales, j);
-            const __m256i q3bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
-            for (int k = 0; k < 4; ++k) {
-                const int bit = 4 * j + k;
-                const __m256i q3l = _mm256_and_si256(_mm256_srli_epi16(q3bits, 2 * k), m3);
-                // 4 where the high bit is clear, else 0
-                const __m256i q3h = _mm256_slli_epi16(
-                    _mm256_srli_epi16(_mm256_andnot_si256(hbits, _mm256_slli_epi16(mone, bit)), bit), 2);
-                const __m256i scale = k_scale_pairs(scales_j, k);
-                for (int c = 0; c < NC; ++c) {
-                    const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 128 * j + 32 * k));
-                    const __m256i p16 = _mm256_sub_epi16(_mm256_maddubs_epi16(q3l, q8), _mm256_maddubs_epi16(q3h, q8));
-                    sumi[c] = _mm256_add_epi32(sumi[c], _mm256_madd_epi16(scale, p16));
-                }
-            }
-        }
-        for (int c = 0; c < NC; ++c) {
-            const float d = y[c][i].d * xd;
-            acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
     }
     for (int c = 0; c < NC; ++c) out[c] = hsum8(acc[c]);
@@ -2255,6 +2203,167 @@ static void q0_rows(enum ggml_type type, int n, const char * x, size_t x_stride,
 #endif
 }
 
+// Q3_K x q8_K, in ggml_vec_dot_q3_K_q8_K's integer lanes (each int32 lane: 4 adjacent values x q8, times their 16
+// values' signed six-bit scale), formed from each value's three bits read as one unsigned byte u = low two bits +
+// 4 x high bit (0..7: the value plus 4), where ggml takes two maddubs and a subtraction:
+// - VNNI: u x q8 by dpbusd onto the column's -4 x (sums of 4 adjacent q8): the lane's value x q8; times the scale
+//   by dpwssd (the scale in each lane's low 16 bits, 0 in its high ones; |lane| <= 4 x 4 x 128 fits 16 bits);
+// - otherwise: u x q8 by maddubs, less the column's 4 x (sums of 2 adjacent q8); times the scale by madd.
+// Every lane holds ggml's integer, so the float steps of ggml's (per superblock, a fused multiply-add by
+// y.d * x.d) give its bits.
+// Tokens per unpacking: 8 where AVX-512's 32 registers hold their sums and accumulators (a 5-token verify pass then
+// unpacks each row once, not for 4 tokens and again for 1); there, up to 4 tokens take 2 rows per call.
+#define Q3K_COLS REPACKED_COLS
+#if defined(__AVX512VL__)
+#define Q3K_RM 2
+#else
+#define Q3K_RM 1
+#endif
+
+// per column and superblock, the correction of every 32 values (32 bytes each: 8 int32 lanes with VNNI, 16 int16
+// pairs without): at corr + (size_t) (c * nb + i) * QK_K + 32 * chunk
+static void q3_K_columns(int nb, const char * ycols, size_t row_size, int ncols, char * corr) {
+    const __m256i four = _mm256_set1_epi8(4);
+    for (int c = 0; c < ncols; ++c) {
+        const block_q8_K * y = (const block_q8_K *) (ycols + (size_t) c * row_size);
+        for (int i = 0; i < nb; ++i) {
+            for (int chunk = 0; chunk < QK_K / 32; ++chunk) {
+                const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[i].qs + 32 * chunk));
+#ifdef Q0_UNSIGNED
+                const __m256i lanes = _mm256_sub_epi32(_mm256_setzero_si256(), q0_dpbusd(_mm256_setzero_si256(), four, q8));
+#else
+                const __m256i lanes = _mm256_maddubs_epi16(four, q8);
+#endif
+                _mm256_storeu_si256((__m256i *) (corr + ((size_t) c * nb + i) * QK_K + 32 * chunk), lanes);
+            }
+        }
+    }
+}
+
+// one chunk of 32 values of one row (u, its scales) x one column (q8, corr) into the row's sums
+static inline __m256i q3_K_chunk(__m256i sumi, __m256i u, __m256i scale, __m256i q8, __m256i corr) {
+#ifdef Q0_UNSIGNED
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(sumi, q0_dpbusd(corr, u, q8), scale);
+#else
+    return _mm256_dpwssd_avx_epi32(sumi, q0_dpbusd(corr, u, q8), scale);
+#endif
+#else
+    return _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, _mm256_sub_epi16(_mm256_maddubs_epi16(u, q8), corr)));
+#endif
+}
+
+// RM rows (x_stride bytes apart) x NC columns; out[r * Q3K_COLS + c]
+static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const int RM, const int nb, const char * x,
+                                                          size_t x_stride, const block_q8_K * const * y,
+                                                          const char * const * corr, const int * order, float * out) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m4 = _mm256_set1_epi8(4);
+    const uint32_t kmask1 = 0x03030303;
+    const uint32_t kmask2 = 0x0f0f0f0f;
+    __m256 acc[Q3K_RM][Q3K_COLS];
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = _mm256_setzero_ps();
+
+    for (int ii = 0; ii < nb; ++ii) {
+        const int i = order ? order[ii] : ii;
+        const block_q3_K * xb[Q3K_RM];
+        __m256i all_scales[Q3K_RM], hbits[Q3K_RM];
+        __m256i sumi[Q3K_RM][Q3K_COLS];
+        for (int r = 0; r < RM; ++r) {
+            xb[r] = (const block_q3_K *) (x + r * x_stride) + i;
+            uint32_t aux[3];  // 16 six-bit scales: low four bits in aux[0..1], high two in aux[2]
+            memcpy(aux, xb[r]->scales, 12);
+            const __m128i scales128 = _mm_sub_epi8(
+                _mm_set_epi32(((aux[1] >> 4) & kmask2) | (((aux[2] >> 6) & kmask1) << 4),
+                              ((aux[0] >> 4) & kmask2) | (((aux[2] >> 4) & kmask1) << 4),
+                              (aux[1] & kmask2) | (((aux[2] >> 2) & kmask1) << 4),
+                              (aux[0] & kmask2) | (((aux[2] >> 0) & kmask1) << 4)),
+                _mm_set1_epi8(32));
+            all_scales[r] = _mm256_cvtepi8_epi16(scales128);
+            hbits[r] = _mm256_loadu_si256((const __m256i *) xb[r]->hmask);  // bit b of byte l: value 32b + l
+            for (int c = 0; c < NC; ++c) sumi[r][c] = _mm256_setzero_si256();
+        }
+        for (int j = 0; j < QK_K / 128; ++j) {
+            __m256i q3bits[Q3K_RM], scales_j[Q3K_RM];
+            for (int r = 0; r < RM; ++r) {
+                q3bits[r] = _mm256_loadu_si256((const __m256i *) (xb[r]->qs + 32 * j));
+                scales_j[r] = k_scales_half(all_scales[r], j);
+            }
+            for (int k = 0; k < 4; ++k) {
+                const int bit = 4 * j + k;
+                __m256i u[Q3K_RM], scale[Q3K_RM];
+                for (int r = 0; r < RM; ++r) {
+                    const __m256i low = _mm256_and_si256(_mm256_srli_epi16(q3bits[r], 2 * k), m3);
+                    // the high bit (bit `bit` of each hmask byte) moved to bit 2
+                    const __m256i high = bit >= 2 ? _mm256_srli_epi16(hbits[r], bit - 2) : _mm256_slli_epi16(hbits[r], 2 - bit);
+                    u[r] = _mm256_or_si256(low, _mm256_and_si256(high, m4));
+#ifdef Q0_UNSIGNED  // the scales 2k (low 128 bits) and 2k+1 (high) in each int32 lane's low 16 bits
+                    scale[r] = _mm256_shuffle_epi8(scales_j[r], _mm256_set_epi8(
+                        -1, -1, 4 * k + 3, 4 * k + 2, -1, -1, 4 * k + 3, 4 * k + 2,
+                        -1, -1, 4 * k + 3, 4 * k + 2, -1, -1, 4 * k + 3, 4 * k + 2,
+                        -1, -1, 4 * k + 1, 4 * k + 0, -1, -1, 4 * k + 1, 4 * k + 0,
+                        -1, -1, 4 * k + 1, 4 * k + 0, -1, -1, 4 * k + 1, 4 * k + 0));
+#else
+                    scale[r] = k_scale_pairs(scales_j[r], k);
+#endif
+                }
+                for (int c = 0; c < NC; ++c) {
+                    const __m256i q8 = _mm256_loadu_si256((const __m256i *) (y[c][i].qs + 128 * j + 32 * k));
+                    const __m256i cr = _mm256_loadu_si256((const __m256i *) (corr[c] + (size_t) i * QK_K + 32 * bit));
+                    for (int r = 0; r < RM; ++r) sumi[r][c] = q3_K_chunk(sumi[r][c], u[r], scale[r], q8, cr);
+                }
+            }
+        }
+        for (int r = 0; r < RM; ++r) {
+            const float xd = fp16_to_fp32(xb[r]->d);
+            for (int c = 0; c < NC; ++c) acc[r][c] = fma_lanes(y[c][i].d * xd, sumi[r][c], acc[r][c]);
+        }
+    }
+    for (int r = 0; r < RM; ++r) for (int c = 0; c < NC; ++c) out[r * Q3K_COLS + c] = hsum8(acc[r][c]);
+}
+
+static _Thread_local char * q3_corr;  // per thread, kept: every Q3_K matrix of a pass needs one
+static _Thread_local size_t q3_corr_bytes;
+
+static void q3_K_rows(int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols, size_t row_size,
+                      int ncols, int group, const int * order, float * out, size_t row_stride, size_t col_stride) {
+    const int nb = n / QK_K;
+    const size_t need = (size_t) ncols * nb * QK_K;  // bytes: 256 per superblock and column
+    if (q3_corr_bytes < need) {
+        free(q3_corr);
+        q3_corr = malloc(need);
+        GGML_ASSERT(q3_corr);
+        q3_corr_bytes = need;
+    }
+    q3_K_columns(nb, ycols, row_size, ncols, q3_corr);
+    const int rm = Q3K_RM > 1 && group <= 4 && nrows >= 2 ? 2 : 1;  // rows per call (and a one-row tail)
+    for (int64_t r0 = 0; r0 < nrows; r0 += rm) {
+        const char * xr = x + r0 * x_stride;
+        for (int c0 = 0; c0 < ncols; c0 += group) {
+            const int nc = ncols - c0 < group ? ncols - c0 : group;
+            const block_q8_K * y[Q3K_COLS] = {0};
+            const char * cc[Q3K_COLS] = {0};
+            for (int c = 0; c < nc; ++c) {
+                y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+                cc[c] = q3_corr + (size_t) (c0 + c) * nb * QK_K;
+            }
+            float tmp[Q3K_RM * Q3K_COLS];
+            const int rows = nrows - r0 >= rm ? rm : 1;
+#if Q3K_RM > 1
+            if (rows == 2) {
+                SPECULANT_BY_NC(nc, dot_q3_K, 2, nb, xr, x_stride, y, cc, order, tmp);
+            } else
+#endif
+            {
+                SPECULANT_BY_NC_REPACKED(nc, dot_q3_K, 1, nb, xr, x_stride, y, cc, order, tmp);
+            }
+            for (int r = 0; r < rows; ++r) {
+                for (int c = 0; c < nc; ++c) out[(r0 + r) * row_stride + (c0 + c) * col_stride] = tmp[r * Q3K_COLS + c];
+            }
+        }
+    }
+}
+
 static bool plain_supported(enum ggml_type type) {
     return type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K || type == GGML_TYPE_Q8_0 || type == GGML_TYPE_Q5_0
         || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1 || type == GGML_TYPE_Q5_1 || type == GGML_TYPE_Q5_K
@@ -2262,7 +2371,7 @@ static bool plain_supported(enum ggml_type type) {
         || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_TQ2_0 || iq_grid_type(type);
 }
 
-// one weight row of a type with 256-value superblocks (Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, IQ4_XS, TQ2_0, IQ1/IQ2/IQ3)
+// one weight row of a type with 256-value superblocks (Q2_K, Q4_K, Q5_K, Q6_K, IQ4_XS, TQ2_0, IQ1/IQ2/IQ3; Q3_K: q3_K_rows)
 // against ncols q8_K columns,
 // `group` columns per weight unpacking
 static void dot_row(enum ggml_type type, int n, const void * xrow, const char * ycols, size_t row_size,
@@ -2279,7 +2388,6 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
         float * o = out + c0;
         switch (type) {  // 256-bit on every level
             case GGML_TYPE_Q5_K:   SPECULANT_BY_NC(nc, dot_q5_K, nb, xrow, y, order, o); continue;
-            case GGML_TYPE_Q3_K:   SPECULANT_BY_NC(nc, dot_q3_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_Q2_K:   SPECULANT_BY_NC(nc, dot_q2_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_IQ4_XS: SPECULANT_BY_NC(nc, dot_iq4_xs, nb, xrow, y, order, o); continue;
             case GGML_TYPE_TQ2_0:  SPECULANT_BY_NC(nc, dot_tq2_0, nb, xrow, y, order, o); continue;
@@ -2309,9 +2417,40 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
     }
 }
 
+// tokens per weight unpacking in plain rows
+static int plain_group(enum ggml_type type) {
+    if (type == GGML_TYPE_Q3_K) {
+        return Q3K_COLS;
+    }
+    return iq_grid_type(type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;
+}
+
+// rows of a type with 256-value superblocks: row r x column c at out[r * row_stride + c * col_stride]
+static void k_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
+                   size_t row_size, int ncols, int group, const int * order, float * out, size_t row_stride,
+                   size_t col_stride) {
+    if (type == GGML_TYPE_Q3_K) {
+        q3_K_rows(n, x, x_stride, nrows, ycols, row_size, ncols, group, order, out, row_stride, col_stride);
+        return;
+    }
+    float tmp[IQ_GRID_COLS];
+    for (int64_t r = 0; r < nrows; ++r) {
+        for (int c0 = 0; c0 < ncols; c0 += group) {
+            const int nc = ncols - c0 < group ? ncols - c0 : group;
+            dot_row(type, n, x + r * x_stride, ycols + (size_t) c0 * row_size, row_size, nc, group, order, tmp);
+            for (int c = 0; c < nc; ++c) out[r * row_stride + (c0 + c) * col_stride] = tmp[c];
+        }
+    }
+}
+
 // Types whose one-token passes keep ggml's own loop over its dot product: the same bits as our kernel with one
 // column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
 static bool one_token_takes_ggml(enum ggml_type type) {
+#ifdef Q0_UNSIGNED
+    if (type == GGML_TYPE_Q3_K) {
+        return false;  // the VNNI kernel: a whole Q3_K_M target's one-token pass 60 -> 55 ms (Sapphire Rapids)
+    }
+#endif
     return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
         || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_TQ2_0 || type == GGML_TYPE_Q2_K || iq_grid_type(type);
 }
@@ -2335,19 +2474,9 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
                 dst->nb[0] / sizeof(float), dst->nb[1] / sizeof(float));
         return;
     }
-    const int group = iq_grid_type(src0->type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;  // columns per unpacking
-    float tmp[IQ_GRID_COLS];
-    for (int64_t r = ir0; r < ir1; ++r) {
-        const void * xrow = (const char *) src0->data + r * src0->nb[1];
-        for (int64_t c0 = 0; c0 < ncols; c0 += group) {
-            const int nc = (int) (ncols - c0 < group ? ncols - c0 : group);
-            dot_row(src0->type, (int) ne00, xrow, (const char *) wdata + c0 * row_size, row_size, nc, group, NULL,
-                    tmp);
-            for (int c = 0; c < nc; ++c) {
-                *(float *) ((char *) dst->data + (c0 + c) * dst->nb[1] + r * dst->nb[0]) = tmp[c];
-            }
-        }
-    }
+    k_rows(src0->type, (int) ne00, (const char *) src0->data + ir0 * src0->nb[1], src0->nb[1], ir1 - ir0, wdata,
+           row_size, (int) ncols, plain_group(src0->type), NULL, (float *) ((char *) dst->data + ir0 * dst->nb[0]),
+           dst->nb[0] / sizeof(float), dst->nb[1] / sizeof(float));
 }
 
 bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows) {
@@ -2369,7 +2498,7 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
         gathered = malloc(gathered_bytes);
         GGML_ASSERT(gathered);
     }
-    const int group = iq_grid_type(type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;  // columns per unpacking (plain rows)
+    const int group = plain_group(type);  // columns per unpacking (plain rows)
     float out[EXPERT_COLS * EXPERT_ROWS];  // out[c * EXPERT_ROWS + r]: row r0 + r of gathered column c
     for (int64_t k0 = 0; k0 < ntok; k0 += EXPERT_COLS) {
         const int nc = (int) (ntok - k0 < EXPERT_COLS ? ntok - k0 : EXPERT_COLS);
@@ -2385,11 +2514,7 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
             } else if (ggml_blck_size(type) == QK8_0) {
                 q0_rows(type, n, xr, x_stride, nr, gathered, row_size, nc, SPECULANT_MM_COLS, NULL, out, 1, EXPERT_ROWS);
             } else {
-                float row[EXPERT_COLS];
-                for (int64_t r = 0; r < nr; ++r) {
-                    dot_row(type, n, xr + r * x_stride, gathered, row_size, nc, group, NULL, row);
-                    for (int c = 0; c < nc; ++c) out[c * EXPERT_ROWS + r] = row[c];
-                }
+                k_rows(type, n, xr, x_stride, nr, gathered, row_size, nc, group, NULL, out, 1, EXPERT_ROWS);
             }
             for (int c = 0; c < nc; ++c) {
                 const int32_t slot = map[2 * (k0 + c)], token = map[2 * (k0 + c) + 1];
@@ -2399,14 +2524,14 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
     }
 }
 
-int speculant_mm_max_group(int repacked) {
-    return repacked ? REPACKED_COLS : SPECULANT_MM_COLS;
+int speculant_mm_max_group(int type, int repacked) {
+    return repacked ? REPACKED_COLS : plain_group((enum ggml_type) type);
 }
 
 int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
                       int group, int reorder, float * out, float * out_ggml) {
     const enum ggml_type t = (enum ggml_type) type;
-    const int max_group = repacked ? REPACKED_COLS : iq_grid_type(t) ? IQ_GRID_COLS : SPECULANT_MM_COLS;
+    const int max_group = speculant_mm_max_group(type, repacked);
     if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1 || group > max_group
         || n % ggml_blck_size(t)) {
         return -1;
@@ -2423,12 +2548,9 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
         if (ggml_blck_size(t) == QK8_0) {
             q0_rows(t, n, x, x_stride, 8, y, row_size, ncols, group, order, out, 1, 8);
         } else {
-            for (int r = 0; r < 8; ++r) {
-                float col[64];
-                if (ncols > 64) { rc = -1; break; }
-                dot_row(t, n, (const char *) x + r * x_stride, y, row_size, ncols, group, order, col);
-                for (int c = 0; c < ncols; ++c) out[8 * c + r] = col[c];
-            }
+            // 7 rows and then 1: kernels that take rows in pairs run their one-row tail too
+            k_rows(t, n, x, x_stride, 7, y, row_size, ncols, group, order, out, 1, 8);
+            k_rows(t, n, (const char *) x + 7 * x_stride, x_stride, 1, y, row_size, ncols, group, order, out + 7, 1, 8);
         }
         const ggml_vec_dot_t vec_dot = ggml_get_type_traits_cpu(t)->vec_dot;
         for (int c = 0; out_ggml && c < ncols; ++c) {
@@ -2503,8 +2625,8 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
     abort();  // speculant_mm_expert_supported() is false on this build
 }
 
-int speculant_mm_max_group(int repacked) {
-    (void) repacked;
+int speculant_mm_max_group(int type, int repacked) {
+    (void) type; (void) repacked;
     return 0;
 }
 

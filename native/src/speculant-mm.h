@@ -87,16 +87,16 @@ void speculant_mm_q6_Kx8_reorder(void * block);
 
 // For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
 // ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
-// unpacking (1..speculant_mm_max_group(repacked); the IQ1/IQ2/IQ3 types up to 16); reorder != 0 deliberately sums the blocks in another order (a test must be
-// able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
+// unpacking (1..speculant_mm_max_group(type, repacked)); reorder != 0 deliberately sums the blocks in another order
+// (a test must be able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
 // Returns 0; 1 when ggml has no kernel to compare with (repacked Q6_K); -1 for an unsupported type or build.
 GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y,
                                        size_t row_size, int ncols, int group, int reorder, float * out,
                                        float * out_ggml);
 
-// Tokens per weight unpacking in this build's kernels for repacked (8 on AVX-512, 4 on AVX2) or plain rows
-// (4); 0 when the build has no kernels.
-GGML_BACKEND_API int speculant_mm_max_group(int repacked);
+// Tokens per weight unpacking in this build's kernels for rows of `type`: repacked (8 on AVX-512, 4 on AVX2) or
+// plain (4; the IQ1/IQ2/IQ3 types 16; Q3_K 8 with AVX-512); 0 when the build has no kernels.
+GGML_BACKEND_API int speculant_mm_max_group(int type, int repacked);
 
 // dst rows [ir0_start, ir0_end) x flattened columns [ir1_start, ir1_end) of a matmul of an F16 src0 (an attention
 // product's K, or V transposed) by an F32 src1 whose f16 rows are in wdata (row_size bytes each), as ggml's
