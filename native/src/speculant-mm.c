@@ -6,7 +6,7 @@
 // _iq3_s_q8_K, _iq1_s_q8_K, _iq1_m_q8_K, _q8_0_q8_0, _q5_0_q8_0, _q4_0_q8_0, _q4_1_q8_1, _q5_1_q8_1, _iq4_nl_q8_0, _mxfp4_q8_0, _tq2_0_q8_K; ggml_gemv_q4_K_8x8_q8_K,
 // ggml_gemv_q4_0_8x8_q8_0, ggml_gemv_iq4_nl_8x8_q8_0 and ggml_gemv_mxfp4_8x8_q8_0 for the repacked layout), whatever the number of tokens
 // in the pass. Only integer sums are shared between tokens (the weights are unpacked once for up to
-// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows and for Q3_K; IQ_GRID_COLS for the
+// SPECULANT_MM_COLS of them; REPACKED_COLS, 8 with AVX-512, for repacked rows, Q3_K, Q5_K and IQ4_XS; IQ_GRID_COLS for the
 // IQ1/IQ2/IQ3 types), and integer sums are exact however they are formed (VNNI or not, 256 or 512 bits), so every ISA level
 // gives the same bits.
 //
@@ -122,6 +122,28 @@ static inline float hsum8(const __m256 x) {
     return _mm_cvtss_f32(r);
 }
 
+#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
+#define Q0_UNSIGNED 1  // VNNI multiplies unsigned by signed bytes into int32 lanes, without saturation
+
+// acc + (sum of u[4m + t] * y[4m + t], t < 4) in each int32 lane m (u unsigned bytes, y signed)
+static inline __m256i q0_dpbusd(__m256i acc, __m256i u, __m256i y) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpbusd_epi32(acc, u, y);
+#else
+    return _mm256_dpbusd_avx_epi32(acc, u, y);
+#endif
+}
+
+// acc + a[2m] * b[2m] + a[2m+1] * b[2m+1] in each int32 lane m (int16 a, b)
+static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+    return _mm256_dpwssd_epi32(acc, a, b);
+#else
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#endif
+}
+#endif
+
 // Q4_K / Q5_K's 12 bytes of 8 six-bit scales and 8 six-bit mins, unpacked to bytes: scales in u[0..1], mins in
 // u[2..3] (as ggml's kernels unpack them)
 static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
@@ -191,14 +213,17 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
 }
 
 // Q5_K x q8_K for NC columns: dot_q4_K with each value's fifth bit from qh, and the mins' products summed as
-// ggml_vec_dot_q5_K_q8_K sums them (an int32 total per superblock, times dmin, into a float added last).
+// ggml_vec_dot_q5_K_q8_K sums them (an int32 total per superblock, times dmin, into a float added last). Up to 8
+// columns where AVX-512's 32 registers hold them (a 5-token verify pass then unpacks each row once). With VNNI, a
+// lane's 4 values x q8 by dpbusd, then times the scale by dpwssd (the scale in each lane's low 16 bits; 4 x 31 x 128
+// fits 16 bits): the integers of ggml's maddubs and madd.
 static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const int nb, const block_q5_K * x,
                                                           const block_q8_K * const * y, const int * order,
                                                           float * out) {
     const __m256i m4 = _mm256_set1_epi8(0xF);
     const __m256i bit4 = _mm256_set1_epi8(0x10);
-    __m256 acc[SPECULANT_MM_COLS];
-    float summs[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
+    float summs[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); summs[c] = 0.0f; }
 
     for (int ii = 0; ii < nb; ++ii) {
@@ -211,7 +236,7 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
         const float xd = fp16_to_fp32(x[i].d);
         const float xdmin = fp16_to_fp32(x[i].dmin);
 
-        __m256i sumi[SPECULANT_MM_COLS];
+        __m256i sumi[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) {
             const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
             const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
@@ -224,8 +249,13 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
         const uint8_t * q5 = x[i].qs;
         const __m256i hbits = _mm256_loadu_si256((const __m256i *) x[i].qh);  // bit b of byte l: value 32b + l
         for (int j = 0; j < QK_K / 64; ++j) {
+#ifdef Q0_UNSIGNED  // in each int32 lane's low 16 bits
+            const __m256i scale_l = _mm256_set1_epi32(sc[2 * j + 0]);
+            const __m256i scale_h = _mm256_set1_epi32(sc[2 * j + 1]);
+#else
             const __m256i scale_l = _mm256_set1_epi16(sc[2 * j + 0]);
             const __m256i scale_h = _mm256_set1_epi16(sc[2 * j + 1]);
+#endif
             const __m256i q5bits = _mm256_loadu_si256((const __m256i *) (q5 + 32 * j));
             // the fifth bits 2j and 2j+1 moved to bit 4 of each byte
             const __m256i hl = _mm256_and_si256(_mm256_slli_epi16(_mm256_srli_epi16(hbits, 2 * j), 4), bit4);
@@ -234,9 +264,15 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
             const __m256i q5h = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(q5bits, 4), m4), hh);
             for (int c = 0; c < NC; ++c) {
                 const int8_t * q8 = y[c][i].qs + 64 * j;
+#ifdef Q0_UNSIGNED
+                const __m256i zero = _mm256_setzero_si256();
+                sumi[c] = vnni_dpwssd(sumi[c], q0_dpbusd(zero, q5l, _mm256_loadu_si256((const __m256i *) q8)), scale_l);
+                sumi[c] = vnni_dpwssd(sumi[c], q0_dpbusd(zero, q5h, _mm256_loadu_si256((const __m256i *) (q8 + 32))), scale_h);
+#else
                 const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q5l, _mm256_loadu_si256((const __m256i *) q8)));
                 const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q5h, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
                 sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(p16l, p16h));
+#endif
             }
         }
         for (int c = 0; c < NC; ++c) {
@@ -351,19 +387,20 @@ static inline __attribute__((always_inline)) void dot_tq2_0(const int NC, const 
 static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 // IQ4_XS x q8_K for NC columns, in ggml_vec_dot_iq4_xs_q8_K's integer lanes: table values times q8 as its
-// sign trick forms them (|w| times q8 with w's sign), per 32 values times their signed six-bit scale.
+// sign trick forms them (|w| times q8 with w's sign), per 32 values times their signed six-bit scale. Up to 8
+// columns where AVX-512's 32 registers hold them.
 static inline __attribute__((always_inline)) void dot_iq4_xs(const int NC, const int nb, const block_iq4_xs * x,
                                                             const block_q8_K * const * y, const int * order,
                                                             float * out) {
     const __m128i values128 = _mm_loadu_si128((const __m128i *) iq4_values);
     const __m128i m4b = _mm_set1_epi8(0x0f);
-    __m256 acc[SPECULANT_MM_COLS];
+    __m256 acc[REPACKED_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const float xd = fp16_to_fp32(x[i].d);
-        __m256i sumi[SPECULANT_MM_COLS];
+        __m256i sumi[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
         for (int b = 0; b < QK_K / 32; ++b) {
             const __m128i q4bits = _mm_loadu_si128((const __m128i *) (x[i].qs + 16 * b));
@@ -1863,16 +1900,7 @@ typedef struct {
 #define Q0_RM 2
 #endif
 
-#if (defined(__AVX512VNNI__) && defined(__AVX512VL__)) || defined(__AVXVNNI__)
-#define Q0_UNSIGNED 1  // VNNI multiplies unsigned by signed bytes into int32 lanes, without saturation
-
-static inline __m256i q0_dpbusd(__m256i acc, __m256i u, __m256i y) {
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpbusd_epi32(acc, u, y);
-#else
-    return _mm256_dpbusd_avx_epi32(acc, u, y);
-#endif
-}
+#ifdef Q0_UNSIGNED
 
 // RM rows (x_stride bytes apart) x NC columns; out[r * SPECULANT_MM_COLS + c]. The int32 lanes: sums of 4 adjacent
 // products (x + offset) * y, less offset * (sums of 4 adjacent y): the lanes of ggml's x * y.
@@ -2243,11 +2271,7 @@ static void q3_K_columns(int nb, const char * ycols, size_t row_size, int ncols,
 // one chunk of 32 values of one row (u, its scales) x one column (q8, corr) into the row's sums
 static inline __m256i q3_K_chunk(__m256i sumi, __m256i u, __m256i scale, __m256i q8, __m256i corr) {
 #ifdef Q0_UNSIGNED
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-    return _mm256_dpwssd_epi32(sumi, q0_dpbusd(corr, u, q8), scale);
-#else
-    return _mm256_dpwssd_avx_epi32(sumi, q0_dpbusd(corr, u, q8), scale);
-#endif
+    return vnni_dpwssd(sumi, q0_dpbusd(corr, u, q8), scale);
 #else
     return _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, _mm256_sub_epi16(_mm256_maddubs_epi16(u, q8), corr)));
 #endif
@@ -2383,13 +2407,13 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
     const int nb = n / QK_K;
     for (int c0 = 0; c0 < ncols; c0 += group) {
         int nc = ncols - c0 < group ? ncols - c0 : group;
-        const block_q8_K * y[SPECULANT_MM_COLS] = {0};
+        const block_q8_K * y[REPACKED_COLS] = {0};
         for (int c = 0; c < nc; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
         float * o = out + c0;
         switch (type) {  // 256-bit on every level
-            case GGML_TYPE_Q5_K:   SPECULANT_BY_NC(nc, dot_q5_K, nb, xrow, y, order, o); continue;
+            case GGML_TYPE_Q5_K:   SPECULANT_BY_NC_REPACKED(nc, dot_q5_K, nb, xrow, y, order, o); continue;
             case GGML_TYPE_Q2_K:   SPECULANT_BY_NC(nc, dot_q2_K, nb, xrow, y, order, o); continue;
-            case GGML_TYPE_IQ4_XS: SPECULANT_BY_NC(nc, dot_iq4_xs, nb, xrow, y, order, o); continue;
+            case GGML_TYPE_IQ4_XS: SPECULANT_BY_NC_REPACKED(nc, dot_iq4_xs, nb, xrow, y, order, o); continue;
             case GGML_TYPE_TQ2_0:  SPECULANT_BY_NC(nc, dot_tq2_0, nb, xrow, y, order, o); continue;
             default: break;
         }
@@ -2421,6 +2445,9 @@ static void dot_row(enum ggml_type type, int n, const void * xrow, const char * 
 static int plain_group(enum ggml_type type) {
     if (type == GGML_TYPE_Q3_K) {
         return Q3K_COLS;
+    }
+    if (type == GGML_TYPE_Q5_K || type == GGML_TYPE_IQ4_XS) {
+        return REPACKED_COLS;  // where AVX-512's 32 registers hold 8 tokens' sums
     }
     return iq_grid_type(type) ? IQ_GRID_COLS : SPECULANT_MM_COLS;
 }

@@ -95,7 +95,7 @@ GGML_BACKEND_API int speculant_mm_test(int type, int repacked, int n, const void
                                        float * out_ggml);
 
 // Tokens per weight unpacking in this build's kernels for rows of `type`: repacked (8 on AVX-512, 4 on AVX2) or
-// plain (4; the IQ1/IQ2/IQ3 types 16; Q3_K 8 with AVX-512); 0 when the build has no kernels.
+// plain (4; the IQ1/IQ2/IQ3 types 16; Q3_K, Q5_K and IQ4_XS 8 with AVX-512); 0 when the build has no kernels.
 GGML_BACKEND_API int speculant_mm_max_group(int type, int repacked);
 
 // dst rows [ir0_start, ir0_end) x flattened columns [ir1_start, ir1_end) of a matmul of an F16 src0 (an attention
