@@ -279,8 +279,8 @@ def test_pass_sizes_are_bit_identical_low_bit_k_quants(tmp_path_factory, ftype, 
     not). Q3_K_M: Q3_K for most matrices, Q4_K (repacked), Q5_K (as in Q5_K_M files, the most used K-quant after
     Q4_K_M) for the first layers' attn_v and ffn_down. Q2_K: Q2_K for most, Q3_K, Q4_K. (Q6_K, the output layer's
     type, is made Q8_0 here.) One token takes ggml's own Q2_K and Q5_K loops (Q3_K's too, without VNNI), more take
-    ours: the same bits either way. (IQ4_XS, the other 256-value type our kernels take, is checked against ggml's kernel in
-    test_native only: quantizing the target to it takes 5 minutes here.)"""
+    ours: the same bits either way. (IQ4_XS, the other 256-value type our kernels take, is checked against ggml's
+    kernel in test_native only: quantizing the target to it takes 5 minutes here.)"""
     from gguf import GGUFReader
 
     from conftest import TARGET

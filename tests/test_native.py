@@ -280,9 +280,8 @@ def test_the_batched_types_named_in_python_are_the_builds():
                          ids=["Q8_0", "Q4_1", "repacked-Q4_0", "Q3_K"])
 def test_long_rows_and_many_tokens_outgrow_the_stack_scratch(repacked, qtype):
     """The per-call column data sits on the stack up to 48 KB and on the heap beyond: 400 blocks (12800 values)
-    x 64 tokens needs the heap for both kernels (Q3_K's VNNI kernel keeps its column data in a per-thread buffer
-    that grows: 400 superblocks x 64 tokens is 6.4 MB); the bits are those of ggml's one-token kernel all the
-    same."""
+    x 64 tokens needs the heap for both kernels (Q3_K's kernel keeps its column data in a per-thread buffer that
+    grows: 400 superblocks x 64 tokens is 6.5 MB); the bits are those of ggml's one-token kernel all the same."""
     fn = _kernel_lib()
     rng = np.random.default_rng(21)
     x = _random_weights(rng, qtype, 400)
