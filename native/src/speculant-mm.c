@@ -109,6 +109,26 @@ static inline float fp16_to_fp32(ggml_fp16_t h) {
 #endif
 }
 
+// Software prefetch of the weight stream, PREFETCH_AHEAD bytes ahead of the block a kernel reads. One core left to
+// the hardware prefetchers streamed weights at a third of what it can read: a Q5_K row loop read 4.7 GB/s from
+// DRAM where a plain read loop reads 15 (Sapphire Rapids), and a whole Q5_K_M target's one-token pass took 103 ms
+// instead of 51. Prefetching changes no result. SPECULANT_PREFETCH=<bytes> sets the distance (0: off, for A/B runs).
+#define PREFETCH_AHEAD 2048  // 1536-3072 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0)
+static int prefetch_ahead = PREFETCH_AHEAD;
+
+__attribute__((constructor)) static void prefetch_ahead_from_env(void) {
+    const char * env = getenv("SPECULANT_PREFETCH");
+    if (env) prefetch_ahead = atoi(env) > 0 ? atoi(env) : 0;
+}
+
+// the cache lines `bytes` (>= 1) of a block cover, prefetch_ahead bytes further on (blocks under 64 bytes, read in
+// order, need one line each: every line gets at least one)
+static inline __attribute__((always_inline)) void prefetch_weights(const void * block, size_t bytes) {
+    if (prefetch_ahead == 0) return;
+    const char * p = (const char *) block + prefetch_ahead;
+    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
+}
+
 // acc + d * (float) lanes, one fused multiply-add per lane: how every kernel here folds a block's int32 lanes in
 static inline __m256 fma_lanes(float d, __m256i lanes, __m256 acc) {
     return _mm256_fmadd_ps(_mm256_set1_ps(d), _mm256_cvtepi32_ps(lanes), acc);
@@ -167,6 +187,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         // weights: 8 six-bit scales and 8 mins (K-quant packing), the same int16 vectors as ggml's
         uint32_t u[4];
         k_scales_mins(x[i].scales, u);
@@ -228,6 +249,7 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         uint32_t u[4];  // 8 six-bit scales and 8 mins, as in dot_q4_K
         k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
@@ -312,6 +334,7 @@ static inline __attribute__((always_inline)) void dot_q2_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const float xdmin = fp16_to_fp32(x[i].dmin);
         const __m128i mins_and_scales = _mm_loadu_si128((const __m128i *) x[i].scales);  // scale low, min high
@@ -356,6 +379,7 @@ static inline __attribute__((always_inline)) void dot_tq2_0(const int NC, const 
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         __m256i q[2][4];  // [32-byte half of qs][bits 2k, 2k+1 of each byte]
         for (int j = 0; j < 2; ++j) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
@@ -399,6 +423,7 @@ static inline __attribute__((always_inline)) void dot_iq4_xs(const int NC, const
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         __m256i sumi[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
@@ -622,6 +647,7 @@ static inline __attribute__((always_inline)) void dot_iq1(const int NC, const en
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const void * xb = (const char *) vx + i * block_bytes;
+        prefetch_weights(xb, block_bytes);
         __m256i sumi[IQ_GRID_COLS], sumi_shift[IQ_GRID_COLS];
         int sumi_shift1[IQ_GRID_COLS];
         const __m256i m_scales = type == GGML_TYPE_IQ1_M ? iq1_m_scales(xb) : _mm256_setzero_si256();
@@ -680,6 +706,7 @@ static inline __attribute__((always_inline)) void dot_iq_grid(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const void * xb = (const char *) vx + i * block_bytes;
+        prefetch_weights(xb, block_bytes);
         __m256i sumi[IQ_GRID_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
         for (int b = 0; b < QK_K / 32; ++b) {
@@ -763,6 +790,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m256i sumi[SPECULANT_MM_COLS];
@@ -831,6 +859,7 @@ static inline __attribute__((always_inline)) void dot_q4_K_pairs(const int NP, c
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         uint32_t u[4];
         k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
@@ -888,6 +917,7 @@ static inline __attribute__((always_inline)) void dot_q6_K_pairs(const int NP, c
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m512i sumi[SPECULANT_MM_COLS / 2];
@@ -986,6 +1016,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1057,6 +1088,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1147,6 +1179,7 @@ static inline __attribute__((always_inline)) void q2_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q2_Kx8 * xb = x + i;
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
@@ -1236,6 +1269,7 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q6_Kx8 * xb = x + i;
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
@@ -1309,6 +1343,7 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q6_Kx8 * xb = x + i;
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
@@ -1395,6 +1430,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q4_0x8 * xb = x + i;
         const __m512i lo = _mm512_xor_si512(_mm512_loadu_si512((const void *) xb->qs), unsign);         // bytes 0-7
         const __m512i hi = _mm512_xor_si512(_mm512_loadu_si512((const void *) (xb->qs + 64)), unsign);  // bytes 8-15
@@ -1435,6 +1471,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
+        prefetch_weights(x + i, sizeof(*x));
         const q4_0x8 * xb = x + i;
         __m256i w[2][4];
         for (int half = 0; half < 2; ++half) {  // rows 4*half .. 4*half+3
@@ -1509,6 +1546,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        prefetch_weights(xb, block_bytes);
         const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
         const __m512i lo = _mm512_loadu_si512((const void *) qs);         // bytes 0-7 of every row
         const __m512i hi = _mm512_loadu_si512((const void *) (qs + 64));  // bytes 8-15
@@ -1549,6 +1587,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        prefetch_weights(xb, block_bytes);
         const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
         __m256i w[2][4], wabs[2][4];  // [rows 4*half .. 4*half+3][values 8k .. 8k+7]
         for (int half = 0; half < 2; ++half) {
@@ -1845,6 +1884,7 @@ static inline float q0_col_s(const void * y, int i) {
 // the 32 values of block i plus q0_offset(type), value j in byte j (0..255)
 static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
     if (type == GGML_TYPE_Q8_0) {
+        prefetch_weights((const block_q8_0 *) x + i, 1);
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) ((const block_q8_0 *) x)[i].qs),
                                 _mm256_set1_epi8((char) 0x80));
     }
@@ -1855,6 +1895,7 @@ static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
         case GGML_TYPE_Q4_1: qs = ((const block_q4_1 *) x)[i].qs; break;
         default:             qs = ((const block_q5_1 *) x)[i].qs; break;
     }
+    prefetch_weights(qs, 1);
     const __m128i packed = _mm_loadu_si128((const __m128i *) qs);  // value j in the low nibble of byte j, j+16 high
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
     if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) {
@@ -2045,6 +2086,7 @@ static inline __attribute__((always_inline)) void dot_lut4(const int NC, const b
     for (int ii = 0; ii < paired; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
+        prefetch_weights(xb, 1);
         const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
         const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values128, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
                                            _mm_shuffle_epi8(values128, _mm_and_si128(q4bits, m4b)));
@@ -2088,6 +2130,7 @@ static inline __attribute__((always_inline)) void dot_lut4_vnni(const int NC, co
         float xd[LUT4_RM];
         for (int r = 0; r < RM; ++r) {
             const uint8_t * xb = (const uint8_t *) x + r * x_stride + i * block_bytes;
+            prefetch_weights(xb, 1);
             const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
             u[r] = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
                                     _mm_shuffle_epi8(table, _mm_and_si128(q4bits, m4b)));
@@ -2295,6 +2338,7 @@ static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const i
         __m256i sumi[Q3K_RM][Q3K_COLS];
         for (int r = 0; r < RM; ++r) {
             xb[r] = (const block_q3_K *) (x + r * x_stride) + i;
+            prefetch_weights(xb[r], sizeof(block_q3_K));
             uint32_t aux[3];  // 16 six-bit scales: low four bits in aux[0..1], high two in aux[2]
             memcpy(aux, xb[r]->scales, 12);
             const __m128i scales128 = _mm_sub_epi8(
@@ -2470,22 +2514,9 @@ static void k_rows(enum ggml_type type, int n, const char * x, size_t x_stride, 
     }
 }
 
-// Types whose one-token passes keep ggml's own loop over its dot product: the same bits as our kernel with one
-// column, and 2-5% faster per decode step in paired A/Bs on a whole model (AVX2, 2 threads).
-static bool one_token_takes_ggml(enum ggml_type type) {
-#ifdef Q0_UNSIGNED
-    if (type == GGML_TYPE_Q3_K) {
-        return false;  // the VNNI kernel: a whole Q3_K_M target's one-token pass 60 -> 55 ms (Sapphire Rapids)
-    }
-#endif
-    return type == GGML_TYPE_Q5_K || type == GGML_TYPE_Q3_K || type == GGML_TYPE_IQ4_XS || type == GGML_TYPE_IQ4_NL
-        || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_TQ2_0 || type == GGML_TYPE_Q2_K || iq_grid_type(type);
-}
-
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
-    if (src1->ne[1] == 1 && one_token_takes_ggml(src0->type)) {
-        return false;
-    }
+    // one token too: the same bits as ggml's loop over its dot product, which does not prefetch (a Q5_K_M target's
+    // one-token pass 103 -> 51 ms; IQ4_XS 111 -> 49, Q3_K_M 58 -> 42; Sapphire Rapids, also on its AVX2 variant)
     return plain_supported(src0->type) && src1->type == GGML_TYPE_F32
         && src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1
         && ggml_is_contiguous(src1) && src0->ne[0] % ggml_blck_size(src0->type) == 0;
