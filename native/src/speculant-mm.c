@@ -45,6 +45,27 @@ void speculant_mm_set_max_rows(int64_t rows) {
     max_rows = rows;
 }
 
+// Software prefetch of the weight stream (and of the KV cache rows the attention products read), PREFETCH_AHEAD
+// bytes ahead of the block a kernel reads. One core left to the hardware prefetchers streamed weights at a third of
+// what it can read: a Q5_K row loop read 4.7 GB/s from DRAM where a plain read loop reads 15 (Sapphire Rapids),
+// and a whole Q5_K_M target's one-token pass took 103 ms instead of 51. Prefetching changes no result.
+// SPECULANT_PREFETCH=<bytes> sets the distance (0: off, for A/B runs).
+#define PREFETCH_AHEAD 2048  // 1536-3072 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0)
+static int prefetch_ahead = PREFETCH_AHEAD;
+
+__attribute__((constructor)) static void prefetch_ahead_from_env(void) {
+    const char * env = getenv("SPECULANT_PREFETCH");
+    if (env) prefetch_ahead = atoi(env) > 0 ? atoi(env) : 0;
+}
+
+// the cache lines `bytes` (>= 1) of a block cover, prefetch_ahead bytes further on (blocks under 64 bytes, read in
+// order, need one line each: every line gets at least one)
+static inline __attribute__((always_inline)) void prefetch_weights(const void * block, size_t bytes) {
+    if (prefetch_ahead == 0) return;
+    const char * p = (const char *) block + prefetch_ahead;
+    for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);  // prefetcht0
+}
+
 static int64_t chunk_rows_env = -1;  // SPECULANT_CHUNK_ROWS: fixed rows per chunk (0: the default split)
 
 int64_t speculant_mm_chunk_rows(int64_t nrows, int nth, int64_t multiple) {
@@ -107,26 +128,6 @@ static inline float fp16_to_fp32(ggml_fp16_t h) {
 #else
     return GGML_CPU_FP16_TO_FP32(h);
 #endif
-}
-
-// Software prefetch of the weight stream, PREFETCH_AHEAD bytes ahead of the block a kernel reads. One core left to
-// the hardware prefetchers streamed weights at a third of what it can read: a Q5_K row loop read 4.7 GB/s from
-// DRAM where a plain read loop reads 15 (Sapphire Rapids), and a whole Q5_K_M target's one-token pass took 103 ms
-// instead of 51. Prefetching changes no result. SPECULANT_PREFETCH=<bytes> sets the distance (0: off, for A/B runs).
-#define PREFETCH_AHEAD 2048  // 1536-3072 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0)
-static int prefetch_ahead = PREFETCH_AHEAD;
-
-__attribute__((constructor)) static void prefetch_ahead_from_env(void) {
-    const char * env = getenv("SPECULANT_PREFETCH");
-    if (env) prefetch_ahead = atoi(env) > 0 ? atoi(env) : 0;
-}
-
-// the cache lines `bytes` (>= 1) of a block cover, prefetch_ahead bytes further on (blocks under 64 bytes, read in
-// order, need one line each: every line gets at least one)
-static inline __attribute__((always_inline)) void prefetch_weights(const void * block, size_t bytes) {
-    if (prefetch_ahead == 0) return;
-    const char * p = (const char *) block + prefetch_ahead;
-    for (size_t o = 0; o < bytes; o += 64) _mm_prefetch(p + o, _MM_HINT_T0);
 }
 
 // acc + d * (float) lanes, one fused multiply-add per lane: how every kernel here folds a block's int32 lanes in
@@ -2749,6 +2750,11 @@ static inline __attribute__((always_inline)) void f16_dots(const int NC, const i
         for (int r = 0; r < R; ++r) for (int c = 0; c < NC; ++c) acc[r][c] = GGML_F16_DOT_VEC_ZERO;
         for (int i = 0; i < np; i += GGML_F16_DOT_STEP) {
             GGML_F16_DOT_VEC ax[F16_ROWS], ay[F16_COLS];
+            if (j == 0) {  // the first of the 4 passes over these rows reads them from memory, the others from cache
+                for (int r = 0; r < R; ++r) {
+                    prefetch_weights((const ggml_fp16_t *) (x + r * xs) + i, GGML_F16_DOT_STEP * sizeof(ggml_fp16_t));
+                }
+            }
             for (int r = 0; r < R; ++r) {
                 ax[r] = GGML_F16_DOT_VEC_LOAD((const ggml_fp16_t *) (x + r * xs) + i + j * GGML_F16_DOT_EPR, j);
             }
