@@ -1017,7 +1017,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_weights(x + i, offsetof(q4_Kx8, qs));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1025,6 +1025,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int sb = 0; sb < 4; ++sb) {  // 64 values: sub-block 2sb in the low nibbles, 2sb+1 in the high ones
+            prefetch_weights(xb->qs + 256 * sb, 256);
             __m512i raw[4];
             for (int k = 0; k < 4; ++k) raw[k] = _mm512_loadu_si512((const void *) (xb->qs + 256 * sb + 64 * k));
             for (int h = 0; h < 2; ++h) {
@@ -1089,7 +1090,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_weights(x + i, offsetof(q4_Kx8, qs));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1097,6 +1098,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int sb = 0; sb < 4; ++sb) {
+            prefetch_weights(xb->qs + 256 * sb, 256);
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * sb + h;
                 const uint8_t * scb = (const uint8_t *) u[j];
@@ -1270,12 +1272,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_weights(x + i, offsetof(q6_Kx8, q));
         const q6_Kx8 * xb = x + i;
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {            // values 128h ..
             for (int p = 0; p < 2; ++p) {        // .. + {0, 32, 64, 96} + 16p + 0..15: group g = 8h + 2m + p
+                prefetch_weights(Q6KX8_LOW_A(xb, h, 2 * p), 2 * 192);
                 __m512i q[2][4];
                 for (int t = 0; t < 2; ++t) {    // 8 values each: chunk kk = 2p + t
                     const int kk = 2 * p + t;
@@ -1344,12 +1347,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_weights(x + i, offsetof(q6_Kx8, q));
         const q6_Kx8 * xb = x + i;
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
             for (int kp = 0; kp < 2; ++kp) {  // chunks kk = 2kp, 2kp+1 share their groups' scales
+                prefetch_weights(Q6KX8_LOW_A(xb, h, 2 * kp), 2 * 192);
                 for (int half = 0; half < 2; ++half) {
                     __m256i scale[4];  // int16 lanes: each row's scale in all four lanes of its 8 bytes
                     for (int m = 0; m < 4; ++m) {
