@@ -50,7 +50,7 @@ void speculant_mm_set_max_rows(int64_t rows) {
 // what it can read: a Q5_K row loop read 4.7 GB/s from DRAM where a plain read loop reads 15 (Sapphire Rapids),
 // and a whole Q5_K_M target's one-token pass took 103 ms instead of 51. Prefetching changes no result.
 // SPECULANT_PREFETCH=<bytes> sets the distance (0: off, for A/B runs).
-#define PREFETCH_AHEAD 2048  // 1536-3072 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0)
+#define PREFETCH_AHEAD 2048  // 1536-2560 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0); 4096 slower
 static int prefetch_ahead = PREFETCH_AHEAD;
 
 __attribute__((constructor)) static void prefetch_ahead_from_env(void) {

@@ -1,0 +1,68 @@
+"""Our build's software prefetch on and off (SPECULANT_PREFETCH=0), side by side: ms per target pass over n new
+tokens after 200 cached ones, a fresh process per setting (the kernels read the setting once, at load),
+alternating setting by setting, round by round. Run it on every new kind of CPU: the 2 KiB distance was chosen on
+Sapphire Rapids and checked there on the AVX2 variant too, not on AMD.
+
+    .venv/bin/python scripts/prefetch_bench.py [rounds] [model names or GGUF paths, comma-separated]
+"""
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+MODELS = (sys.argv[2] if len(sys.argv) > 2 else
+          "qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0").split(",")
+SETTINGS = {"off": "0", "on": None}  # None: the build's default distance
+NS = (1, 5, 8)
+
+CHILD = r"""
+import json, statistics, sys, time
+from speculant import models, native
+from speculant.api import load_backend
+backend = load_backend(models.resolve(sys.argv[1]), n_ctx=512)
+tokens = [1000 + (i * 7919) % 30000 for i in range(200)]
+backend.prefill(tokens)
+ms = {}
+for n in json.loads(sys.argv[2]):
+    times = []
+    for r in range(9):
+        backend.rewind(200)
+        t = time.perf_counter()
+        backend.eval([2000 + r + j for j in range(n)], n_logits=n)
+        times.append(1000 * (time.perf_counter() - t))
+    ms[n] = statistics.median(times)
+print(json.dumps({"variant": native.loaded_variant(), "ms": ms}))
+"""
+
+
+def one_run(model: str, setting) -> dict:
+    env = dict(os.environ)
+    env.pop("SPECULANT_PREFETCH", None)
+    if setting is not None:
+        env["SPECULANT_PREFETCH"] = setting
+    out = subprocess.run([sys.executable, "-c", CHILD, model, json.dumps(NS)], env=env, check=True,
+                         capture_output=True, text=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+results = {m: {s: {n: [] for n in NS} for s in SETTINGS} for m in MODELS}
+variant = "?"
+for r in range(ROUNDS):
+    for model in MODELS:
+        for name, setting in SETTINGS.items():
+            run = one_run(model, setting)
+            variant = run["variant"]
+            for n in NS:
+                results[model][name][n].append(run["ms"][str(n)])
+
+print(f"CPU variant {variant}, {ROUNDS} alternating rounds, median of 9 passes each; ms per pass, "
+      f"prefetch off / on (ratio)\n")
+print("| model | " + " | ".join(f"n = {n}" for n in NS) + " |\n|---|" + "---:|" * len(NS))
+for model in MODELS:
+    cells = []
+    for n in NS:
+        off, on = (statistics.median(results[model][s][n]) for s in ("off", "on"))
+        cells.append(f"{off:.1f} / {on:.1f} ({off / on:.2f})")
+    print(f"| {os.path.basename(model)} | " + " | ".join(cells) + " |")
