@@ -47,20 +47,23 @@ void speculant_mm_set_max_rows(int64_t rows) {
 
 // Software prefetch of the weight stream (and of the KV cache rows the attention products read), PREFETCH_AHEAD
 // bytes ahead of the block a kernel reads. One core left to the hardware prefetchers streamed weights at a third of
-// what it can read: a Q5_K row loop read 4.7 GB/s from DRAM where a plain read loop reads 15 (Sapphire Rapids),
-// and a whole Q5_K_M target's one-token pass took 103 ms instead of 51. Prefetching changes no result.
+// what it can read: a Q5_K row loop read 4.7 GB/s from DRAM where a plain read loop reads 15 (Sapphire Rapids);
+// a Qwen 1.5B Q4_K_M one-token pass 46 -> 40 ms, Q5_K_M 63 -> 49. Prefetching changes no result.
 // SPECULANT_PREFETCH=<bytes> sets the distance (0: off, for A/B runs).
 #define PREFETCH_AHEAD 2048  // 1536-2560 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0); 4096 slower
 static int prefetch_ahead = PREFETCH_AHEAD;
 
 __attribute__((constructor)) static void prefetch_ahead_from_env(void) {
     const char * env = getenv("SPECULANT_PREFETCH");
-    if (env) prefetch_ahead = atoi(env) > 0 ? atoi(env) : 0;
+    if (env) {
+        const int bytes = atoi(env);
+        prefetch_ahead = bytes > 0 ? bytes : 0;
+    }
 }
 
 // the cache lines `bytes` (>= 1) of a block cover, prefetch_ahead bytes further on (blocks under 64 bytes, read in
 // order, need one line each: every line gets at least one)
-static inline __attribute__((always_inline)) void prefetch_weights(const void * block, size_t bytes) {
+static inline __attribute__((always_inline)) void prefetch_stream(const void * block, size_t bytes) {
     if (prefetch_ahead == 0) return;
     const char * p = (const char *) block + prefetch_ahead;
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);  // prefetcht0
@@ -188,7 +191,7 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         // weights: 8 six-bit scales and 8 mins (K-quant packing), the same int16 vectors as ggml's
         uint32_t u[4];
         k_scales_mins(x[i].scales, u);
@@ -250,7 +253,7 @@ static inline __attribute__((always_inline)) void dot_q5_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         uint32_t u[4];  // 8 six-bit scales and 8 mins, as in dot_q4_K
         k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
@@ -335,7 +338,7 @@ static inline __attribute__((always_inline)) void dot_q2_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const float xdmin = fp16_to_fp32(x[i].dmin);
         const __m128i mins_and_scales = _mm_loadu_si128((const __m128i *) x[i].scales);  // scale low, min high
@@ -380,7 +383,7 @@ static inline __attribute__((always_inline)) void dot_tq2_0(const int NC, const 
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         __m256i q[2][4];  // [32-byte half of qs][bits 2k, 2k+1 of each byte]
         for (int j = 0; j < 2; ++j) {
             const __m256i bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
@@ -424,7 +427,7 @@ static inline __attribute__((always_inline)) void dot_iq4_xs(const int NC, const
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         __m256i sumi[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
@@ -648,7 +651,7 @@ static inline __attribute__((always_inline)) void dot_iq1(const int NC, const en
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const void * xb = (const char *) vx + i * block_bytes;
-        prefetch_weights(xb, block_bytes);
+        prefetch_stream(xb, block_bytes);
         __m256i sumi[IQ_GRID_COLS], sumi_shift[IQ_GRID_COLS];
         int sumi_shift1[IQ_GRID_COLS];
         const __m256i m_scales = type == GGML_TYPE_IQ1_M ? iq1_m_scales(xb) : _mm256_setzero_si256();
@@ -707,7 +710,7 @@ static inline __attribute__((always_inline)) void dot_iq_grid(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const void * xb = (const char *) vx + i * block_bytes;
-        prefetch_weights(xb, block_bytes);
+        prefetch_stream(xb, block_bytes);
         __m256i sumi[IQ_GRID_COLS];
         for (int c = 0; c < NC; ++c) sumi[c] = _mm256_setzero_si256();
         for (int b = 0; b < QK_K / 32; ++b) {
@@ -791,7 +794,7 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m256i sumi[SPECULANT_MM_COLS];
@@ -860,7 +863,7 @@ static inline __attribute__((always_inline)) void dot_q4_K_pairs(const int NP, c
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         uint32_t u[4];
         k_scales_mins(x[i].scales, u);
         const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
@@ -918,7 +921,7 @@ static inline __attribute__((always_inline)) void dot_q6_K_pairs(const int NP, c
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
         const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m512i sumi[SPECULANT_MM_COLS / 2];
@@ -1017,7 +1020,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, offsetof(q4_Kx8, qs));
+        prefetch_stream(x + i, offsetof(q4_Kx8, qs));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1025,7 +1028,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int sb = 0; sb < 4; ++sb) {  // 64 values: sub-block 2sb in the low nibbles, 2sb+1 in the high ones
-            prefetch_weights(xb->qs + 256 * sb, 256);
+            prefetch_stream(xb->qs + 256 * sb, 256);
             __m512i raw[4];
             for (int k = 0; k < 4; ++k) raw[k] = _mm512_loadu_si512((const void *) (xb->qs + 256 * sb + 64 * k));
             for (int h = 0; h < 2; ++h) {
@@ -1090,7 +1093,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, offsetof(q4_Kx8, qs));
+        prefetch_stream(x + i, offsetof(q4_Kx8, qs));
         const q4_Kx8 * xb = x + i;
         uint32_t u[8][4];
         for (int j = 0; j < 8; ++j) q4_Kx8_scales(xb, j, u[j]);
@@ -1098,7 +1101,7 @@ static inline __attribute__((always_inline)) void q4_Kx8_cols(const int NC, cons
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int sb = 0; sb < 4; ++sb) {
-            prefetch_weights(xb->qs + 256 * sb, 256);
+            prefetch_stream(xb->qs + 256 * sb, 256);
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * sb + h;
                 const uint8_t * scb = (const uint8_t *) u[j];
@@ -1182,7 +1185,7 @@ static inline __attribute__((always_inline)) void q2_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const q2_Kx8 * xb = x + i;
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
@@ -1272,13 +1275,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, offsetof(q6_Kx8, q));
+        prefetch_stream(x + i, offsetof(q6_Kx8, q));
         const q6_Kx8 * xb = x + i;
         __m512i isum[REPACKED_COLS];
         for (int c = 0; c < NC; ++c) isum[c] = _mm512_setzero_si512();
         for (int h = 0; h < 2; ++h) {            // values 128h ..
             for (int p = 0; p < 2; ++p) {        // .. + {0, 32, 64, 96} + 16p + 0..15: group g = 8h + 2m + p
-                prefetch_weights(Q6KX8_LOW_A(xb, h, 2 * p), 2 * 192);
+                prefetch_stream(Q6KX8_LOW_A(xb, h, 2 * p), 2 * 192);
                 __m512i q[2][4];
                 for (int t = 0; t < 2; ++t) {    // 8 values each: chunk kk = 2p + t
                     const int kk = 2 * p + t;
@@ -1347,13 +1350,13 @@ static inline __attribute__((always_inline)) void q6_Kx8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, offsetof(q6_Kx8, q));
+        prefetch_stream(x + i, offsetof(q6_Kx8, q));
         const q6_Kx8 * xb = x + i;
         __m256i isum[REPACKED_COLS][2];
         for (int c = 0; c < NC; ++c) isum[c][0] = isum[c][1] = _mm256_setzero_si256();
         for (int h = 0; h < 2; ++h) {
             for (int kp = 0; kp < 2; ++kp) {  // chunks kk = 2kp, 2kp+1 share their groups' scales
-                prefetch_weights(Q6KX8_LOW_A(xb, h, 2 * kp), 2 * 192);
+                prefetch_stream(Q6KX8_LOW_A(xb, h, 2 * kp), 2 * 192);
                 for (int half = 0; half < 2; ++half) {
                     __m256i scale[4];  // int16 lanes: each row's scale in all four lanes of its 8 bytes
                     for (int m = 0; m < 4; ++m) {
@@ -1435,7 +1438,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const q4_0x8 * xb = x + i;
         const __m512i lo = _mm512_xor_si512(_mm512_loadu_si512((const void *) xb->qs), unsign);         // bytes 0-7
         const __m512i hi = _mm512_xor_si512(_mm512_loadu_si512((const void *) (xb->qs + 64)), unsign);  // bytes 8-15
@@ -1476,7 +1479,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
 
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
-        prefetch_weights(x + i, sizeof(*x));
+        prefetch_stream(x + i, sizeof(*x));
         const q4_0x8 * xb = x + i;
         __m256i w[2][4];
         for (int half = 0; half < 2; ++half) {  // rows 4*half .. 4*half+3
@@ -1551,7 +1554,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
-        prefetch_weights(xb, block_bytes);
+        prefetch_stream(xb, block_bytes);
         const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
         const __m512i lo = _mm512_loadu_si512((const void *) qs);         // bytes 0-7 of every row
         const __m512i hi = _mm512_loadu_si512((const void *) (qs + 64));  // bytes 8-15
@@ -1592,7 +1595,7 @@ static inline __attribute__((always_inline)) void lut4x8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
-        prefetch_weights(xb, block_bytes);
+        prefetch_stream(xb, block_bytes);
         const uint8_t * qs = mx ? ((const mxfp4x8 *) xb)->qs : ((const iq4_nlx8 *) xb)->qs;
         __m256i w[2][4], wabs[2][4];  // [rows 4*half .. 4*half+3][values 8k .. 8k+7]
         for (int half = 0; half < 2; ++half) {
@@ -1889,7 +1892,7 @@ static inline float q0_col_s(const void * y, int i) {
 // the 32 values of block i plus q0_offset(type), value j in byte j (0..255)
 static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
     if (type == GGML_TYPE_Q8_0) {
-        prefetch_weights((const block_q8_0 *) x + i, 1);
+        prefetch_stream((const block_q8_0 *) x + i, 1);
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *) ((const block_q8_0 *) x)[i].qs),
                                 _mm256_set1_epi8((char) 0x80));
     }
@@ -1900,7 +1903,7 @@ static inline __m256i q0_unsigned(enum ggml_type type, const void * x, int i) {
         case GGML_TYPE_Q4_1: qs = ((const block_q4_1 *) x)[i].qs; break;
         default:             qs = ((const block_q5_1 *) x)[i].qs; break;
     }
-    prefetch_weights(qs, 1);
+    prefetch_stream(qs, 1);
     const __m128i packed = _mm_loadu_si128((const __m128i *) qs);  // value j in the low nibble of byte j, j+16 high
     const __m256i nibbles = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0xF));
     if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_Q4_1) {
@@ -2091,7 +2094,7 @@ static inline __attribute__((always_inline)) void dot_lut4(const int NC, const b
     for (int ii = 0; ii < paired; ++ii) {
         const int i = order ? order[ii] : ii;
         const uint8_t * xb = (const uint8_t *) x + i * block_bytes;
-        prefetch_weights(xb, 1);
+        prefetch_stream(xb, 1);
         const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
         const __m256i w = _mm256_set_m128i(_mm_shuffle_epi8(values128, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
                                            _mm_shuffle_epi8(values128, _mm_and_si128(q4bits, m4b)));
@@ -2135,7 +2138,7 @@ static inline __attribute__((always_inline)) void dot_lut4_vnni(const int NC, co
         float xd[LUT4_RM];
         for (int r = 0; r < RM; ++r) {
             const uint8_t * xb = (const uint8_t *) x + r * x_stride + i * block_bytes;
-            prefetch_weights(xb, 1);
+            prefetch_stream(xb, 1);
             const __m128i q4bits = _mm_loadu_si128((const __m128i *) (xb + qs_offset));
             u[r] = _mm256_set_m128i(_mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(q4bits, 4), m4b)),
                                     _mm_shuffle_epi8(table, _mm_and_si128(q4bits, m4b)));
@@ -2343,7 +2346,7 @@ static inline __attribute__((always_inline)) void dot_q3_K(const int NC, const i
         __m256i sumi[Q3K_RM][Q3K_COLS];
         for (int r = 0; r < RM; ++r) {
             xb[r] = (const block_q3_K *) (x + r * x_stride) + i;
-            prefetch_weights(xb[r], sizeof(block_q3_K));
+            prefetch_stream(xb[r], sizeof(block_q3_K));
             uint32_t aux[3];  // 16 six-bit scales: low four bits in aux[0..1], high two in aux[2]
             memcpy(aux, xb[r]->scales, 12);
             const __m128i scales128 = _mm_sub_epi8(
@@ -2520,8 +2523,9 @@ static void k_rows(enum ggml_type type, int n, const char * x, size_t x_stride, 
 }
 
 bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_tensor * src1) {
-    // one token too: the same bits as ggml's loop over its dot product, which does not prefetch (a Q5_K_M target's
-    // one-token pass 103 -> 51 ms; IQ4_XS 111 -> 49, Q3_K_M 58 -> 42; Sapphire Rapids, also on its AVX2 variant)
+    // one token too: the same bits as ggml's loop over its dot product, which was slower even before we prefetched
+    // (a Q5_K_M target's one-token pass: ggml's loop 98-104 ms, ours 61-64 without prefetching, 49 with it; IQ4_XS
+    // 104-108 -> 46, Q3_K_M 56-57 -> 40; Sapphire Rapids, also on its AVX2 variant)
     return plain_supported(src0->type) && src1->type == GGML_TYPE_F32
         && src0->ne[2] == 1 && src0->ne[3] == 1 && src1->ne[2] == 1 && src1->ne[3] == 1
         && ggml_is_contiguous(src1) && src0->ne[0] % ggml_blck_size(src0->type) == 0;
@@ -2756,7 +2760,7 @@ static inline __attribute__((always_inline)) void f16_dots(const int NC, const i
             GGML_F16_DOT_VEC ax[F16_ROWS], ay[F16_COLS];
             if (j == 0) {  // the first of the 4 passes over these rows reads them from memory, the others from cache
                 for (int r = 0; r < R; ++r) {
-                    prefetch_weights((const ggml_fp16_t *) (x + r * xs) + i, GGML_F16_DOT_STEP * sizeof(ggml_fp16_t));
+                    prefetch_stream((const ggml_fp16_t *) (x + r * xs) + i, GGML_F16_DOT_STEP * sizeof(ggml_fp16_t));
                 }
             }
             for (int r = 0; r < R; ++r) {
