@@ -16,7 +16,7 @@ import re
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
-from typing import Optional
+from typing import NamedTuple, Optional
 
 from .errors import ModelError
 
@@ -147,14 +147,99 @@ BATCHED_TYPES = frozenset({"Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K
 FLOAT_TYPES = frozenset({"F32", "F16", "BF16", "F64"})
 
 
+class GGUFTensor(NamedTuple):
+    name: str
+    type: str  # ggml's type name, upper case as gguf-py spells it: "Q4_K", "IQ4_XS", "F16"
+    shape: list[int]  # ne0 first (row length), as gguf-py's ReaderTensor.shape
+    n_bytes: int
+    data_end: int  # where its data ends in the file (bytes)
+
+
+class _GGUFInitParams(ctypes.Structure):
+    _fields_ = [("no_alloc", ctypes.c_bool), ("ctx", ctypes.c_void_p)]
+
+
+@lru_cache(maxsize=None)
+def _ggml_base() -> ctypes.CDLL:
+    import llama_cpp  # noqa: F401  (loads libggml-base with libllama)
+
+    lib = ctypes.CDLL(_mapped("libggml-base.so") or "libggml-base.so.0")
+    lib.gguf_init_from_file.restype = ctypes.c_void_p
+    lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GGUFInitParams]
+    lib.gguf_free.argtypes = [ctypes.c_void_p]
+    lib.gguf_get_data_offset.restype = ctypes.c_size_t
+    lib.gguf_get_data_offset.argtypes = [ctypes.c_void_p]
+    lib.gguf_get_n_tensors.restype = ctypes.c_int64
+    lib.gguf_get_n_tensors.argtypes = [ctypes.c_void_p]
+    for fn, restype in (("gguf_get_tensor_name", ctypes.c_char_p), ("gguf_get_tensor_type", ctypes.c_int),
+                        ("gguf_get_tensor_offset", ctypes.c_size_t), ("gguf_get_tensor_size", ctypes.c_size_t),
+                        ("gguf_get_tensor_ne", ctypes.POINTER(ctypes.c_int64))):
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.ggml_type_name.restype = ctypes.c_char_p
+    lib.ggml_type_name.argtypes = [ctypes.c_int]
+    lib.gguf_find_key.restype = ctypes.c_int64
+    lib.gguf_find_key.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+    for fn, restype in (("gguf_get_kv_type", ctypes.c_int), ("gguf_get_val_str", ctypes.c_char_p),
+                        ("gguf_get_val_u32", ctypes.c_uint32), ("gguf_get_val_i32", ctypes.c_int32),
+                        ("gguf_get_val_u64", ctypes.c_uint64), ("gguf_get_val_i64", ctypes.c_int64)):
+        getattr(lib, fn).restype = restype
+        getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    return lib
+
+
+@contextmanager
+def _gguf_open(path):
+    """ggml's parse of a GGUF's metadata and tensor list (no tensor data); ModelError when it cannot parse it (ggml
+    says why on stderr). gguf-py's reader builds every metadata field in Python first: ~6 s for a 152k-token
+    vocabulary, against milliseconds here."""
+    g = _ggml_base()
+    ctx = g.gguf_init_from_file(str(path).encode(), _GGUFInitParams(True, None))
+    if not ctx:
+        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated metadata)")
+    try:
+        yield g, ctx
+    finally:
+        g.gguf_free(ctx)
+
+
+def gguf_tensors(path) -> list[GGUFTensor]:
+    """A GGUF's tensor list, as ggml (so llama.cpp) reads it."""
+    with _gguf_open(path) as (g, ctx):
+        data = g.gguf_get_data_offset(ctx)
+        tensors = []
+        for i in range(g.gguf_get_n_tensors(ctx)):
+            ne = g.gguf_get_tensor_ne(ctx, i)[:4]
+            n_dims = max((d + 1 for d in range(4) if ne[d] != 1), default=1)
+            size = g.gguf_get_tensor_size(ctx, i)
+            tensors.append(GGUFTensor(g.gguf_get_tensor_name(ctx, i).decode(),
+                                      g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode().upper(),
+                                      list(ne[:n_dims]), size, data + g.gguf_get_tensor_offset(ctx, i) + size))
+        return tensors
+
+
+_GGUF_INTS = {4: "gguf_get_val_u32", 5: "gguf_get_val_i32", 10: "gguf_get_val_u64", 11: "gguf_get_val_i64"}
+
+
+def gguf_block_count(path) -> int:
+    """A GGUF's repeating layers (<general.architecture>.block_count)."""
+    with _gguf_open(path) as (g, ctx):
+        arch_id = g.gguf_find_key(ctx, b"general.architecture")
+        if arch_id < 0 or g.gguf_get_kv_type(ctx, arch_id) != 8:  # GGUF_TYPE_STRING
+            raise ModelError(f"{path} names no architecture (general.architecture)")
+        arch = g.gguf_get_val_str(ctx, arch_id).decode()
+        key_id = g.gguf_find_key(ctx, f"{arch}.block_count".encode())
+        getter = _GGUF_INTS.get(g.gguf_get_kv_type(ctx, key_id)) if key_id >= 0 else None
+        if getter is None:  # ggml aborts on a getter of the wrong type: check first
+            raise ModelError(f"{path} has no integer {arch}.block_count")
+        return int(getattr(g, getter)(ctx, key_id))
+
+
 def unbatched_weights(path) -> tuple[float, dict[str, int]]:
     """A GGUF's share of matmul weight bytes in quantized types without multi-token kernels, and those bytes by
     type name (empty: none), from one read of its tensor list (the same whether the weights load repacked or not:
     every layout llama.cpp repacks into on x86 has our kernels)."""
-    from gguf import GGUFReader
-
-    return unbatched_share([(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes))
-                            for t in GGUFReader(path, "r").tensors])
+    return unbatched_share([(t.name, t.type, t.shape, t.n_bytes) for t in gguf_tensors(path)])
 
 
 def unbatched_share(tensors) -> tuple[float, dict[str, int]]:

@@ -75,11 +75,11 @@ def tensor_type(name: str, flag: str) -> int:
 
 def quantized_types(path: Path) -> dict[str, int]:
     """Quantized weight types in a GGUF file -> how many matrices have each (empty for an F32/F16/BF16 file)."""
-    from gguf import GGUFReader
+    from .native import gguf_tensors
 
     out: dict[str, int] = {}
-    for t in GGUFReader(path, "r").tensors:
-        name = t.tensor_type.name
+    for t in gguf_tensors(path):
+        name = t.type
         if len(t.shape) >= 2 and name not in UNQUANTIZED:
             out[name] = out.get(name, 0) + 1
     return out

@@ -409,3 +409,37 @@ def test_unbatched_weights_count_a_mixture_of_experts_expert_matrices_by_type(tm
     assert share == pytest.approx(experts / (experts + 8 * BLOCK_BYTES[Q4_K] + 8 * BLOCK_BYTES[Q6_K]))
     message = api.warn_unbatched_weights(Target(slow_experts))
     assert message and "are TQ1_0, which" in message and "Q4_K_M" in message
+
+
+def test_gguf_tensors_read_what_gguf_py_reads_and_refuse_a_damaged_file(tmp_path):
+    """The fast tensor list (ggml's parser, used at every model load) equals gguf-py's reader on a real model and on
+    a synthetic file with 1-, 2- and 3-dimensional tensors; metadata cut short is a ModelError, not a crash."""
+    from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+    from speculant.errors import ModelError
+
+    synthetic = tmp_path / "shapes.gguf"
+    writer = GGUFWriter(str(synthetic), "llama")
+    writer.add_tensor("norm.weight", np.ones(64, np.float32))
+    writer.add_tensor("blk.0.ffn_up_exps.weight", np.zeros((4, 8, BLOCK_BYTES[Q4_K]), np.uint8),
+                      raw_dtype=GGMLQuantizationType(Q4_K))
+    writer.add_tensor("output.weight", np.zeros((8, 2 * BLOCK_BYTES[Q6_K]), np.uint8), raw_dtype=GGMLQuantizationType(Q6_K))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    for path in (models.resolve(models.DEFAULT_DRAFT), synthetic):
+        expected = [(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes),
+                     int(t.data_offset + t.n_bytes)) for t in GGUFReader(path, "r").tensors]
+        assert [tuple(t) for t in native.gguf_tensors(path)] == expected
+    assert [t.shape for t in native.gguf_tensors(synthetic)] == [[64], [256, 8, 4], [512, 8]]
+    assert native.gguf_block_count(models.resolve(models.DEFAULT_DRAFT)) == 24  # Qwen2.5 0.5B
+    with pytest.raises(ModelError, match="no integer llama.block_count"):
+        native.gguf_block_count(synthetic)
+    cut = tmp_path / "cut.gguf"
+    with open(models.resolve(models.DEFAULT_DRAFT), "rb") as f:
+        cut.write_bytes(f.read(1_000_000))  # ends inside the vocabulary
+    with pytest.raises(ModelError, match="not a readable GGUF"):
+        native.gguf_tensors(cut)
+    with pytest.raises(ModelError, match="corrupt or truncated"):
+        models.check_gguf(cut)

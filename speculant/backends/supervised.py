@@ -32,15 +32,6 @@ WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
 
 
-def _n_layer(path: str) -> int:
-    """The repeating layers of a GGUF (its <arch>.block_count), read from the header only."""
-    from gguf import GGUFReader
-
-    reader = GGUFReader(path)
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    return int(reader.fields[f"{arch}.block_count"].parts[-1][0])
-
-
 def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str) -> None:
     """The child: load the target with its layers on the workers, then answer the parent's calls."""
     import resource
@@ -53,9 +44,10 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
     os.dup2(log, 1)
     try:
         from .. import rpc
+        from ..native import gguf_block_count
         from .llamacpp import LlamaCppBackend
 
-        n_device_layers, split = rpc.layer_plan(_n_layer(path), weights)
+        n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
         backend = LlamaCppBackend(path, devices=rpc.rpc_devices(endpoints), n_device_layers=n_device_layers,
                                   device_split=split, **kwargs)
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
