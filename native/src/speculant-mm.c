@@ -69,15 +69,30 @@ static inline __attribute__((always_inline)) void prefetch_stream(const void * b
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 3);  // prefetcht0
 }
 
-// A second, farther prefetch into L2 only (prefetcht2), for the kernel that reads fastest: the repacked Q4_0 one
-// (AVX-512), whose loop waits on prefetcht0 with every L1 fill buffer taken. L2 requests go through L2's own,
-// deeper queue. One-token passes, Sapphire Rapids: the 0.5B Q4_0 draft 14.2 -> 11.4-12.2 ms, Qwen 1.5B Q4_0
-// 39-41 -> 35; 5 and 8 tokens unchanged. No gain for the other kernels (less memory-bound: Q4_K, Q5_K, Q3_K,
-// IQ4_XS, Q4_1, the 0.5B's Q5_0/Q8_0) nor for the AVX2 Q4_0 kernel run on the same CPU.
+// A second, farther prefetch into L2 only (prefetcht2), for the kernel that reads fastest: the repacked Q4_0 one,
+// whose loop (AVX-512) waited on prefetcht0 with every L1 fill buffer taken. L2 requests go through L2's own, deeper
+// queue. One-token passes, Sapphire Rapids: the 0.5B Q4_0 draft 14.2 -> 11.4-12.5 ms, Qwen 1.5B Q4_0 39-41 -> 35;
+// 5 and 8 tokens unchanged. No gain for the other kernels (less memory-bound: Q4_K, Q6_K, Q5_K, Q3_K, IQ4_XS, Q4_1,
+// Q5_0/Q8_0), nor for the AVX2 Q4_0 kernel on the same CPU, so the AVX2 builds leave it off by default; AMD CPUs
+// were not measured. SPECULANT_PREFETCH_L2=<bytes> sets the distance (0: off), e.g. for scripts/prefetch_bench.py.
+#if defined(__AVX512F__)
 #define PREFETCH_L2_AHEAD 4096  // 4096-16384 read alike for the draft
+#else
+#define PREFETCH_L2_AHEAD 0
+#endif
+static int prefetch_l2_ahead = PREFETCH_L2_AHEAD;
+
+__attribute__((constructor)) static void prefetch_l2_ahead_from_env(void) {
+    const char * env = getenv("SPECULANT_PREFETCH_L2");
+    if (env) {
+        const int bytes = atoi(env);
+        prefetch_l2_ahead = bytes > 0 ? bytes : 0;
+    }
+}
+
 static inline __attribute__((always_inline)) void prefetch_stream_l2(const void * block, size_t bytes) {
-    if (prefetch_ahead == 0) return;
-    const char * p = (const char *) block + PREFETCH_L2_AHEAD;
+    if (prefetch_ahead == 0 || prefetch_l2_ahead == 0) return;  // SPECULANT_PREFETCH=0 turns both off
+    const char * p = (const char *) block + prefetch_l2_ahead;
     for (size_t o = 0; o < bytes; o += 64) __builtin_prefetch(p + o, 0, 1);  // prefetcht2
 }
 
@@ -1493,6 +1508,7 @@ static inline __attribute__((always_inline)) void q4_0x8_cols(const int NC, cons
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         prefetch_stream(x + i, sizeof(*x));
+        prefetch_stream_l2(x + i, sizeof(*x));
         const q4_0x8 * xb = x + i;
         __m256i w[2][4];
         for (int half = 0; half < 2; ++half) {  // rows 4*half .. 4*half+3
