@@ -181,8 +181,8 @@ def _ggml_base() -> ctypes.CDLL:
     lib.gguf_find_key.restype = ctypes.c_int64
     lib.gguf_find_key.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     for fn, restype in (("gguf_get_kv_type", ctypes.c_int), ("gguf_get_val_str", ctypes.c_char_p),
-                        ("gguf_get_val_u32", ctypes.c_uint32), ("gguf_get_val_i32", ctypes.c_int32),
-                        ("gguf_get_val_u64", ctypes.c_uint64), ("gguf_get_val_i64", ctypes.c_int64)):
+                        ("gguf_get_val_data", ctypes.c_void_p), ("gguf_get_arr_type", ctypes.c_int),
+                        ("gguf_get_arr_n", ctypes.c_size_t), ("gguf_get_arr_data", ctypes.c_void_p)):
         getattr(lib, fn).restype = restype
         getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int64]
     return lib
@@ -218,21 +218,43 @@ def gguf_tensors(path) -> list[GGUFTensor]:
         return tensors
 
 
-_GGUF_INTS = {4: "gguf_get_val_u32", 5: "gguf_get_val_i32", 10: "gguf_get_val_u64", 11: "gguf_get_val_i64"}
+# gguf_type -> ctypes type of the scalar types (GGUF_TYPE_STRING 8 and GGUF_TYPE_ARRAY 9 are read apart)
+_GGUF_SCALARS = {0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32,
+                 5: ctypes.c_int32, 6: ctypes.c_float, 7: ctypes.c_bool, 10: ctypes.c_uint64, 11: ctypes.c_int64,
+                 12: ctypes.c_double}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+def gguf_metadata(path, keys) -> dict:
+    """Those of `keys` a GGUF has -> their values: numbers, strings, lists of numbers (arrays of strings are left
+    out). ggml aborts on a getter of the wrong type, so each value is read by its stored type."""
+    out = {}
+    with _gguf_open(path) as (g, ctx):
+        for key in keys:
+            i = g.gguf_find_key(ctx, key.encode())
+            if i < 0:
+                continue
+            kind = g.gguf_get_kv_type(ctx, i)
+            if kind == _GGUF_STRING:
+                out[key] = g.gguf_get_val_str(ctx, i).decode("utf-8", errors="replace")
+            elif kind in _GGUF_SCALARS:
+                out[key] = ctypes.cast(g.gguf_get_val_data(ctx, i), ctypes.POINTER(_GGUF_SCALARS[kind])).contents.value
+            elif kind == _GGUF_ARRAY and g.gguf_get_arr_type(ctx, i) in _GGUF_SCALARS:
+                n = g.gguf_get_arr_n(ctx, i)
+                data = g.gguf_get_arr_data(ctx, i) if n else None
+                out[key] = list((_GGUF_SCALARS[g.gguf_get_arr_type(ctx, i)] * n).from_address(data)) if n else []
+    return out
 
 
 def gguf_block_count(path) -> int:
     """A GGUF's repeating layers (<general.architecture>.block_count)."""
-    with _gguf_open(path) as (g, ctx):
-        arch_id = g.gguf_find_key(ctx, b"general.architecture")
-        if arch_id < 0 or g.gguf_get_kv_type(ctx, arch_id) != 8:  # GGUF_TYPE_STRING
-            raise ModelError(f"{path} names no architecture (general.architecture)")
-        arch = g.gguf_get_val_str(ctx, arch_id).decode()
-        key_id = g.gguf_find_key(ctx, f"{arch}.block_count".encode())
-        getter = _GGUF_INTS.get(g.gguf_get_kv_type(ctx, key_id)) if key_id >= 0 else None
-        if getter is None:  # ggml aborts on a getter of the wrong type: check first
-            raise ModelError(f"{path} has no integer {arch}.block_count")
-        return int(getattr(g, getter)(ctx, key_id))
+    arch = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelError(f"{path} names no architecture (general.architecture)")
+    n = gguf_metadata(path, [f"{arch}.block_count"]).get(f"{arch}.block_count")
+    if not isinstance(n, int) or isinstance(n, bool):
+        raise ModelError(f"{path} has no integer {arch}.block_count")
+    return n
 
 
 def unbatched_weights(path) -> tuple[float, dict[str, int]]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -108,15 +109,6 @@ def _mb(n: int) -> float:
     return round(n / MiB, 1)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    val = f.parts[f.data[0]]
-    return val.tobytes().decode() if val.dtype.kind == "u" and val.dtype.itemsize == 1 and len(val) > 1 \
-        else val.tolist()[0] if len(val) == 1 else val.tolist()
-
-
 def _cached(path: Path, tag: str, compute):
     """compute() for a file, kept as JSON in $SPECULANT_HOME/plan-cache, keyed by file, size, mtime and tag."""
     st = path.stat()
@@ -138,46 +130,46 @@ def _cached(path: Path, tag: str, compute):
 
 
 def gguf_facts(path: Path) -> dict:
-    """Shapes and types from a GGUF header: what the plan is computed from. Reading a header with a big
-    vocabulary takes seconds, so the facts are kept in $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
-    return _cached(path, "", lambda: _facts_in_child(path))
-
-
-def _facts_in_child(path: Path) -> dict:
-    # the gguf reader peaks at ~0.5 GB for a 150k-token vocabulary: read in a child, not in an engine's process
-    proc = subprocess.run([sys.executable, "-m", "speculant.plan", "--facts", str(path)], capture_output=True,
-                          text=True)
-    if proc.returncode != 0 or not proc.stdout.startswith(MARK):
-        why = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-        raise ModelError(f"cannot read the GGUF header of {path}: {why}")
-    return json.loads(proc.stdout[len(MARK):])
+    """Shapes and types from a GGUF header: what the plan is computed from (ggml's parser, milliseconds), kept in
+    $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
+    return _cached(path, "", lambda: _read_facts(path))
 
 
 def _read_facts(path: Path) -> dict:
-    from gguf import GGUFReader
+    from .native import gguf_metadata, gguf_tensors
 
-    r = GGUFReader(path, "r")
-    arch = bytes(r.fields["general.architecture"].parts[-1]).decode()
-    n_embd = int(_field(r, f"{arch}.embedding_length"))
-    n_head = int(_field(r, f"{arch}.attention.head_count"))
-    n_head_kv = int(_field(r, f"{arch}.attention.head_count_kv", n_head))
-    head_k = int(_field(r, f"{arch}.attention.key_length", n_embd // n_head))
-    head_v = int(_field(r, f"{arch}.attention.value_length", n_embd // n_head))
-    tensors = [(t.name, t.tensor_type.name, [int(x) for x in t.shape], int(t.n_bytes), int(t.n_elements))
-               for t in r.tensors]
-    embd = next(t for t in tensors if t[0] == "token_embd.weight")
-    return {"arch": arch, "n_layer": int(_field(r, f"{arch}.block_count")), "n_embd": n_embd, "n_head": n_head,
-            "n_head_kv": n_head_kv, "n_ff": int(_field(r, f"{arch}.feed_forward_length", 4 * n_embd)),
-            "head_k": head_k, "head_v": head_v, "n_vocab": embd[2][1],
-            "n_ctx_train": int(_field(r, f"{arch}.context_length", 0)), "file_type": _file_type_name(r),
+    arch = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelError(f"cannot read the GGUF header of {path}: no general.architecture")
+    keys = {name: f"{arch}.{name}" for name in ("embedding_length", "attention.head_count", "block_count",
+                                                 "attention.head_count_kv", "attention.key_length",
+                                                 "attention.value_length", "feed_forward_length", "context_length")}
+    meta = gguf_metadata(path, [*keys.values(), "general.file_type"])
+
+    def number(name, default=None):
+        value = meta.get(keys[name], default)
+        if not isinstance(value, (int, float)) or isinstance(value, bool):  # missing, or per layer (a list)
+            raise ModelError(f"cannot read the GGUF header of {path}: {keys[name]} is "
+                             f"{'missing' if value is None else repr(value)[:40]}, not one number")
+        return int(value)
+
+    n_embd, n_head = number("embedding_length"), number("attention.head_count")
+    tensors = [(t.name, t.type, t.shape, t.n_bytes, math.prod(t.shape)) for t in gguf_tensors(path)]
+    embd = next((t for t in tensors if t[0] == "token_embd.weight"), None)
+    if embd is None or len(embd[2]) < 2:
+        raise ModelError(f"cannot read the GGUF header of {path}: no token_embd.weight matrix")
+    return {"arch": arch, "n_layer": number("block_count"), "n_embd": n_embd, "n_head": n_head,
+            "n_head_kv": number("attention.head_count_kv", n_head), "n_ff": number("feed_forward_length", 4 * n_embd),
+            "head_k": number("attention.key_length", n_embd // n_head),
+            "head_v": number("attention.value_length", n_embd // n_head), "n_vocab": embd[2][1],
+            "n_ctx_train": number("context_length", 0), "file_type": _file_type_name(meta.get("general.file_type")),
             "tensors": tensors, "file_bytes": path.stat().st_size,
             "data_bytes": sum(t[3] for t in tensors)}
 
 
-def _file_type_name(reader) -> str:
+def _file_type_name(ft) -> str:
     from gguf import LlamaFileType
 
-    ft = _field(reader, "general.file_type")
     try:
         return LlamaFileType(ft).name.replace("MOSTLY_", "").replace("ALL_", "") if ft is not None else "?"
     except ValueError:
@@ -464,17 +456,5 @@ def cmd_plan(args) -> int:
     return 0
 
 
-def _facts_child(path: str) -> int:
-    try:
-        facts = _read_facts(Path(path))
-    except Exception as e:  # the reader raises many kinds of errors on a damaged file
-        print(f"{type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    print(MARK + json.dumps(facts), flush=True)
-    return 0
-
-
 if __name__ == "__main__":
-    if sys.argv[1] == "--facts":
-        sys.exit(_facts_child(sys.argv[2]))
     print(MARK + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)

@@ -434,6 +434,15 @@ def test_gguf_tensors_read_what_gguf_py_reads_and_refuse_a_damaged_file(tmp_path
         assert [tuple(t) for t in native.gguf_tensors(path)] == expected
     assert [t.shape for t in native.gguf_tensors(synthetic)] == [[64], [256, 8, 4], [512, 8]]
     assert native.gguf_block_count(models.resolve(models.DEFAULT_DRAFT)) == 24  # Qwen2.5 0.5B
+    draft = models.resolve(models.DEFAULT_DRAFT)
+    fields = GGUFReader(draft, "r").fields
+    keys = ["general.architecture", "qwen2.block_count", "qwen2.rope.freq_base", "general.file_type",
+            "tokenizer.ggml.eos_token_id", "tokenizer.ggml.token_type", "tokenizer.ggml.add_bos_token"]
+    meta = native.gguf_metadata(draft, keys + ["no.such.key", "tokenizer.ggml.tokens"])  # strings: left out
+    assert sorted(meta) == sorted(keys)
+    for key in keys:
+        expected = fields[key].contents()
+        assert meta[key] == (pytest.approx(expected) if isinstance(expected, float) else expected), key
     with pytest.raises(ModelError, match="no integer llama.block_count"):
         native.gguf_block_count(synthetic)
     cut = tmp_path / "cut.gguf"
