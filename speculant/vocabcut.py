@@ -117,10 +117,10 @@ def cut_model(src: Path, n: int) -> Path:
 
 def read_keep(path: Path) -> Optional[np.ndarray]:
     """The target ids a cut GGUF keeps (None: not a cut file)."""
-    from gguf import GGUFReader
+    from .native import gguf_metadata
 
-    field = GGUFReader(str(path)).fields.get(KEEP_KEY)
-    return None if field is None else np.asarray(field.contents(), dtype=np.int64)
+    keep = gguf_metadata(path, [KEEP_KEY]).get(KEEP_KEY)
+    return None if keep is None else np.asarray(keep, dtype=np.int64)
 
 
 class TokenEmbeddings:
@@ -128,12 +128,17 @@ class TokenEmbeddings:
     first use and kept)."""
 
     def __init__(self, path: Path):
-        from gguf import GGUFReader
+        from gguf import GGMLQuantizationType
 
-        tensor = next((t for t in GGUFReader(str(path)).tensors if t.name == "token_embd.weight"), None)
-        if tensor is None:
-            raise ModelError(f"{Path(path).name}: no token_embd.weight")
-        self.table, self.kind = tensor.data, tensor.tensor_type  # [n_vocab, row bytes] (or floats)
+        from .native import gguf_tensors
+
+        tensor = next((t for t in gguf_tensors(path) if t.name == "token_embd.weight"), None)
+        if tensor is None or len(tensor.shape) != 2:
+            raise ModelError(f"{Path(path).name}: no token_embd.weight matrix")
+        n_vocab = tensor.shape[1]
+        self.table = np.memmap(path, np.uint8, "r", offset=tensor.data_end - tensor.n_bytes,
+                               shape=(n_vocab, tensor.n_bytes // n_vocab))  # [n_vocab, row bytes]
+        self.kind = GGMLQuantizationType[tensor.type]
         self.rows: dict[int, np.ndarray] = {}
 
     def __call__(self, tokens) -> np.ndarray:
