@@ -572,10 +572,12 @@ def test_concurrent_clients_get_their_own_answers(server, client):
     ok = 'speculant_requests_total{endpoint="/v1/completions",status="200"}'
     assert after[ok] - before[ok] == 16
     assert after["speculant_queue_depth"] == 0 and after["speculant_requests_in_progress"] == 0
-    # two slots (the default --parallel): requests decoded together, in passes that computed both
+    # two slots (the default --parallel): requests decoded together, in passes that computed both. How many of
+    # ~150 passes merge depends on how the two slots' phases (prompt, decode) happen to line up: 7 to 30 in runs of
+    # the same code here (a bound of 10 failed 1 run in 5); without merging, sequences == passes
     passes = after["speculant_batched_passes"] - before["speculant_batched_passes"]
     sequences = after["speculant_batched_pass_sequences"] - before["speculant_batched_pass_sequences"]
-    assert passes > 0 and sequences >= passes + 10, (passes, sequences)
+    assert passes > 0 and sequences >= passes + 2, (passes, sequences)
     assert httpx.get(server + "/health").json()["slots"] == 2
 
 
