@@ -188,36 +188,6 @@ def _ggml_base() -> ctypes.CDLL:
     return lib
 
 
-@contextmanager
-def _gguf_open(path):
-    """ggml's parse of a GGUF's metadata and tensor list (no tensor data); ModelError when it cannot parse it (ggml
-    says why on stderr). gguf-py's reader builds every metadata field in Python first: ~6 s for a 152k-token
-    vocabulary, against milliseconds here."""
-    g = _ggml_base()
-    ctx = g.gguf_init_from_file(str(path).encode(), _GGUFInitParams(True, None))
-    if not ctx:
-        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated metadata)")
-    try:
-        yield g, ctx
-    finally:
-        g.gguf_free(ctx)
-
-
-def gguf_tensors(path) -> list[GGUFTensor]:
-    """A GGUF's tensor list, as ggml (so llama.cpp) reads it."""
-    with _gguf_open(path) as (g, ctx):
-        data = g.gguf_get_data_offset(ctx)
-        tensors = []
-        for i in range(g.gguf_get_n_tensors(ctx)):
-            ne = g.gguf_get_tensor_ne(ctx, i)[:4]
-            n_dims = max((d + 1 for d in range(4) if ne[d] != 1), default=1)
-            size = g.gguf_get_tensor_size(ctx, i)
-            tensors.append(GGUFTensor(g.gguf_get_tensor_name(ctx, i).decode(),
-                                      g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode().upper(),
-                                      list(ne[:n_dims]), size, data + g.gguf_get_tensor_offset(ctx, i) + size))
-        return tensors
-
-
 # gguf_type -> ctypes type of the scalar types (GGUF_TYPE_STRING 8 and GGUF_TYPE_ARRAY 9 are read apart)
 _GGUF_SCALARS = {0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: ctypes.c_int16, 4: ctypes.c_uint32,
                  5: ctypes.c_int32, 6: ctypes.c_float, 7: ctypes.c_bool, 10: ctypes.c_uint64, 11: ctypes.c_int64,
@@ -225,11 +195,18 @@ _GGUF_SCALARS = {0: ctypes.c_uint8, 1: ctypes.c_int8, 2: ctypes.c_uint16, 3: cty
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
 
 
-def gguf_metadata(path, keys) -> dict:
-    """Those of `keys` a GGUF has -> their values: numbers, strings, lists of numbers (arrays of strings are left
-    out). ggml aborts on a getter of the wrong type, so each value is read by its stored type."""
-    out = {}
-    with _gguf_open(path) as (g, ctx):
+class GGUFHeader:
+    """A GGUF's metadata and tensor list as ggml's parser (the one llama.cpp uses) read them, no tensor data.
+    gguf-py's reader builds every metadata field in Python first: ~6 s for a 152k-token vocabulary, against
+    milliseconds here."""
+
+    def __init__(self, g: ctypes.CDLL, ctx: int):
+        self._g, self._ctx = g, ctx
+
+    def metadata(self, keys) -> dict:
+        """Those of `keys` the file has -> their values: numbers, strings, lists of numbers (arrays of strings
+        are left out). ggml aborts on a getter of the wrong type, so each value is read by its stored type."""
+        g, ctx, out = self._g, self._ctx, {}
         for key in keys:
             i = g.gguf_find_key(ctx, key.encode())
             if i < 0:
@@ -239,21 +216,64 @@ def gguf_metadata(path, keys) -> dict:
                 out[key] = g.gguf_get_val_str(ctx, i).decode("utf-8", errors="replace")
             elif kind in _GGUF_SCALARS:
                 out[key] = ctypes.cast(g.gguf_get_val_data(ctx, i), ctypes.POINTER(_GGUF_SCALARS[kind])).contents.value
-            elif kind == _GGUF_ARRAY and g.gguf_get_arr_type(ctx, i) in _GGUF_SCALARS:
+            elif kind == _GGUF_ARRAY and (item := _GGUF_SCALARS.get(g.gguf_get_arr_type(ctx, i))) is not None:
                 n = g.gguf_get_arr_n(ctx, i)
-                data = g.gguf_get_arr_data(ctx, i) if n else None
-                out[key] = list((_GGUF_SCALARS[g.gguf_get_arr_type(ctx, i)] * n).from_address(data)) if n else []
-    return out
+                out[key] = list((item * n).from_address(g.gguf_get_arr_data(ctx, i))) if n else []
+        return out
+
+    def tensors(self) -> list[GGUFTensor]:
+        g, ctx = self._g, self._ctx
+        data = g.gguf_get_data_offset(ctx)
+        out = []
+        for i in range(g.gguf_get_n_tensors(ctx)):
+            ne = g.gguf_get_tensor_ne(ctx, i)[:4]
+            n_dims = max((d + 1 for d in range(4) if ne[d] != 1), default=1)
+            size = g.gguf_get_tensor_size(ctx, i)
+            out.append(GGUFTensor(g.gguf_get_tensor_name(ctx, i).decode(),
+                                  g.ggml_type_name(g.gguf_get_tensor_type(ctx, i)).decode().upper(),
+                                  list(ne[:n_dims]), size, data + g.gguf_get_tensor_offset(ctx, i) + size))
+        return out
+
+    def architecture(self) -> str:
+        arch = self.metadata(["general.architecture"]).get("general.architecture")
+        if not isinstance(arch, str):
+            raise ModelError("the GGUF names no architecture (general.architecture)")
+        return arch
+
+
+@contextmanager
+def gguf_header(path):
+    """The GGUFHeader of a file, for one or more reads; ModelError when ggml cannot parse it (it says why on
+    stderr)."""
+    g = _ggml_base()
+    ctx = g.gguf_init_from_file(str(path).encode(), _GGUFInitParams(True, None))
+    if not ctx:
+        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated metadata)")
+    try:
+        yield GGUFHeader(g, ctx)
+    finally:
+        g.gguf_free(ctx)
+
+
+def gguf_tensors(path) -> list[GGUFTensor]:
+    """A GGUF's tensor list, as ggml (so llama.cpp) reads it."""
+    with gguf_header(path) as header:
+        return header.tensors()
+
+
+def gguf_metadata(path, keys) -> dict:
+    """GGUFHeader.metadata of one file."""
+    with gguf_header(path) as header:
+        return header.metadata(keys)
 
 
 def gguf_block_count(path) -> int:
     """A GGUF's repeating layers (<general.architecture>.block_count)."""
-    arch = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelError(f"{path} names no architecture (general.architecture)")
-    n = gguf_metadata(path, [f"{arch}.block_count"]).get(f"{arch}.block_count")
+    with gguf_header(path) as header:
+        key = f"{header.architecture()}.block_count"
+        n = header.metadata([key]).get(key)
     if not isinstance(n, int) or isinstance(n, bool):
-        raise ModelError(f"{path} has no integer {arch}.block_count")
+        raise ModelError(f"{path} has no integer {key}")
     return n
 
 

@@ -136,15 +136,19 @@ def gguf_facts(path: Path) -> dict:
 
 
 def _read_facts(path: Path) -> dict:
-    from .native import gguf_metadata, gguf_tensors
+    from .native import gguf_header
 
-    arch = gguf_metadata(path, ["general.architecture"]).get("general.architecture")
-    if not isinstance(arch, str):
-        raise ModelError(f"cannot read the GGUF header of {path}: no general.architecture")
-    keys = {name: f"{arch}.{name}" for name in ("embedding_length", "attention.head_count", "block_count",
-                                                 "attention.head_count_kv", "attention.key_length",
-                                                 "attention.value_length", "feed_forward_length", "context_length")}
-    meta = gguf_metadata(path, [*keys.values(), "general.file_type"])
+    with gguf_header(path) as header:
+        try:
+            arch = header.architecture()
+        except ModelError as e:
+            raise ModelError(f"cannot read the GGUF header of {path}: {e}") from None
+        keys = {name: f"{arch}.{name}" for name in ("embedding_length", "attention.head_count", "block_count",
+                                                     "attention.head_count_kv", "attention.key_length",
+                                                     "attention.value_length", "feed_forward_length",
+                                                     "context_length")}
+        meta = header.metadata([*keys.values(), "general.file_type"])
+        file_tensors = header.tensors()
 
     def number(name, default=None):
         value = meta.get(keys[name], default)
@@ -154,7 +158,7 @@ def _read_facts(path: Path) -> dict:
         return int(value)
 
     n_embd, n_head = number("embedding_length"), number("attention.head_count")
-    tensors = [(t.name, t.type, t.shape, t.n_bytes, math.prod(t.shape)) for t in gguf_tensors(path)]
+    tensors = [(t.name, t.type, t.shape, t.n_bytes, math.prod(t.shape)) for t in file_tensors]
     embd = next((t for t in tensors if t[0] == "token_embd.weight"), None)
     if embd is None or len(embd[2]) < 2:
         raise ModelError(f"cannot read the GGUF header of {path}: no token_embd.weight matrix")
