@@ -53,14 +53,6 @@ void speculant_mm_set_max_rows(int64_t rows) {
 #define PREFETCH_AHEAD 2048  // 1536-2560 read alike (Qwen 1.5B Q4_K_M and Q5_K_M, 0.5B Q4_0); 4096 slower
 static int prefetch_ahead = PREFETCH_AHEAD;
 
-__attribute__((constructor)) static void prefetch_ahead_from_env(void) {
-    const char * env = getenv("SPECULANT_PREFETCH");
-    if (env) {
-        const int bytes = atoi(env);
-        prefetch_ahead = bytes > 0 ? bytes : 0;
-    }
-}
-
 // the cache lines `bytes` (>= 1) of a block cover, prefetch_ahead bytes further on (blocks under 64 bytes, read in
 // order, need one line each: every line gets at least one)
 static inline __attribute__((always_inline)) void prefetch_stream(const void * block, size_t bytes) {
@@ -82,12 +74,17 @@ static inline __attribute__((always_inline)) void prefetch_stream(const void * b
 #endif
 static int prefetch_l2_ahead = PREFETCH_L2_AHEAD;
 
-__attribute__((constructor)) static void prefetch_l2_ahead_from_env(void) {
-    const char * env = getenv("SPECULANT_PREFETCH_L2");
-    if (env) {
-        const int bytes = atoi(env);
-        prefetch_l2_ahead = bytes > 0 ? bytes : 0;
-    }
+// a distance in bytes from the environment (unset: `fallback`; <= 0: off), read once, at load
+static int env_bytes(const char * name, int fallback) {
+    const char * env = getenv(name);
+    if (!env) return fallback;
+    const int bytes = atoi(env);
+    return bytes > 0 ? bytes : 0;
+}
+
+__attribute__((constructor)) static void prefetch_distances_from_env(void) {
+    prefetch_ahead = env_bytes("SPECULANT_PREFETCH", PREFETCH_AHEAD);
+    prefetch_l2_ahead = env_bytes("SPECULANT_PREFETCH_L2", PREFETCH_L2_AHEAD);
 }
 
 static inline __attribute__((always_inline)) void prefetch_stream_l2(const void * block, size_t bytes) {
