@@ -2732,6 +2732,44 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
 
 #endif
 
+// -- the softmax's maximum -----------------------------------------------------------------------------------
+
+static int64_t shared_attention = 1;  // 0: ggml's own loops for the attention products and the softmax's max
+
+void speculant_mm_set_shared_attention(int64_t on) {
+    shared_attention = on;
+}
+
+float speculant_vec_max_f32(int n, const float * x) {
+    float max = -INFINITY;
+    int i = 0;
+    if (shared_attention) {
+#if defined(__AVX512F__) && defined(SPECULANT_MM_HAVE_KERNELS)
+        __m512 m[4] = { _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY), _mm512_set1_ps(-INFINITY),
+                        _mm512_set1_ps(-INFINITY) };  // 4 chains: a max waits 4 cycles on the one before
+        for (; i + 64 <= n; i += 64) {
+            for (int k = 0; k < 4; ++k) m[k] = _mm512_max_ps(m[k], _mm512_loadu_ps(x + i + 16 * k));
+        }
+        for (; i + 16 <= n; i += 16) m[0] = _mm512_max_ps(m[0], _mm512_loadu_ps(x + i));
+        max = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_max_ps(m[0], m[1]), _mm512_max_ps(m[2], m[3])));
+#elif defined(SPECULANT_MM_HAVE_KERNELS)  // AVX2
+        __m256 m[4] = { _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY), _mm256_set1_ps(-INFINITY),
+                        _mm256_set1_ps(-INFINITY) };
+        for (; i + 32 <= n; i += 32) {
+            for (int k = 0; k < 4; ++k) m[k] = _mm256_max_ps(m[k], _mm256_loadu_ps(x + i + 8 * k));
+        }
+        for (; i + 8 <= n; i += 8) m[0] = _mm256_max_ps(m[0], _mm256_loadu_ps(x + i));
+        float lanes[8];
+        _mm256_storeu_ps(lanes, _mm256_max_ps(_mm256_max_ps(m[0], m[1]), _mm256_max_ps(m[2], m[3])));
+        for (int k = 0; k < 8; ++k) max = MAX(max, lanes[k]);
+#endif
+    }
+    for (; i < n; ++i) {
+        max = MAX(max, x[i]);
+    }
+    return max;
+}
+
 // -- attention products: F16 K or V rows against the few query columns that share them ----------------------
 
 #if defined(GGML_SIMD) && !defined(__AVX512FP16__) && (defined(__AVX512F__) || (defined(__AVX2__) && defined(__F16C__) && defined(__FMA__)))
@@ -2865,12 +2903,6 @@ static inline __attribute__((always_inline)) void f16_rows(const int NC, const i
     }
 #endif
 
-static int64_t shared_attention = 1;
-
-void speculant_mm_set_shared_attention(int64_t on) {
-    shared_attention = on;
-}
-
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {
     if (!shared_attention) {
@@ -2911,10 +2943,6 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
 }
 
 #else  // ggml's own loop (vec_dot_f16 per element)
-
-void speculant_mm_set_shared_attention(int64_t on) {
-    (void) on;
-}
 
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {

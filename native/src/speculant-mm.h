@@ -103,9 +103,15 @@ GGML_BACKEND_API int speculant_mm_max_group(int type, int repacked);
 // mul_mat_one_chunk indexes them: each element by the operations of ggml_vec_dot_f16, but every src0 row is
 // dotted with all the columns that share it (a query head group's heads and tokens) while it is converted once.
 // false when this build has no such kernel (then ggml's loop runs).
-// 0: ggml's loop computes the attention products instead (the same bits); 1: speculant_mm_f16_chunk (default).
+// 0: ggml's loop computes the attention products, and ggml's scalar loop the softmax's maximum, instead (the
+// same bits); 1: speculant_mm_f16_chunk and speculant_vec_max_f32 (default).
 // For A/B runs over the same weights and cache in memory.
 GGML_BACKEND_API void speculant_mm_set_shared_attention(int64_t on);
+
+// The largest of x[0 .. n) (no NaN: ggml asserts none), as ggml_vec_max_f32 finds it but 16 (AVX-512) or 8
+// (AVX2) lanes at once: a maximum does not depend on the order it is taken in, except for the sign of a zero
+// maximum, which the softmax's exp(x - max) cannot see. ggml's loop is one dependent compare per score.
+GGML_BACKEND_API float speculant_vec_max_f32(int n, const float * x);
 
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end);
