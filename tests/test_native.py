@@ -305,6 +305,51 @@ def test_the_bit_identity_check_sees_a_reordered_sum(repacked, qtype):
 
 # -- doctor ---------------------------------------------------------------------------------------------------
 
+def _q8_K_rows(rng) -> np.ndarray:
+    """Activation rows for the Q8_K quantizer [rows, 512], with the cases its scalar reference decides one by one:
+    ties of the largest magnitude (+a before -a and the other way), zero blocks, values that scale to exactly
+    x.5 (ties to even), tiny and huge magnitudes, negative zeros."""
+    rows = [rng.standard_normal(512).astype(np.float32) * s for s in (1e-3, 1.0, 37.0, 3e4)]
+    tie = rng.standard_normal(512).astype(np.float32)
+    tie[[5, 300]], tie[[77, 260]] = 9.0, -9.0  # block 0: +9 first; block 1: -9 first
+    rows.append(tie)
+    half = np.full(512, 0.5, np.float32)
+    half[0], half[256] = -127.0, 127.0  # iscale +-1: every other value lands on x.5
+    half[1:256] = np.arange(1, 256, dtype=np.float32) / 2 - 60
+    rows.append(half)
+    zero = rng.standard_normal(512).astype(np.float32)
+    zero[:256] = 0.0
+    zero[10] = -0.0
+    rows.append(zero)
+    return np.stack(rows)
+
+
+def test_the_q8_K_quantizer_gives_the_reference_bits():
+    """Activations for K-quant weights are quantized by our SIMD quantizer (x86 ggml runs the scalar reference):
+    each ISA level's gives the reference's bytes (scale, values, block sums) on random and adversarial rows."""
+    _kernel_lib()
+    base = ctypes.CDLL(str(native.lib_dir() / "libggml-base.so"))
+    base.quantize_row_q8_K_ref.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    rng = np.random.default_rng(5)
+    rows = np.concatenate([_q8_K_rows(rng), rng.standard_normal((200, 512)).astype(np.float32)
+                           * rng.uniform(1e-4, 1e3, (200, 1)).astype(np.float32)])
+    block = 4 + 256 + 32  # block_q8_K: d, qs[256], bsums[16]
+    ref = np.zeros((len(rows), 2 * block), np.uint8)
+    for r in range(len(rows)):
+        base.quantize_row_q8_K_ref(rows[r].ctypes.data, ref[r].ctypes.data, 512)
+    ran = []
+    for variant, lib in _isa_libs():
+        out = np.zeros_like(ref)
+        fn = lib.speculant_quantize_row_q8_K
+        fn.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+        for r in range(len(rows)):
+            fn(rows[r].ctypes.data, out[r].ctypes.data, 512)
+        bad = [r for r in range(len(rows)) if not np.array_equal(out[r], ref[r])]
+        assert not bad, f"{variant}: rows {bad[:5]} differ from quantize_row_q8_K_ref"
+        ran.append(variant)
+    assert ran
+
+
 def test_doctor_prints_every_fact():
     proc = subprocess.run([sys.executable, "-m", "speculant", "doctor", "--json"], capture_output=True, text=True,
                           timeout=300)

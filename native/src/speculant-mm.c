@@ -2732,6 +2732,91 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
 
 #endif
 
+// -- activations to Q8_K (the rows K-quant weights are dotted with) -------------------------------------------
+
+#include "ggml-quants.h"  // quantize_row_q8_K_ref
+
+// The bits of quantize_row_q8_K_ref, which is what x86 ggml runs, 16 (AVX-512) or 8 (AVX2) values at once: the
+// largest magnitude (a maximum: exact in any order) and the first value that has it, the same scale -127/max,
+// each value times it rounded to nearest-even (the ref's nearest_int, for these magnitudes <= 127), capped at
+// 127, and integer block sums. The ref is one scalar step per value, ~3% of a prompt's processing.
+void speculant_quantize_row_q8_K(const float * x, void * vy, int64_t k) {
+#if defined(SPECULANT_MM_HAVE_KERNELS)
+    block_q8_K * y = (block_q8_K *) vy;
+    const int64_t nb = k / QK_K;
+#if defined(__AVX512F__)
+    enum { W = 16 };
+    typedef __m512 fvec;
+#define QK_ABS(v) _mm512_abs_ps(v)
+#define QK_LOAD(p) _mm512_loadu_ps(p)
+#define QK_MAX(a, b) _mm512_max_ps(a, b)
+#define QK_ZERO _mm512_setzero_ps()
+#else
+    enum { W = 8 };
+    typedef __m256 fvec;
+    const __m256 sign = _mm256_set1_ps(-0.0f);
+#define QK_ABS(v) _mm256_andnot_ps(sign, v)
+#define QK_LOAD(p) _mm256_loadu_ps(p)
+#define QK_MAX(a, b) _mm256_max_ps(a, b)
+#define QK_ZERO _mm256_setzero_ps()
+#endif
+    for (int64_t i = 0; i < nb; ++i, x += QK_K) {
+        fvec m = QK_ZERO;  // max(a, m) is m where a is NaN: a NaN, which the ref skips, never gets in
+        for (int j = 0; j < QK_K; j += W) m = QK_MAX(QK_ABS(QK_LOAD(x + j)), m);
+        float lanes[W];
+        memcpy(lanes, &m, sizeof(lanes));
+        float amax = 0.0f;
+        for (int l = 0; l < W; ++l) amax = MAX(amax, lanes[l]);
+        if (!amax) {
+            y[i].d = 0;
+            memset(y[i].qs, 0, QK_K);
+            memset(y[i].bsums, 0, sizeof(y[i].bsums));  // the ref leaves them as they were: nothing reads them
+            continue;
+        }
+        int first = 0;
+        while (first < QK_K && fabsf(x[first]) != amax) ++first;  // the ref keeps the first value of largest magnitude
+        if (first == QK_K) {  // cannot happen; kept so that no input reads past the block
+            quantize_row_q8_K_ref(x, &y[i], QK_K);
+            continue;
+        }
+        const float iscale = -127.f / x[first];
+#if defined(__AVX512F__)
+        const __m512 s = _mm512_set1_ps(iscale);
+        for (int j = 0; j < QK_K; j += 16) {
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(s, _mm512_loadu_ps(x + j)));  // nearest, ties to even
+            v = _mm512_min_epi32(v, _mm512_set1_epi32(127));
+            _mm_storeu_si128((__m128i *) (y[i].qs + j), _mm512_cvtepi32_epi8(v));     // in [-127, 127]
+            y[i].bsums[j / 16] = (int16_t) _mm512_reduce_add_epi32(v);
+        }
+#else
+        const __m256 s = _mm256_set1_ps(iscale);
+        for (int j = 0; j < QK_K; j += 16) {
+            __m256i v0 = _mm256_cvtps_epi32(_mm256_mul_ps(s, _mm256_loadu_ps(x + j)));
+            __m256i v1 = _mm256_cvtps_epi32(_mm256_mul_ps(s, _mm256_loadu_ps(x + j + 8)));
+            v0 = _mm256_min_epi32(v0, _mm256_set1_epi32(127));
+            v1 = _mm256_min_epi32(v1, _mm256_set1_epi32(127));
+            // int32 -> int8 (no saturation happens: |v| <= 127), in order: the packs interleave 128-bit lanes
+            const __m256i w = _mm256_permute4x64_epi64(_mm256_packs_epi32(v0, v1), 0xD8);  // 16 x int16
+            const __m128i b = _mm_packs_epi16(_mm256_castsi256_si128(w), _mm256_extracti128_si256(w, 1));
+            _mm_storeu_si128((__m128i *) (y[i].qs + j), b);
+            const __m256i t = _mm256_add_epi32(v0, v1);
+            __m128i h = _mm_add_epi32(_mm256_castsi256_si128(t), _mm256_extracti128_si256(t, 1));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0x4E));
+            h = _mm_add_epi32(h, _mm_shuffle_epi32(h, 0xB1));
+            y[i].bsums[j / 16] = (int16_t) _mm_cvtsi128_si32(h);
+        }
+#endif
+        y[i].d = 1 / iscale;
+    }
+#undef QK_ABS
+#undef QK_LOAD
+#undef QK_MAX
+#undef QK_ZERO
+#else
+    quantize_row_q8_K_ref(x, (block_q8_K *) vy, k);
+#endif
+}
+
 // -- the softmax's maximum -----------------------------------------------------------------------------------
 
 static int64_t shared_attention = 1;  // 0: ggml's own loops for the attention products and the softmax's max

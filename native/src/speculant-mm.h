@@ -108,6 +108,10 @@ GGML_BACKEND_API int speculant_mm_max_group(int type, int repacked);
 // For A/B runs over the same weights and cache in memory.
 GGML_BACKEND_API void speculant_mm_set_shared_attention(int64_t on);
 
+// quantize_row_q8_K's bits (x86 ggml runs the scalar reference), 16 (AVX-512) or 8 (AVX2) values at once:
+// the from_float of the rows that K-quant weights are dotted with. k: a multiple of QK_K (256).
+GGML_BACKEND_API void speculant_quantize_row_q8_K(const float * x, void * y, int64_t k);
+
 // The largest of x[0 .. n) (no NaN: ggml asserts none), as ggml_vec_max_f32 finds it but 16 (AVX-512) or 8
 // (AVX2) lanes at once: a maximum does not depend on the order it is taken in, except for the sign of a zero
 // maximum, which the softmax's exp(x - max) cannot see. ggml's loop is one dependent compare per score.
