@@ -1,6 +1,7 @@
-"""Attention products of small passes, ours (each K / V row dotted with every query column that reads it) against
-ggml's loop (one dot product per element; the same bits): ms per target pass over n new tokens after C cached
-positions, alternating round by round in one process over the same weights and cache.
+"""Attention of small passes, ours (each K / V row dotted with every query column that reads it; the softmax's
+maximum 16 lanes at once) against ggml's loops (one dot product per element; one compare per score; the same
+bits): ms per target pass over n new tokens after C cached positions, alternating round by round in one process
+over the same weights and cache.
 
     .venv/bin/python scripts/attention_bench.py [rounds] [contexts, e.g. 200,1000,2000,3500] [model]
 """

@@ -358,8 +358,9 @@ def chunk_rows(rows: int):
 def ggml_attention():
     """Within this block the attention products of small passes take ggml's own loop (one dot product per
     element) instead of ours, which shares each K / V row between the query columns that read it and computes the
-    same bits: an A/B over the same weights and cache in memory. Yields False (and changes nothing) on a build
-    without the switch."""
+    same bits, and the softmax's maximum ggml's scalar loop instead of our vectorized one (the same maximum): an
+    A/B over the same weights and cache in memory. Yields False (and changes nothing) on a build without the
+    switch."""
     return _kernel_setting("speculant_mm_set_shared_attention", 0, 1)
 
 

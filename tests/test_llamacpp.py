@@ -338,7 +338,8 @@ def test_shared_attention_products_change_no_bit(qwen_target):
     """Our attention products dot each K / V row with every query column that reads it (a head group's heads and
     a pass's tokens) while it is converted once, by ggml_vec_dot_f16's operations per element: the logits are
     ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail (positions not a
-    multiple of 64), and a token alone still gets the bits it gets in a pass."""
+    multiple of 64), and a token alone still gets the bits it gets in a pass. The switch also puts back ggml's
+    scalar loop for the softmax's maximum, which ours takes 16 lanes at once: the same bits too."""
     from speculant import native
 
     toks = (qwen_target.tokenize(LONG_TEXT) * 3)[:330]
