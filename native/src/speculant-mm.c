@@ -2988,6 +2988,138 @@ static inline __attribute__((always_inline)) void f16_rows(const int NC, const i
     }
 #endif
 
+#ifdef F16_BATCHED
+// -- short dots (a head long: the attention scores) with 16 rows in the lanes ---------------------------------
+// ggml_vec_dot_f16 over n = 64 S values (S <= 4, no scalar tail) is, per output: for each lane group j and lane l
+// an FMA chain over the S steps, a_jl = x[64s + 16j + l] y[64s + 16j + l] + a_jl from 0; v_l = (a_0l + a_2l) +
+// (a_1l + a_3l); then _mm512_reduce_add_ps's tree over l (f16_reduce16). Here each lane of a vector is one of 16 K
+// rows, so those very operations run 16 outputs at once, with no horizontal step: the rows are transposed once
+// and serve every query column that reads them.
+#define F16_LANES_MAX_N 256
+#define F16_LANES_COLS 16  // query columns per transposed block (a chunk has at most 16)
+
+// 16 x 16 transpose: r[i] lane c -> r[c] lane i
+static inline void transpose16_ps(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + m], 128-bit lane k: column 4k + m of rows 4i .. 4i + 3
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int m = 0; m < 4; ++m) {
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    for (int m = 0; m < 4; ++m) {
+        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+    }
+}
+
+// 16 rows of x (f16, stride xs bytes, n values) -> xt[d * 16 + r], f32 (exact)
+static inline void f16_transpose_rows(const char * x, size_t xs, int n, float * xt) {
+    for (int d0 = 0; d0 < n; d0 += 16) {
+        __m512 v[16];
+        for (int r = 0; r < 16; ++r) {
+            v[r] = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *) ((const ggml_fp16_t *) (x + r * xs) + d0)));
+        }
+        transpose16_ps(v);
+        for (int d = 0; d < 16; ++d) _mm512_store_ps(xt + (d0 + d) * 16, v[d]);
+    }
+}
+
+// v_l for two columns y0, y1 at once (each xt load serves both)
+static inline __attribute__((always_inline)) void f16_lanes_v(const float * xt, const float * y0, const float * y1,
+                                                              int l, int S, __m512 * v0, __m512 * v1) {
+    __m512 a0[4], a1[4];
+    for (int j = 0; j < 4; ++j) {
+        const int d = 16 * j + l;
+        const __m512 x = _mm512_load_ps(xt + d * 16);
+        a0[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(y0[d]), _mm512_setzero_ps());
+        a1[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(y1[d]), _mm512_setzero_ps());
+    }
+    for (int s = 1; s < S; ++s) {
+        for (int j = 0; j < 4; ++j) {
+            const int d = 64 * s + 16 * j + l;
+            const __m512 x = _mm512_load_ps(xt + d * 16);
+            a0[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(y0[d]), a0[j]);
+            a1[j] = _mm512_fmadd_ps(x, _mm512_set1_ps(y1[d]), a1[j]);
+        }
+    }
+    *v0 = _mm512_add_ps(_mm512_add_ps(a0[0], a0[2]), _mm512_add_ps(a0[1], a0[3]));
+    *v1 = _mm512_add_ps(_mm512_add_ps(a1[0], a1[2]), _mm512_add_ps(a1[1], a1[3]));
+}
+
+// w_l = v_l + v_(l+8) for two columns
+static inline __attribute__((always_inline)) void f16_lanes_w(const float * xt, const float * y0, const float * y1,
+                                                              int l, int S, __m512 * w0, __m512 * w1) {
+    __m512 a0, a1, b0, b1;
+    f16_lanes_v(xt, y0, y1, l, S, &a0, &a1);
+    f16_lanes_v(xt, y0, y1, l + 8, S, &b0, &b1);
+    *w0 = _mm512_add_ps(a0, b0);
+    *w1 = _mm512_add_ps(a1, b1);
+}
+
+// out0, out1: 16 rows' dots with columns y0, y1 (f32 copies of f16 values), each ggml_vec_dot_f16's value
+static inline void f16_lanes_2cols(const float * xt, const float * y0, const float * y1, int S, float * out0,
+                                   float * out1) {
+    __m512 z0[4], z1[4];  // z_k = w_k + w_(k+4)
+    for (int k = 0; k < 4; ++k) {
+        __m512 a0, a1, b0, b1;
+        f16_lanes_w(xt, y0, y1, k, S, &a0, &a1);
+        f16_lanes_w(xt, y0, y1, k + 4, S, &b0, &b1);
+        z0[k] = _mm512_add_ps(a0, b0);
+        z1[k] = _mm512_add_ps(a1, b1);
+    }
+    // lanes 0 + 2 and 1 + 3, then those two
+    _mm512_storeu_ps(out0, _mm512_add_ps(_mm512_add_ps(z0[0], z0[2]), _mm512_add_ps(z0[1], z0[3])));
+    _mm512_storeu_ps(out1, _mm512_add_ps(_mm512_add_ps(z1[0], z1[2]), _mm512_add_ps(z1[1], z1[3])));
+}
+
+// 16 rows, transposed in xt (f16_transpose_rows) . nc columns (f16 rows, n values, n = 64 S) into dcol[c][0 .. 16)
+static void f16_lanes_block(const float * xt, int n, int nc, const ggml_fp16_t * const * cols, float * const * dcol) {
+    float y[F16_LANES_COLS][F16_LANES_MAX_N];
+    for (int c = 0; c < nc; ++c) ggml_cpu_fp16_to_fp32(cols[c], y[c], n);
+    const int S = n / 64;
+    int c = 0;
+    for (; c + 2 <= nc; c += 2) f16_lanes_2cols(xt, y[c], y[c + 1], S, dcol[c], dcol[c + 1]);
+    if (c < nc) {  // an odd column: computed beside a copy of itself, its twin's result dropped
+        float spare[16];
+        f16_lanes_2cols(xt, y[c], y[c], S, dcol[c], spare);
+    }
+}
+#else
+#define F16_LANES_COLS F16_COLS
+#endif
+
+// fewest query columns of one plane in a chunk for the lanes kernel (its transposition pays for itself); 0: off
+static int64_t f16_lanes_min_cols = 16;
+
+void speculant_mm_set_lanes_min_cols(int64_t n) {
+    f16_lanes_min_cols = n;
+}
+
+bool speculant_mm_f16_wide_chunks(const struct ggml_tensor * src0) {
+#ifdef F16_BATCHED
+    return shared_attention && f16_lanes_min_cols > 0 && src0->type == GGML_TYPE_F16 && src0->ne[0] % 64 == 0 &&
+           src0->ne[0] <= F16_LANES_MAX_N;
+#else
+    (void) src0;
+    return false;
+#endif
+}
+
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {
     if (!shared_attention) {
@@ -3001,17 +3133,28 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
     GGML_TENSOR_BINARY_OP_LOCALS
     const int64_t r2 = ne12 / ne02;
     const int64_t r3 = ne13 / ne03;
+#ifdef F16_BATCHED
+    const bool lanes = ne00 % 64 == 0 && ne00 <= F16_LANES_MAX_N && f16_lanes_min_cols > 0;
+    float xt[F16_LANES_MAX_N * 16] __attribute__((aligned(64)));  // the 16 rows of `transposed`
+#else
+    const bool lanes = false;
+#endif
     for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += 16) {  // 16 rows at a time stay in cache
         const int64_t rows = MIN(iir0 + 16, ir0_end) - iir0;
+#ifdef F16_BATCHED
+        const char * transposed = NULL;  // the plane whose rows xt holds
+#endif
         for (int64_t ir1 = ir1_start; ir1 < ir1_end;) {
-            // a run of up to F16_COLS columns that read the same src0 plane (a query head group's tokens)
+            // a run of up to F16_COLS columns that read the same src0 plane (a query head group's tokens; with
+            // lanes, up to F16_LANES_COLS)
             const int64_t i13 = ir1 / (ne12 * ne1);
             const int64_t i12 = (ir1 - i13 * ne12 * ne1) / ne1;
             const char * plane = (const char *) src0->data + (i12 / r2) * nb02 + (i13 / r3) * nb03;
-            const ggml_fp16_t * cols[F16_COLS];
-            float * dcol[F16_COLS];
+            const ggml_fp16_t * cols[F16_LANES_COLS];
+            float * dcol[F16_LANES_COLS];
+            const int max_nc = lanes && rows == 16 ? F16_LANES_COLS : F16_COLS;
             int nc = 0;
-            for (; nc < F16_COLS && ir1 < ir1_end; ++nc, ++ir1) {
+            for (; nc < max_nc && ir1 < ir1_end; ++nc, ++ir1) {
                 const int64_t j13 = ir1 / (ne12 * ne1);
                 const int64_t j12 = (ir1 - j13 * ne12 * ne1) / ne1;
                 const int64_t j11 = ir1 - j13 * ne12 * ne1 - j12 * ne1;
@@ -3021,13 +3164,35 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
                 cols[nc] = (const ggml_fp16_t *) ((const char *) wdata + (j11 + j12 * ne11 + j13 * ne12 * ne11) * row_size);
                 dcol[nc] = (float *) ((char *) dst->data + j11 * nb1 + j12 * nb2 + j13 * nb3) + iir0;
             }
-            F16_BY_NC(nc, rows, (int) ne00, plane + iir0 * nb01, nb01, cols, dcol);
+#ifdef F16_BATCHED
+            if (max_nc == F16_LANES_COLS && (nc >= f16_lanes_min_cols || plane == transposed)) {
+                if (plane != transposed) {
+                    f16_transpose_rows(plane + iir0 * nb01, nb01, (int) ne00, xt);
+                    transposed = plane;
+                }
+                f16_lanes_block(xt, (int) ne00, nc, cols, dcol);
+                continue;
+            }
+#endif
+            for (int c0 = 0; c0 < nc; c0 += F16_COLS) {
+                const int n = MIN(F16_COLS, nc - c0);
+                F16_BY_NC(n, rows, (int) ne00, plane + iir0 * nb01, nb01, cols + c0, dcol + c0);
+            }
         }
     }
     return true;
 }
 
 #else  // ggml's own loop (vec_dot_f16 per element)
+
+void speculant_mm_set_lanes_min_cols(int64_t n) {
+    (void) n;
+}
+
+bool speculant_mm_f16_wide_chunks(const struct ggml_tensor * src0) {
+    (void) src0;
+    return false;
+}
 
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end) {

@@ -117,6 +117,15 @@ GGML_BACKEND_API void speculant_quantize_row_q8_K(const float * x, void * y, int
 // maximum, which the softmax's exp(x - max) cannot see. ggml's loop is one dependent compare per score.
 GGML_BACKEND_API float speculant_vec_max_f32(int n, const float * x);
 
+// The fewest query columns of one K plane in a chunk that take the lanes kernel for dots of 64-256 values (16
+// K rows in the lanes of a vector, transposed once for those columns; AVX-512), 0: never (the same bits either
+// way). For A/B runs.
+GGML_BACKEND_API void speculant_mm_set_lanes_min_cols(int64_t n);
+
+// true where that kernel takes this attention product's scores: its chunks then span every query column (16 K
+// rows each), so a transposition serves all the columns that read those rows
+bool speculant_mm_f16_wide_chunks(const struct ggml_tensor * src0);
+
 bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, size_t row_size, int64_t ir0_start,
                             int64_t ir0_end, int64_t ir1_start, int64_t ir1_end);
 
