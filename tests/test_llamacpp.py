@@ -334,28 +334,31 @@ def test_how_threads_split_the_rows_changes_no_bit(qwen_target):
     assert np.array_equal(logits[0], logits[8]) and np.array_equal(logits[0], logits[64])
 
 
-def test_shared_attention_products_change_no_bit(qwen_target):
+@pytest.mark.parametrize("model", ["qwen_target", "small_target"], ids=["qwen-head128", "smollm2-head64"])
+def test_shared_attention_products_change_no_bit(model, request):
     """Our attention products dot each K / V row with every query column that reads it (a head group's heads and
-    a pass's tokens) while it is converted once, by ggml_vec_dot_f16's operations per element: the logits are
-    ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail (positions not a
-    multiple of 64), and a token alone still gets the bits it gets in a pass. The switch also puts back ggml's
-    scalar loop for the softmax's maximum, which ours takes 16 lanes at once: the same bits too."""
+    a pass's tokens) while it is converted once, by ggml_vec_dot_f16's operations per element (on AVX-512 the
+    scores of 16 or more columns with 16 K rows in the lanes: Qwen's heads of 128 values, SmolLM2's of 64): the
+    logits are ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail
+    (positions not a multiple of 64), and a token alone still gets the bits it gets in a pass. The switch also
+    puts back ggml's scalar loop for the softmax's maximum, which ours takes 16 lanes at once: the same bits too."""
     from speculant import native
 
-    toks = (qwen_target.tokenize(LONG_TEXT) * 3)[:330]
+    target = request.getfixturevalue(model)
+    toks = (target.tokenize(LONG_TEXT) * 3)[:330]
     for context in (37, 300):
-        qwen_target.rewind(0)
+        target.rewind(0)
         for a in range(0, context, 64):
-            qwen_target.eval(toks[a:min(a + 64, context)], n_logits=0)
+            target.eval(toks[a:min(a + 64, context)], n_logits=0)
         ours, ggml = {}, {}
         for n in (1, 2, 3, 5, 8, 13):
-            qwen_target.rewind(context)
-            ours[n] = qwen_target.eval(toks[context:context + n], n_logits=n).copy()
+            target.rewind(context)
+            ours[n] = target.eval(toks[context:context + n], n_logits=n).copy()
             with native.ggml_attention() as switched:
                 if not switched:
                     pytest.skip("not our build")
-                qwen_target.rewind(context)
-                ggml[n] = qwen_target.eval(toks[context:context + n], n_logits=n).copy()
+                target.rewind(context)
+                ggml[n] = target.eval(toks[context:context + n], n_logits=n).copy()
             assert np.array_equal(ours[n], ggml[n]), (context, n)
             assert np.array_equal(ours[n][0], ours[1][0]), (context, n)
 
