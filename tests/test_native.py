@@ -350,6 +350,23 @@ def test_the_q8_K_quantizer_gives_the_reference_bits():
     assert ran
 
 
+def test_the_softmax_maximum_is_the_largest_score_on_every_isa_level():
+    """The softmax's maximum, taken 16 or 8 lanes at once in 4 chains plus a scalar tail, is the largest score for
+    every length (masked scores are -inf) on each ISA level's build: the AVX2 one runs on AMD days."""
+    _kernel_lib()
+    rng = np.random.default_rng(3)
+    ran = []
+    for variant, lib in _isa_libs():
+        fn = lib.speculant_vec_max_f32
+        fn.restype, fn.argtypes = ctypes.c_float, [ctypes.c_int, ctypes.c_void_p]
+        for n in [*range(1, 140), 255, 256, 257, 2047]:
+            x = (rng.standard_normal(n) * 10).astype(np.float32)
+            x[rng.random(n) < 0.3] = -np.inf
+            assert fn(n, x.ctypes.data) == x.max(), (variant, n)
+        ran.append(variant)
+    assert ran
+
+
 def test_doctor_prints_every_fact():
     proc = subprocess.run([sys.executable, "-m", "speculant", "doctor", "--json"], capture_output=True, text=True,
                           timeout=300)
