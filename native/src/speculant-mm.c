@@ -2996,7 +2996,7 @@ static inline __attribute__((always_inline)) void f16_rows(const int NC, const i
 // rows, so those very operations run 16 outputs at once, with no horizontal step: the rows are transposed once
 // and serve every query column that reads them.
 #define F16_LANES_MAX_N 256
-#define F16_LANES_COLS 16  // query columns per transposed block (a chunk has at most 16)
+#define F16_LANES_COLS 16  // query columns per f16_lanes_block call (their f32 copies sit on the stack)
 
 // 16 x 16 transpose: r[i] lane c -> r[c] lane i
 static inline void transpose16_ps(__m512 r[16]) {
@@ -3110,10 +3110,19 @@ void speculant_mm_set_lanes_min_cols(int64_t n) {
     f16_lanes_min_cols = n;
 }
 
+// dots of n values the lanes kernel can take (when it is on)
+static inline bool f16_lanes_fit(int64_t n) {
+#ifdef F16_BATCHED
+    return f16_lanes_min_cols > 0 && n % 64 == 0 && n <= F16_LANES_MAX_N;
+#else
+    (void) n;
+    return false;
+#endif
+}
+
 bool speculant_mm_f16_wide_chunks(const struct ggml_tensor * src0) {
 #ifdef F16_BATCHED
-    return shared_attention && f16_lanes_min_cols > 0 && src0->type == GGML_TYPE_F16 && src0->ne[0] % 64 == 0 &&
-           src0->ne[0] <= F16_LANES_MAX_N;
+    return shared_attention && src0->type == GGML_TYPE_F16 && f16_lanes_fit(src0->ne[0]);
 #else
     (void) src0;
     return false;
@@ -3133,11 +3142,9 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
     GGML_TENSOR_BINARY_OP_LOCALS
     const int64_t r2 = ne12 / ne02;
     const int64_t r3 = ne13 / ne03;
+    const bool lanes = f16_lanes_fit(ne00);
 #ifdef F16_BATCHED
-    const bool lanes = ne00 % 64 == 0 && ne00 <= F16_LANES_MAX_N && f16_lanes_min_cols > 0;
     float xt[F16_LANES_MAX_N * 16] __attribute__((aligned(64)));  // the 16 rows of `transposed`
-#else
-    const bool lanes = false;
 #endif
     for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += 16) {  // 16 rows at a time stay in cache
         const int64_t rows = MIN(iir0 + 16, ir0_end) - iir0;
