@@ -1,5 +1,7 @@
 """Real models through llama.cpp: batch invariance, greedy identity, cache consistency, structure."""
 
+import contextlib
+
 import numpy as np
 import pytest
 
@@ -57,7 +59,8 @@ def test_pass_sizes_are_bit_identical_smollm2(small_target):
 
 def test_pass_sizes_are_bit_identical_qwen(qwen_target):
     """The Qwen target's Q4_K/Q6_K weights, repacked 8 rows at a time, go through our multi-token kernels
-    (native/src/speculant-mm.c)."""
+    (native/src/speculant-mm.c); where the CPU has AMX, its Q4_K rows in passes of 14 tokens or more go through
+    tile products."""
     assert qwen_target.repack
     sizes = list(range(1, 18)) + [24, 33, 48, 64]
     assert _batch_vs_single(qwen_target, LONG_TEXT, sizes, offsets=(4, 230)) == 0.0
@@ -361,6 +364,28 @@ def test_shared_attention_products_change_no_bit(model, request):
                 ggml[n] = target.eval(toks[context:context + n], n_logits=n).copy()
             assert np.array_equal(ours[n], ggml[n]), (context, n)
             assert np.array_equal(ours[n][0], ours[1][0]), (context, n)
+
+
+def test_amx_tile_products_change_no_bit(qwen_target):
+    """Where the CPU has AMX, the target's repacked Q4_K rows in passes of 14 tokens or more (the prompt's 64-token
+    passes) go through tile products: the logits and the KV cache they leave are those of the VNNI kernels, bit for
+    bit (the next one-token pass reads that cache)."""
+    from speculant import native
+
+    if not native.amx():
+        pytest.skip("no AMX on this CPU (or SPECULANT_AMX=0)")
+    toks = (qwen_target.tokenize(LONG_TEXT) * 2)[:200]
+    runs = []
+    for amx in (True, False):
+        with (contextlib.nullcontext(True) if amx else native.without_amx()) as ok:
+            assert ok
+            qwen_target.rewind(0)
+            prompt = qwen_target.eval(toks[:64], n_logits=64).copy()
+            verify = qwen_target.eval(toks[64:80], n_logits=16).copy()
+            step = qwen_target.eval(toks[80:81]).copy()
+        runs.append((prompt, verify, step))
+    for got, want in zip(runs[0], runs[1]):
+        assert np.array_equal(got, want)
 
 
 @pytest.mark.parametrize("stock", [False, True], ids=["invariant-prefill", "512-token-prefill"])

@@ -350,6 +350,40 @@ def test_the_q8_K_quantizer_gives_the_reference_bits():
     assert ran
 
 
+def test_amx_tile_products_give_the_bits_of_ggmls_kernel():
+    """Repacked Q4_K rows in passes of many tokens go through AMX tile products where the CPU has AMX: each row's
+    result equals the VNNI kernel's and ggml's one-token gemv's, bit for bit, on every AVX-512 build this CPU runs
+    (blocks of 1, 6 and 35 superblocks; 16 and 48 rows; tokens filling tiles of 16 exactly, partly and not at all)."""
+    fn0 = _kernel_lib()
+    rng = np.random.default_rng(11)
+    ran = []
+    for variant, lib in _isa_libs():
+        amx = lib.speculant_mm_amx_test
+        amx.restype = ctypes.c_int
+        amx.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                        ctypes.c_void_p, ctypes.c_void_p]
+        fn = _bind(lib)
+        for nb, nrows, ncols in [(1, 16, 1), (1, 48, 64), (6, 16, 14), (6, 48, 16), (6, 16, 17), (6, 32, 33),
+                                 (35, 16, 64), (35, 32, 5)]:
+            x = np.concatenate([_random_weights(rng, Q4_K, nb) for _ in range(nrows // 8)])  # [nrows, nb, 144]
+            y, _ = _random_columns(rng, Q4_K, ncols, nb)
+            out_amx = np.zeros((ncols, nrows), np.float32)
+            out_ref = np.zeros((ncols, nrows), np.float32)
+            rc = amx(nb * 256, nrows, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, out_amx.ctypes.data,
+                     out_ref.ctypes.data)
+            if rc < 0:
+                break  # no AMX kernel in this build (AVX2) or no AMX on this CPU
+            assert out_amx.tobytes() == out_ref.tobytes(), (variant, nb, nrows, ncols)
+            for g in range(nrows // 8):  # and ggml's gemv, 8 rows at a time
+                _, ggml = _mm(fn, Q4_K, True, x[8 * g:8 * g + 8], y, ncols, group=1, with_ggml=True)
+                assert out_amx[:, 8 * g:8 * g + 8].tobytes() == ggml.tobytes(), (variant, nb, nrows, ncols, g)
+        else:
+            ran.append(variant)
+    del fn0
+    if not ran:
+        pytest.skip("no AMX on this CPU (or Linux does not grant its tile state)")
+
+
 def test_the_softmax_maximum_is_the_largest_score_on_every_isa_level():
     """The softmax's maximum, taken 16 or 8 lanes at once in 4 chains plus a scalar tail, is the largest score for
     every length (masked scores are -inf) on each ISA level's build: the AVX2 one runs on AMD days."""
@@ -376,12 +410,13 @@ def test_doctor_prints_every_fact():
                 "gpu", "models"):
         assert key in facts, key
     ll = facts["llama.cpp"]
-    for key in ("llama_cpp_python", "build", "llama_cpp_commit", "variant", "kernel_features", "exactness"):
+    for key in ("llama_cpp_python", "build", "llama_cpp_commit", "variant", "kernel_features", "exactness", "amx"):
         assert key in ll, key
     assert facts["models"].get("smollm2-135m-instruct") or not models.cached_path("smollm2-135m-instruct").exists()
     screen = subprocess.run([sys.executable, "-m", "speculant", "doctor"], capture_output=True, text=True,
                             timeout=300).stdout
-    for label in ("cpu ", "cpu features", "llama.cpp", "variant", "kernels", "exactness", "torch", "gpu", "models"):
+    for label in ("cpu ", "cpu features", "llama.cpp", "variant", "kernels", "exactness", "amx", "torch", "gpu",
+                  "models"):
         assert label in screen, label
 
 

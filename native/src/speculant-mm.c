@@ -31,6 +31,37 @@
 #define SPECULANT_MM_HAVE_KERNELS 1
 #endif
 
+#if defined(__AVX512F__)
+// 16 x 16 transpose: r[i] lane c -> r[c] lane i
+static inline void transpose16_ps(__m512 r[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 8; ++i) {
+        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; ++i) {  // r[4i + m], 128-bit lane k: column 4k + m of rows 4i .. 4i + 3
+        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
+        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
+        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
+        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
+    }
+    for (int m = 0; m < 4; ++m) {
+        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
+        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
+        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
+        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
+    }
+    for (int m = 0; m < 4; ++m) {
+        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
+        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
+        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
+    }
+}
+#endif
+
 static int64_t max_rows = -1;
 
 int64_t speculant_mm_max_rows(void) {
@@ -1695,6 +1726,241 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
         default: kernel(4, __VA_ARGS__); break;           \
     }
 
+// -- Q4_K repacked, many tokens: AMX tiles (Sapphire Rapids and later) -----------------------------------------
+//
+// The same bits as q4_Kx8_cols: per output element and superblock, that kernel's float operations on that
+// kernel's integers (its superblock sum sum_j scale_j * dot_j, and the mins' sum). Only the integers are formed
+// differently, and integer sums are exact. A tile product (TDPBUSD) multiplies unsigned bytes by signed ones, so
+// each 4-bit weight q is split as q = (q & 3) + 4 (q >> 2) and each half is multiplied by its sub-block's 6-bit
+// scale before the product (at most 63 * 3 = 189: still a byte); then the superblock's two products over all 256
+// values are sum_j scale_j * dot_j = P_low + 4 P_high, with no per-sub-block step. Each 16-row superblock is
+// unpacked once for every token of the pass, 16 tokens a tile. Taken where the CPU has AMX-INT8 and Linux grants
+// its tile state (SPECULANT_AMX=0: never), for passes of at least amx_min_cols tokens.
+#if defined(SPECULANT_MM_HAVE_512) && defined(__x86_64__) && defined(__linux__) \
+    && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
+#define SPECULANT_MM_AMX 1
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
+#define AMX_MIN_COLS 14  // fewer read alike or slower than the VNNI kernel (BENCHMARKS.md)
+#define AMX_COLS 16     // tokens per tile
+
+static int amx_state = -1;  // -1: not asked yet; 0: no AMX; 1: granted
+static int64_t amx_min_cols = AMX_MIN_COLS;
+static uint8_t amx_scale_times[64][16];  // [scale][v]: scale * v for v = 0..3 (pshufb tables)
+
+static bool amx_ready(void) {
+    int state = __atomic_load_n(&amx_state, __ATOMIC_ACQUIRE);
+    if (state < 0) {
+        unsigned a, b, c, d;
+        const char * env = getenv("SPECULANT_AMX");
+        state = 0;
+        if ((!env || atoi(env) != 0) && __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d >> 24 & 1) && (d >> 25 & 1)) {
+            // the tile data is an XSAVE feature Linux hands out per process on request (ARCH_REQ_XCOMP_PERM)
+            state = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+        }
+        for (int s = 0; s < 64; ++s) {
+            for (int v = 0; v < 4; ++v) amx_scale_times[s][v] = (uint8_t) (s * v);
+        }
+        __atomic_store_n(&amx_state, state, __ATOMIC_RELEASE);
+    }
+    return state == 1;
+}
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_tilecfg;
+
+// 16 tokens' q8_K superblock in AMX's B layout: per 64 values (k), 16 rows of 4 values of each token
+// (q[k / 64][(k % 64) / 4][4 * token + k % 4] = value k); the sums of sub-blocks 2p and 2p+1 as an int16 pair per
+// token, as madd takes them; the tokens' d. Tokens past the pass are zero.
+typedef struct {
+    int8_t q[4][16][64];
+    int16_t bsums[4][AMX_COLS][2];
+    float d[AMX_COLS];
+} amx_cols;
+
+static void amx_cols_fill(int nb, const char * ycols, size_t row_size, int ncols, amx_cols * out) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    for (int t = 0; t < ntiles; ++t) {
+        const int nt = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+        const block_q8_K * y[AMX_COLS];
+        for (int c = 0; c < nt; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (AMX_COLS * t + c) * row_size);
+        for (int i = 0; i < nb; ++i) {
+            amx_cols * o = out + (size_t) t * nb + i;
+            for (int kc = 0; kc < 4; ++kc) {  // 64 values of each token: its 16 groups of 4 as a 16 x 16 transpose
+                __m512 v[16];
+                for (int c = 0; c < AMX_COLS; ++c) {
+                    v[c] = c < nt ? _mm512_loadu_ps((const float *) (y[c][i].qs + 64 * kc)) : _mm512_setzero_ps();
+                }
+                transpose16_ps(v);
+                for (int k = 0; k < 16; ++k) _mm512_storeu_ps((float *) o->q[kc][k], v[k]);
+            }
+            memset(o->bsums, 0, sizeof(o->bsums));
+            memset(o->d, 0, sizeof(o->d));
+            for (int c = 0; c < nt; ++c) {
+                for (int p = 0; p < 4; ++p) {
+                    o->bsums[p][c][0] = (int16_t) (y[c][i].bsums[4 * p] + y[c][i].bsums[4 * p + 1]);
+                    o->bsums[p][c][1] = (int16_t) (y[c][i].bsums[4 * p + 2] + y[c][i].bsums[4 * p + 3]);
+                }
+                o->d[c] = y[c][i].d;
+            }
+        }
+    }
+}
+
+// One superblock of 8 repacked rows (rows row0..row0+7 of the tiles) as the two scaled halves of its weights:
+// a[k / 64][half][row][k % 64] = scale(k / 32) * (half ? q_k >> 2 : q_k & 3). u: the rows' scales (q4_Kx8_scales).
+static inline __attribute__((always_inline)) void q4_Kx8_amx_unpack(const q4_Kx8 * xb, const uint32_t u[8][4],
+                                                                    uint8_t a[4][2][16][64], int row0) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
+    // qword r of 64-byte chunk k holds bytes 8k..8k+7 of row r: two rounds of permutes give each pair of rows its 32
+    // bytes, then the low nibbles (sub-block 2 sb) and high ones (2 sb + 1) make a row's 64 values
+    const __m512i pair_lo = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0), pair_hi = _mm512_set_epi64(15, 7, 14, 6, 13, 5, 12, 4);
+    const __m512i quad_lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), quad_hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    const __m512i first = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), second = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
+    const uint8_t * sc = (const uint8_t *) u;  // sub-block j: 8 scales at 16 j, 8 mins at 16 j + 8
+    for (int sb = 0; sb < 4; ++sb) {
+        __m512i raw[4];
+        for (int k = 0; k < 4; ++k) raw[k] = _mm512_loadu_si512((const void *) (xb->qs + 256 * sb + 64 * k));
+        const __m512i t0 = _mm512_permutex2var_epi64(raw[0], pair_lo, raw[1]);  // rows 0-3: (chunk 0, chunk 1) each
+        const __m512i t1 = _mm512_permutex2var_epi64(raw[0], pair_hi, raw[1]);  // rows 4-7
+        const __m512i t2 = _mm512_permutex2var_epi64(raw[2], pair_lo, raw[3]);
+        const __m512i t3 = _mm512_permutex2var_epi64(raw[2], pair_hi, raw[3]);
+        const __m512i rows[4] = {  // rows 2p, 2p+1: 32 bytes each
+            _mm512_permutex2var_epi64(t0, quad_lo, t2), _mm512_permutex2var_epi64(t0, quad_hi, t2),
+            _mm512_permutex2var_epi64(t1, quad_lo, t3), _mm512_permutex2var_epi64(t1, quad_hi, t3),
+        };
+        for (int p = 0; p < 4; ++p) {
+            const __m512i lo = _mm512_and_si512(rows[p], m4), hi = _mm512_and_si512(_mm512_srli_epi16(rows[p], 4), m4);
+            for (int e = 0; e < 2; ++e) {
+                const int r = 2 * p + e;
+                const __m512i v = _mm512_permutex2var_epi64(lo, e ? second : first, hi);  // 64 values, 0..15
+                const __m512i times = _mm512_mask_blend_epi64(
+                    0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) amx_scale_times[sc[16 * (2 * sb) + r]])),
+                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) amx_scale_times[sc[16 * (2 * sb + 1) + r]])));
+                _mm512_storeu_si512((void *) a[sb][0][row0 + r], _mm512_shuffle_epi8(times, _mm512_and_si512(v, m2)));
+                _mm512_storeu_si512((void *) a[sb][1][row0 + r],
+                                    _mm512_shuffle_epi8(times, _mm512_and_si512(_mm512_srli_epi16(v, 2), m2)));
+            }
+        }
+    }
+}
+
+// 16 repacked rows at a time (pairs of q4_Kx8 groups, group g at x + g * nb) against every token; token c's result
+// for row r at out[c * out_stride + r]. Returns how many rows it did (a multiple of 16).
+AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrows, const amx_cols * cols, int ncols,
+                                         float * out, size_t out_stride) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    amx_tilecfg cfg;
+    memset(&cfg, 0, sizeof(cfg));
+    cfg.palette_id = 1;
+    for (int t = 0; t < 8; ++t) {  // 0, 1: the two products (16 rows x 16 tokens, int32); 2, 3: the two weight
+        cfg.rows[t] = 16;          // halves (16 rows x 64 values); 4: 64 values of 16 tokens; 5, 6, 7: 0, 1, 4 for
+        cfg.colsb[t] = 64;         // a second tile of tokens
+    }
+    _tile_loadconfig(&cfg);
+
+    uint8_t a[4][2][16][64] __attribute__((aligned(64)));
+    int32_t (*prod)[2][16][AMX_COLS] = aligned_alloc(64, sizeof(int32_t) * 2 * 16 * AMX_COLS * (size_t) ntiles);
+    float * acc = malloc(sizeof(float) * 2 * 16 * AMX_COLS * (size_t) ntiles);
+    float * acc_min = acc + 16 * AMX_COLS * ntiles;
+    const int64_t npairs = nrows / 16;
+    for (int64_t p = 0; p < npairs; ++p) {
+        const q4_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
+        for (int i = 0; i < nb; ++i) {
+            prefetch_stream(x0 + i, sizeof(q4_Kx8));
+            prefetch_stream(x1 + i, sizeof(q4_Kx8));
+            uint32_t u[2][8][4];
+            for (int j = 0; j < 8; ++j) { q4_Kx8_scales(x0 + i, j, u[0][j]); q4_Kx8_scales(x1 + i, j, u[1][j]); }
+            q4_Kx8_amx_unpack(x0 + i, (const uint32_t (*)[4]) u[0], a, 0);
+            q4_Kx8_amx_unpack(x1 + i, (const uint32_t (*)[4]) u[1], a, 8);
+            int32_t min_pair[4][16];
+            float xd[16], xdmin[16];
+            for (int r = 0; r < 16; ++r) {
+                const q4_Kx8 * xb = r < 8 ? x0 + i : x1 + i;
+                const uint8_t * ub = (const uint8_t *) u[r / 8];
+                for (int q = 0; q < 4; ++q) {
+                    min_pair[q][r] = ub[16 * (2 * q) + 8 + r % 8] | (int32_t) ub[16 * (2 * q + 1) + 8 + r % 8] << 16;
+                }
+                xd[r] = fp16_to_fp32(xb->d[r % 8]);
+                xdmin[r] = fp16_to_fp32(xb->dmin[r % 8]);
+            }
+            // every tile's products first, then their sums: the vector work on tile t runs while the tile unit
+            // computes the tiles after it
+            for (int t = 0; t < ntiles; ++t) {
+                const amx_cols * y = cols + (size_t) t * nb + i;
+                _tile_zero(0);
+                _tile_zero(1);
+                for (int kc = 0; kc < 4; ++kc) {
+                    _tile_loadd(4, y->q[kc], 64);
+                    _tile_loadd(2, a[kc][0], 64);
+                    _tile_dpbusd(0, 2, 4);
+                    _tile_loadd(3, a[kc][1], 64);
+                    _tile_dpbusd(1, 3, 4);
+                }
+                _tile_stored(0, prod[t][0], 64);
+                _tile_stored(1, prod[t][1], 64);
+            }
+            for (int t = 0; t < ntiles; ++t) {
+                const amx_cols * y = cols + (size_t) t * nb + i;
+                const __m512 yd = _mm512_loadu_ps(y->d);
+                __m512i bsums[4];
+                for (int q = 0; q < 4; ++q) bsums[q] = _mm512_loadu_si512((const void *) y->bsums[q]);
+                float * at = acc + 16 * AMX_COLS * t, * amt = acc_min + 16 * AMX_COLS * t;
+                for (int r = 0; r < 16; ++r) {
+                    const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) prod[t][0][r]),
+                                                          _mm512_slli_epi32(_mm512_load_si512((const void *) prod[t][1][r]), 2));
+                    __m512i imin = _mm512_madd_epi16(bsums[0], _mm512_set1_epi32(min_pair[0][r]));
+                    for (int q = 1; q < 4; ++q) {
+                        imin = _mm512_add_epi32(imin, _mm512_madd_epi16(bsums[q], _mm512_set1_epi32(min_pair[q][r])));
+                    }
+                    // the accumulators start at +0, as q4_Kx8_cols's do
+                    const __m512 prev = i ? _mm512_loadu_ps(at + AMX_COLS * r) : _mm512_setzero_ps();
+                    const __m512 prev_min = i ? _mm512_loadu_ps(amt + AMX_COLS * r) : _mm512_setzero_ps();
+                    _mm512_storeu_ps(at + AMX_COLS * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                                                        _mm512_mul_ps(_mm512_set1_ps(xd[r]), yd), prev));
+                    _mm512_storeu_ps(amt + AMX_COLS * r, _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin),
+                                                                         _mm512_mul_ps(_mm512_set1_ps(xdmin[r]), yd), prev_min));
+                }
+            }
+        }
+        for (int t = 0; t < ntiles; ++t) {  // rows x tokens -> tokens x rows: each token's 16 results in a row
+            __m512 v[16];
+            for (int r = 0; r < 16; ++r) {
+                v[r] = _mm512_sub_ps(_mm512_loadu_ps(acc + 16 * AMX_COLS * t + AMX_COLS * r),
+                                     _mm512_loadu_ps(acc_min + 16 * AMX_COLS * t + AMX_COLS * r));
+            }
+            transpose16_ps(v);
+            for (int k = 0; k < AMX_COLS && AMX_COLS * t + k < ncols; ++k) {
+                _mm512_storeu_ps(out + (size_t) (AMX_COLS * t + k) * out_stride + 16 * p, v[k]);
+            }
+        }
+    }
+    free(acc);
+    free(prod);
+    _tile_release();
+    return 16 * npairs;
+}
+
+// Q4_K repacked rows with AMX where it pays; returns the rows done (a multiple of 16, 0 where it did nothing)
+static int64_t q4_Kx8_amx(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
+                          float * dst, size_t dst_stride) {
+    if (ncols < amx_min_cols || nrows < 16 || !amx_ready()) return 0;
+    const int nb = n / QK_K;
+    amx_cols * cols = malloc(sizeof(amx_cols) * (size_t) nb * ((ncols + AMX_COLS - 1) / AMX_COLS));
+    amx_cols_fill(nb, ycols, row_size, ncols, cols);
+    const int64_t done = q4_Kx8_amx_rows(nb, (const q4_Kx8 *) x, nrows, cols, ncols, dst, dst_stride);
+    free(cols);
+    return done;
+}
+
+#endif
+
 static size_t repacked_group_bytes(enum ggml_type type, int n) {
     switch (type) {
         case GGML_TYPE_Q4_K: return (size_t) (n / QK_K) * sizeof(q4_Kx8);
@@ -1778,6 +2044,14 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
         q8_0_block_sums(n / QK8_0, wdata, row_size, ncols, ysums);
     }
     const size_t group_bytes = repacked_group_bytes(type, n);
+#ifdef SPECULANT_MM_AMX
+    if (type == GGML_TYPE_Q4_K && !order) {
+        const int64_t done = q4_Kx8_amx(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
+        x = (const char *) x + done / 8 * group_bytes;
+        dst += done;
+        nrows -= done;
+    }
+#endif
     for (int64_t g = 0; g < nrows / 8; ++g) {
         repacked_group(type, n, (const char *) x + g * group_bytes, wdata, row_size, ncols, group, ysums, order,
                        dst + 8 * g, dst_stride);
@@ -2617,6 +2891,29 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
     }
 }
 
+#ifdef SPECULANT_MM_AMX
+// speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K rows (x) repacked as llama.cpp does, against ncols
+// columns; the AMX kernel's results in out_amx and the VNNI kernel's (REPACKED_COLS tokens per unpacking) in out_ref,
+// both [ncols][nrows]. -1 where this CPU or build has no AMX.
+static int amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols, float * out_amx,
+                    float * out_ref) {
+    if (!amx_ready() || n % QK_K || nrows % 16) return -1;
+    const int nb = n / QK_K, ngroups = nrows / 8;
+    q4_Kx8 * packed = malloc(sizeof(q4_Kx8) * (size_t) ngroups * nb);
+    for (int g = 0; g < ngroups; ++g) q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, packed + g * nb);
+    amx_cols * cols = malloc(sizeof(amx_cols) * (size_t) nb * ((ncols + AMX_COLS - 1) / AMX_COLS));
+    amx_cols_fill(nb, y, row_size, ncols, cols);
+    q4_Kx8_amx_rows(nb, packed, nrows, cols, ncols, out_amx, nrows);
+    for (int g = 0; g < ngroups; ++g) {
+        repacked_group(GGML_TYPE_Q4_K, n, packed + g * nb, y, row_size, ncols, REPACKED_COLS, NULL, NULL, out_ref + 8 * g,
+                       nrows);
+    }
+    free(cols);
+    free(packed);
+    return 0;
+}
+#endif
+
 int speculant_mm_max_group(int type, int repacked) {
     return repacked ? REPACKED_COLS : plain_group((enum ggml_type) type);
 }
@@ -2998,35 +3295,6 @@ static inline __attribute__((always_inline)) void f16_rows(const int NC, const i
 #define F16_LANES_MAX_N 256
 #define F16_LANES_COLS 16  // query columns per f16_lanes_block call (their f32 copies sit on the stack)
 
-// 16 x 16 transpose: r[i] lane c -> r[c] lane i
-static inline void transpose16_ps(__m512 r[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 8; ++i) {
-        t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-        t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
-    }
-    for (int i = 0; i < 4; ++i) {  // r[4i + m], 128-bit lane k: column 4k + m of rows 4i .. 4i + 3
-        const __m512d a = _mm512_castps_pd(t[4 * i]), b = _mm512_castps_pd(t[4 * i + 2]);
-        const __m512d c = _mm512_castps_pd(t[4 * i + 1]), d = _mm512_castps_pd(t[4 * i + 3]);
-        r[4 * i] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-        r[4 * i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        r[4 * i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(c, d));
-        r[4 * i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(c, d));
-    }
-    for (int m = 0; m < 4; ++m) {
-        t[m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0x88);
-        t[4 + m] = _mm512_shuffle_f32x4(r[m], r[4 + m], 0xdd);
-        t[8 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0x88);
-        t[12 + m] = _mm512_shuffle_f32x4(r[8 + m], r[12 + m], 0xdd);
-    }
-    for (int m = 0; m < 4; ++m) {
-        r[m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0x88);
-        r[8 + m] = _mm512_shuffle_f32x4(t[m], t[8 + m], 0xdd);
-        r[4 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0x88);
-        r[12 + m] = _mm512_shuffle_f32x4(t[4 + m], t[12 + m], 0xdd);
-    }
-}
-
 // 16 rows of x (f16, stride xs bytes, n values) -> xt[d * 16 + r], f32 (exact)
 static inline void f16_transpose_rows(const char * x, size_t xs, int n, float * xt) {
     for (int d0 = 0; d0 < n; d0 += 16) {
@@ -3208,3 +3476,31 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
 }
 
 #endif
+
+// -- AMX switches (every build has them; they do nothing where there is no AMX kernel) --
+
+void speculant_mm_set_amx_min_cols(int64_t n) {
+#ifdef SPECULANT_MM_AMX
+    amx_min_cols = n;
+#else
+    (void) n;
+#endif
+}
+
+int speculant_mm_amx(void) {
+#ifdef SPECULANT_MM_AMX
+    return amx_ready();
+#else
+    return 0;
+#endif
+}
+
+int speculant_mm_amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols, float * out_amx,
+                          float * out_ref) {
+#ifdef SPECULANT_MM_AMX
+    return amx_test(n, nrows, x, y, row_size, ncols, out_amx, out_ref);
+#else
+    (void) n; (void) nrows; (void) x; (void) y; (void) row_size; (void) ncols; (void) out_amx; (void) out_ref;
+    return -1;
+#endif
+}
