@@ -3,10 +3,14 @@
 // Ours: speculant_mm_repacked_rows over Q6_K / Q4_K in the 8-row layout. ggml: vec_dot_q6_K_q8_K row by row
 // over plain Q6_K (what llama.cpp runs for Q6_K on x86) and gemv_q4_K_8x8_q8_K (its repacked Q4_K), once per
 // token. The weights are random bytes with unit scales: timing only, the bits are tested in tests/test_native.py.
+// Q4_K ours runs AMX tile products where the CPU has them and the pass has 14+ tokens; "no AMX" is the same call
+// with them switched off (speculant_mm_set_amx_min_cols): below 14 tokens the two are the same call, and what
+// separates them is their place in the round.
 //
 //   gcc -O2 -o /tmp/kernel_bench scripts/kernel_bench.c -ldl
 //   L=.venv/lib/python3.11/site-packages/llama_cpp/lib
-//   LD_LIBRARY_PATH=$L /tmp/kernel_bench $L/libggml-cpu-zen4.so 1     # variant, tokens; median of 64 rounds
+//   LD_LIBRARY_PATH=$L /tmp/kernel_bench $L/libggml-cpu-zen4.so 1     # variant, tokens (1-64); median of 64 rounds
+//                                                                     # (16 from 9 tokens on)
 //
 // Read the median: a kernel that waits on memory can still post a fast best round (on Zen 4 the old Q6_K layout
 // had a best of 3.8 ms and a median of 7.6 in the same run).
@@ -18,7 +22,7 @@
 #include <time.h>
 
 enum { Q4_K = 12, Q6_K = 14 };  // ggml type ids
-enum { N = 1536, NB = N / 256, ROUNDS = 64 };
+enum { N = 1536, NB = N / 256, MAX_ROUNDS = 64 };
 static const int64_t R = 65536;
 static const size_t Q6_BYTES = 210, Q4_BYTES = 144, Q8K_BYTES = 4 + 256 + 32;  // block_q6_K, block_q4_K, block_q8_K
 
@@ -55,6 +59,9 @@ int main(int argc, char ** argv) {
     void * h = dlopen(argv[1], RTLD_NOW);
     if (!h) { fprintf(stderr, "%s\n", dlerror()); return 1; }
     const int nc = argc > 2 ? atoi(argv[2]) : 1;
+    if (nc < 1 || nc > 64) { fprintf(stderr, "tokens: 1-64\n"); return 2; }
+    const int ROUNDS = nc > 8 ? 16 : MAX_ROUNDS;
+    void (*set_amx_min_cols)(int64_t) = dlsym(h, "speculant_mm_set_amx_min_cols");  // absent before AMX: no A/B
     rows_fn ours = (rows_fn) need(h, "speculant_mm_repacked_rows");
     ((void (*)(void)) need(h, "ggml_cpu_init"))();
     const struct type_traits_cpu * (*traits)(int) = need(h, "ggml_get_type_traits_cpu");
@@ -62,18 +69,18 @@ int main(int argc, char ** argv) {
     vec_dot_fn vec_dot_q6 = traits(Q6_K)->vec_dot;
 
     uint8_t * x6 = aligned_alloc(64, R * NB * Q6_BYTES), * x4 = aligned_alloc(64, R * NB * Q4_BYTES);
-    uint8_t * y = aligned_alloc(64, 8 * NB * Q8K_BYTES);
-    float * out = malloc(sizeof(float) * R * 8);
-    fill(x6, R * NB * Q6_BYTES); fill(x4, R * NB * Q4_BYTES); fill(y, 8 * NB * Q8K_BYTES);
+    uint8_t * y = aligned_alloc(64, nc * NB * Q8K_BYTES);
+    float * out = malloc(sizeof(float) * R * nc);
+    fill(x6, R * NB * Q6_BYTES); fill(x4, R * NB * Q4_BYTES); fill(y, nc * NB * Q8K_BYTES);
     for (int64_t g = 0; g < R / 8 * NB; ++g) {  // fp16 1.0 scales: q6_Kx8.d[8], q4_Kx8.d[8] and .dmin[8]
         for (int k = 0; k < 8; ++k) ((uint16_t *) (x6 + g * 8 * Q6_BYTES))[k] = 0x3C00;
         for (int k = 0; k < 16; ++k) ((uint16_t *) (x4 + g * 8 * Q4_BYTES))[k] = 0x3C00;
     }
-    for (int i = 0; i < 8 * NB; ++i) { const float one = 1.0f; memcpy(y + i * Q8K_BYTES, &one, 4); }
+    for (int i = 0; i < nc * NB; ++i) { const float one = 1.0f; memcpy(y + i * Q8K_BYTES, &one, 4); }
 
-    static double times[4][ROUNDS];
+    static double times[5][MAX_ROUNDS];
     for (int round = 0; round < ROUNDS; ++round) {
-        double t[5];
+        double t[6];
         t[0] = now();
         ours(Q6_K, N, x6, R, y, NB * Q8K_BYTES, nc, out, R);
         t[1] = now();
@@ -84,18 +91,23 @@ int main(int argc, char ** argv) {
         t[3] = now();
         for (int c = 0; c < nc; ++c) gemv_q4(N, out, R, x4, y + c * NB * Q8K_BYTES, 1, (int) R);
         t[4] = now();
-        for (int k = 0; k < 4; ++k) times[k][round] = t[k + 1] - t[k];
+        if (set_amx_min_cols) set_amx_min_cols(INT64_MAX);
+        ours(Q4_K, N, x4, R, y, NB * Q8K_BYTES, nc, out, R);
+        if (set_amx_min_cols) set_amx_min_cols(14);
+        t[5] = now();
+        for (int k = 0; k < 5; ++k) times[k][round] = t[k + 1] - t[k];
     }
-    double best[4], med[4];
-    for (int k = 0; k < 4; ++k) {
+    double best[5], med[5];
+    for (int k = 0; k < 5; ++k) {
         qsort(times[k], ROUNDS, sizeof(double), by_value);
         best[k] = times[k][0];
         med[k] = times[k][ROUNDS / 2];
     }
     const double gb6 = R * NB * Q6_BYTES / 1e9, gb4 = R * NB * Q4_BYTES / 1e9;
     printf("%d token(s), ms, median of %d rounds (best): Q6_K ours %.1f (%.1f), %.1f GB/s; ggml vec_dot %.1f (%.1f), "
-           "%.1f GB/s | Q4_K ours %.1f (%.1f), %.1f GB/s; ggml gemv %.1f (%.1f), %.1f GB/s\n", nc, ROUNDS,
-           med[0] * 1e3, best[0] * 1e3, gb6 / med[0], med[1] * 1e3, best[1] * 1e3, gb6 / med[1],
-           med[2] * 1e3, best[2] * 1e3, gb4 / med[2], med[3] * 1e3, best[3] * 1e3, gb4 / med[3]);
+           "%.1f GB/s | Q4_K ours %.1f (%.1f), %.1f GB/s; no AMX %.1f (%.1f); ggml gemv %.1f (%.1f), %.1f GB/s\n", nc,
+           ROUNDS, med[0] * 1e3, best[0] * 1e3, gb6 / med[0], med[1] * 1e3, best[1] * 1e3, gb6 / med[1],
+           med[2] * 1e3, best[2] * 1e3, gb4 / med[2], med[4] * 1e3, best[4] * 1e3, med[3] * 1e3, best[3] * 1e3,
+           gb4 / med[3]);
     return 0;
 }
