@@ -323,13 +323,19 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+def _variant_fn(name: str):
+    """Our build's function `name` in the loaded CPU variant's library, or None (no variants, or a build without
+    it)."""
+    variant = loaded_variant()
+    path = lib_dir() / f"libggml-cpu-{variant}.so"
+    return getattr(ctypes.CDLL(str(path)), name, None) if variant and path.exists() else None
+
+
 @contextmanager
 def _kernel_setting(setter: str, value: int, restore: int):
     """Calls our build's `setter` (in the loaded CPU variant's library) with `value` for a block and with `restore`
     after it. Yields False (and changes nothing) on a build without it."""
-    variant = loaded_variant()
-    path = lib_dir() / f"libggml-cpu-{variant}.so"
-    fn = getattr(ctypes.CDLL(str(path)), setter, None) if variant and path.exists() else None
+    fn = _variant_fn(setter)
     if fn is None:
         yield False
         return
@@ -371,9 +377,7 @@ def amx() -> bool:
     """Whether our kernels take AMX tile products here (repacked Q4_K rows in passes of AMX_MIN_TOKENS tokens or
     more: the prompt's passes): the CPU has AMX-INT8, Linux granted its tile state, SPECULANT_AMX is not 0, and the
     loaded variant has the kernel."""
-    variant = loaded_variant()
-    path = lib_dir() / f"libggml-cpu-{variant}.so"
-    fn = getattr(ctypes.CDLL(str(path)), "speculant_mm_amx", None) if variant and path.exists() else None
+    fn = _variant_fn("speculant_mm_amx")
     if fn is None:
         return False
     fn.restype = ctypes.c_int

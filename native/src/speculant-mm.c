@@ -1949,14 +1949,14 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
     return 16 * npairs;
 }
 
-// Q4_K repacked rows with AMX where it pays; returns the rows done (a multiple of 16, 0 where it did nothing)
-static int64_t q4_Kx8_amx(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
-                          float * dst, size_t dst_stride) {
-    if (ncols < amx_min_cols || nrows < 16 || !amx_ready()) return 0;
+// Q4_K repacked rows through AMX tile products, the tokens filled into tiles first; returns the rows done (a
+// multiple of 16; 0 out of memory, where the VNNI kernel does every row). The caller checks amx_ready().
+static int64_t q4_Kx8_amx_run(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
+                              float * dst, size_t dst_stride) {
     const int nb = n / QK_K, ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
     amx_cols * cols = malloc(sizeof(amx_cols) * (size_t) nb * ntiles);
     amx_tile_scratch * scratch = aligned_alloc(64, sizeof(amx_tile_scratch) * (size_t) ntiles);
-    int64_t done = 0;  // out of memory: the VNNI kernel does every row
+    int64_t done = 0;
     if (cols && scratch) {
         amx_cols_fill(nb, ycols, row_size, ncols, cols);
         done = q4_Kx8_amx_rows(nb, (const q4_Kx8 *) x, nrows, cols, ncols, dst, dst_stride, scratch);
@@ -1964,6 +1964,13 @@ static int64_t q4_Kx8_amx(int n, const void * x, int64_t nrows, const char * yco
     free(cols);
     free(scratch);
     return done;
+}
+
+// ... where it pays
+static int64_t q4_Kx8_amx(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
+                          float * dst, size_t dst_stride) {
+    if (ncols < amx_min_cols || nrows < 16 || !amx_ready()) return 0;
+    return q4_Kx8_amx_run(n, x, nrows, ycols, row_size, ncols, dst, dst_stride);
 }
 
 #endif
@@ -2901,26 +2908,20 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
 #ifdef SPECULANT_MM_AMX
 // speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K rows (x) repacked as llama.cpp does, against ncols
 // columns; the AMX kernel's results in out_amx and the VNNI kernel's (REPACKED_COLS tokens per unpacking) in out_ref,
-// both [ncols][nrows]. -1 where this CPU or build has no AMX.
+// both [ncols][nrows]. -1 where this CPU or build has no AMX, -2 out of memory.
 static int amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols, float * out_amx,
                     float * out_ref) {
     if (!amx_ready() || n % QK_K || nrows % 16) return -1;
     const int nb = n / QK_K, ngroups = nrows / 8;
     q4_Kx8 * packed = malloc(sizeof(q4_Kx8) * (size_t) ngroups * nb);
     for (int g = 0; g < ngroups; ++g) q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, packed + g * nb);
-    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    amx_cols * cols = malloc(sizeof(amx_cols) * (size_t) nb * ntiles);
-    amx_tile_scratch * scratch = aligned_alloc(64, sizeof(amx_tile_scratch) * (size_t) ntiles);
-    amx_cols_fill(nb, y, row_size, ncols, cols);
-    q4_Kx8_amx_rows(nb, packed, nrows, cols, ncols, out_amx, nrows, scratch);
+    const int64_t done = q4_Kx8_amx_run(n, packed, nrows, y, row_size, ncols, out_amx, nrows);
     for (int g = 0; g < ngroups; ++g) {
         repacked_group(GGML_TYPE_Q4_K, n, packed + g * nb, y, row_size, ncols, REPACKED_COLS, NULL, NULL, out_ref + 8 * g,
                        nrows);
     }
-    free(scratch);
-    free(cols);
     free(packed);
-    return 0;
+    return done == nrows ? 0 : -2;
 }
 #endif
 
