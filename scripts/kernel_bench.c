@@ -3,9 +3,9 @@
 // Ours: speculant_mm_repacked_rows over Q6_K / Q4_K in the 8-row layout. ggml: vec_dot_q6_K_q8_K row by row
 // over plain Q6_K (what llama.cpp runs for Q6_K on x86) and gemv_q4_K_8x8_q8_K (its repacked Q4_K), once per
 // token. The weights are random bytes with unit scales: timing only, the bits are tested in tests/test_native.py.
-// Q4_K ours runs AMX tile products where the CPU has them and the pass has 14+ tokens; "no AMX" is the same call
-// with them switched off (speculant_mm_set_amx_min_cols): below 14 tokens the two are the same call, and what
-// separates them is their place in the round.
+// Ours runs AMX tile products where the CPU has them and the pass has 9+ tokens; "no AMX" is the same call with them
+// switched off (speculant_mm_set_amx_min_cols): below 9 the two are the same call, and what separates them is their
+// place in the round.
 //
 //   gcc -O2 -o /tmp/kernel_bench scripts/kernel_bench.c -ldl
 //   L=.venv/lib/python3.11/site-packages/llama_cpp/lib
@@ -78,9 +78,9 @@ int main(int argc, char ** argv) {
     }
     for (int i = 0; i < nc * NB; ++i) { const float one = 1.0f; memcpy(y + i * Q8K_BYTES, &one, 4); }
 
-    static double times[5][MAX_ROUNDS];
+    static double times[6][MAX_ROUNDS];
     for (int round = 0; round < ROUNDS; ++round) {
-        double t[6];
+        double t[7];
         t[0] = now();
         ours(Q6_K, N, x6, R, y, NB * Q8K_BYTES, nc, out, R);
         t[1] = now();
@@ -93,20 +93,23 @@ int main(int argc, char ** argv) {
         t[4] = now();
         if (set_amx_min_cols) set_amx_min_cols(INT64_MAX);
         ours(Q4_K, N, x4, R, y, NB * Q8K_BYTES, nc, out, R);
-        if (set_amx_min_cols) set_amx_min_cols(14);
         t[5] = now();
-        for (int k = 0; k < 5; ++k) times[k][round] = t[k + 1] - t[k];
+        ours(Q6_K, N, x6, R, y, NB * Q8K_BYTES, nc, out, R);
+        if (set_amx_min_cols) set_amx_min_cols(0);  // the defaults
+        t[6] = now();
+        for (int k = 0; k < 6; ++k) times[k][round] = t[k + 1] - t[k];
     }
-    double best[5], med[5];
-    for (int k = 0; k < 5; ++k) {
+    double best[6], med[6];
+    for (int k = 0; k < 6; ++k) {
         qsort(times[k], ROUNDS, sizeof(double), by_value);
         best[k] = times[k][0];
         med[k] = times[k][ROUNDS / 2];
     }
     const double gb6 = R * NB * Q6_BYTES / 1e9, gb4 = R * NB * Q4_BYTES / 1e9;
-    printf("%d token(s), ms, median of %d rounds (best): Q6_K ours %.1f (%.1f), %.1f GB/s; ggml vec_dot %.1f (%.1f), "
-           "%.1f GB/s | Q4_K ours %.1f (%.1f), %.1f GB/s; no AMX %.1f (%.1f); ggml gemv %.1f (%.1f), %.1f GB/s\n", nc,
-           ROUNDS, med[0] * 1e3, best[0] * 1e3, gb6 / med[0], med[1] * 1e3, best[1] * 1e3, gb6 / med[1],
+    printf("%d token(s), ms, median of %d rounds (best): Q6_K ours %.1f (%.1f), %.1f GB/s; no AMX %.1f (%.1f); ggml "
+           "vec_dot %.1f (%.1f), %.1f GB/s | Q4_K ours %.1f (%.1f), %.1f GB/s; no AMX %.1f (%.1f); ggml gemv %.1f (%.1f), "
+           "%.1f GB/s\n", nc, ROUNDS, med[0] * 1e3, best[0] * 1e3, gb6 / med[0], med[5] * 1e3, best[5] * 1e3,
+           med[1] * 1e3, best[1] * 1e3, gb6 / med[1],
            med[2] * 1e3, best[2] * 1e3, gb4 / med[2], med[4] * 1e3, best[4] * 1e3, med[3] * 1e3, best[3] * 1e3,
            gb4 / med[3]);
     return 0;

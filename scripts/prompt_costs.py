@@ -5,7 +5,8 @@ alternating), beside llama.cpp's own llama-bench (pp512) where scripts/build_lla
 
 Prints seconds per prompt of 512, 1000 and 2000 tokens (median over ROUNDS, default 3) for the default target and
 draft. The prompt runs as `speculant generate` runs it: 64-token batch-invariant passes from position 0. With
---passes, also the target's ms per pass over n = 1..64 new tokens after 200 positions, both ways.
+--passes, also the target's ms per verify pass (every token's logits) over n = 1..64 new tokens after 200
+positions, both ways.
 """
 import contextlib
 import json
@@ -23,7 +24,7 @@ ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
 ROUNDS = int(ARGS[0]) if ARGS else 3
 PASSES = "--passes" in sys.argv
 LENGTHS = (512, 1000, 2000)
-PASS_SIZES = (1, 8, 12, 14, 16, 20, 32, 64)
+PASS_SIZES = (1, 4, 8, 9, 10, 12, 14, 16, 20, 32, 64)
 MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0")
 
 
@@ -67,7 +68,7 @@ for name in MODELS:
                             for _ in range(3):
                                 backend.rewind(200)
                                 t = time.perf_counter()
-                                backend.eval(tokens[200:200 + n], n_logits=1)
+                                backend.eval(tokens[200:200 + n], n_logits=n)  # as a verify pass: every token's logits
                                 times.setdefault((amx, "pass", n), []).append(1000 * (time.perf_counter() - t))
     finally:
         backend.close()
@@ -78,7 +79,7 @@ for name in MODELS:
     if PASSES and name == MODELS[0]:
         for n in PASS_SIZES:
             on, off = statistics.median(times[True, "pass", n]), statistics.median(times[False, "pass", n])
-            print(f"{name}: pass of {n} after 200: {on:.1f} ms with AMX, {off:.1f} ms without: {off / on:.2f}x")
+            print(f"{name}: verify pass of {n} after 200: {on:.1f} ms with AMX, {off:.1f} ms without: {off / on:.2f}x")
     peer = llama_bench(path, 512)
     if peer:
         print(f"{name}: llama-bench pp512 {peer:.0f} tok/s (llama.cpp's defaults, AMX off: scripts/build_llama_tools.sh)")

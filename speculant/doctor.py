@@ -106,8 +106,9 @@ def render(facts: dict) -> str:
             f"  kernels    {' '.join(ll['kernel_features'])}",
             f"  backends   {', '.join(ll['backends'])}",
             f"  exactness  {ll['exactness']}",
-            f"  amx        " + (f"tile products for repacked Q4_K rows in passes of {native.AMX_MIN_TOKENS}+ tokens "
-                                "(prompts)" if ll["amx"] else "not used (no AMX-INT8 on this CPU, or SPECULANT_AMX=0)"),
+            f"  amx        " + ("tile products for repacked Q4_K and Q6_K rows in passes of 9+ tokens (prompts, "
+                                "long verify passes)" if ll["amx"]
+                                else "not used (no AMX-INT8 on this CPU, or SPECULANT_AMX=0)"),
             f"  pages      transparent huge pages {ll['huge_pages']['kernel'] or 'not in this kernel'}; buffers of "
             f"2 MiB+ {'advised onto them' if ll['huge_pages']['requested'] else 'on 4 KiB pages (SPECULANT_THP=0)'}"
             f" (generate and demo: 4 KiB unless SPECULANT_THP=1)",

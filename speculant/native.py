@@ -370,13 +370,10 @@ def ggml_attention():
     return _kernel_setting("speculant_mm_set_shared_attention", 0, 1)
 
 
-AMX_MIN_TOKENS = 14  # AMX_MIN_COLS in native/src/speculant-mm.c
-
-
 def amx() -> bool:
-    """Whether our kernels take AMX tile products here (repacked Q4_K rows in passes of AMX_MIN_TOKENS tokens or
-    more: the prompt's passes): the CPU has AMX-INT8, Linux granted its tile state, SPECULANT_AMX is not 0, and the
-    loaded variant has the kernel."""
+    """Whether our kernels take AMX tile products here (repacked Q4_K and Q6_K rows in passes of 9 tokens or more:
+    the prompt's passes, long verify passes): the CPU has AMX-INT8, Linux granted its tile state, SPECULANT_AMX is
+    not 0, and the loaded variant has the kernels."""
     fn = _variant_fn("speculant_mm_amx")
     if fn is None:
         return False
@@ -387,7 +384,7 @@ def amx() -> bool:
 def without_amx():
     """Within this block no pass takes the AMX tile products (the VNNI kernels compute the same bits): an A/B over
     the same weights in memory. Yields False (and changes nothing) on a build without the switch."""
-    return _kernel_setting("speculant_mm_set_amx_min_cols", 1 << 62, AMX_MIN_TOKENS)
+    return _kernel_setting("speculant_mm_set_amx_min_cols", 1 << 62, 0)  # 0: the default
 
 
 THP_ENV = "SPECULANT_THP"  # read by our build's ggml_aligned_malloc at every allocation (native/*.patch)

@@ -59,7 +59,7 @@ def test_pass_sizes_are_bit_identical_smollm2(small_target):
 
 def test_pass_sizes_are_bit_identical_qwen(qwen_target):
     """The Qwen target's Q4_K/Q6_K weights, repacked 8 rows at a time, go through our multi-token kernels
-    (native/src/speculant-mm.c); where the CPU has AMX, its Q4_K rows in passes of 14 tokens or more go through
+    (native/src/speculant-mm.c); where the CPU has AMX, its Q4_K and Q6_K rows in passes of 9 tokens or more go through
     tile products."""
     assert qwen_target.repack
     sizes = list(range(1, 18)) + [24, 33, 48, 64]
@@ -367,9 +367,10 @@ def test_shared_attention_products_change_no_bit(model, request):
 
 
 def test_amx_tile_products_change_no_bit(qwen_target):
-    """Where the CPU has AMX, the target's repacked Q4_K rows in passes of 14 tokens or more (the prompt's 64-token
-    passes) go through tile products: the logits and the KV cache they leave are those of the VNNI kernels, bit for
-    bit (the next one-token pass reads that cache)."""
+    """Where the CPU has AMX, the target's repacked Q4_K and Q6_K rows (Q6_K: the output layer, half the ffn_down and
+    attn_v matrices) in passes of 9 tokens or more go through tile products: the prompt's 64-token passes, a
+    16-token and a 9-token verify pass give the logits, and leave the KV cache, of the VNNI kernels, bit for bit (the
+    next one-token pass reads that cache)."""
     from speculant import native
 
     if not native.amx():
@@ -382,8 +383,9 @@ def test_amx_tile_products_change_no_bit(qwen_target):
             qwen_target.rewind(0)
             prompt = qwen_target.eval(toks[:64], n_logits=64).copy()
             verify = qwen_target.eval(toks[64:80], n_logits=16).copy()
-            step = qwen_target.eval(toks[80:81]).copy()
-        runs.append((prompt, verify, step))
+            verify9 = qwen_target.eval(toks[80:89], n_logits=9).copy()
+            step = qwen_target.eval(toks[89:90]).copy()
+        runs.append((prompt, verify, verify9, step))
     for got, want in zip(runs[0], runs[1]):
         assert np.array_equal(got, want)
 

@@ -350,34 +350,55 @@ def test_the_q8_K_quantizer_gives_the_reference_bits():
     assert ran
 
 
-def test_amx_tile_products_give_the_bits_of_ggmls_kernel():
-    """Repacked Q4_K rows in passes of many tokens go through AMX tile products where the CPU has AMX: each row's
-    result equals the VNNI kernel's and ggml's one-token gemv's, bit for bit, on every AVX-512 build this CPU runs
-    (blocks of 1, 6 and 35 superblocks; 16 and 48 rows; tokens filling tiles of 16 exactly, partly and not at all)."""
+def _extreme_q6_K_rows(rng, nb: int) -> np.ndarray:
+    """8 Q6_K rows whose products scale * (q - 32) reach both ends of their range, [-4064, 4096]: every value 0 or
+    63 and every scale -128 or 127, mixed with random blocks."""
+    x = _random_weights(rng, Q6_K, nb)
+    for r in range(8):
+        ql, qh = (0x00, 0x00) if r % 2 else (0xFF, 0xFF)  # q = 0 or 63 throughout
+        x[r, ::2, 0:128], x[r, ::2, 128:192] = ql, qh
+        x[r, ::2, 192:208] = np.uint8(0x80 if r < 4 else 0x7F)  # scales -128 or 127
+    return x
+
+
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+def test_amx_tile_products_give_the_bits_of_the_vnni_kernels(qtype):
+    """Repacked Q4_K and Q6_K rows in passes of many tokens go through AMX tile products where the CPU has AMX: each
+    row's result equals the VNNI kernel's, bit for bit, on every AVX-512 build this CPU runs, and for Q4_K ggml's
+    one-token gemv's too (ggml has no x86 kernel for repacked Q6_K); blocks of 1, 6 and 35 superblocks; 16-48 rows;
+    tokens filling tiles of 16 exactly, partly and not at all; Q6_K weights at both ends of their range."""
     _kernel_lib()
-    rng = np.random.default_rng(11)
+    rng = np.random.default_rng(11 + qtype)
     ran = []
     for variant, lib in _isa_libs():
         amx = lib.speculant_mm_amx_test
         amx.restype = ctypes.c_int
-        amx.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
-                        ctypes.c_void_p, ctypes.c_void_p]
+        amx.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
+                        ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         fn = _bind(lib)
         for nb, nrows, ncols in [(1, 16, 1), (1, 48, 64), (6, 16, 14), (6, 48, 16), (6, 16, 17), (6, 32, 33),
                                  (35, 16, 64), (35, 32, 5)]:
-            x = np.concatenate([_random_weights(rng, Q4_K, nb) for _ in range(nrows // 8)])  # [nrows, nb, 144]
-            y, _ = _random_columns(rng, Q4_K, ncols, nb)
+            groups = [_random_weights(rng, qtype, nb) for _ in range(nrows // 8)]
+            if qtype == Q6_K:
+                groups[-1] = _extreme_q6_K_rows(rng, nb)
+            x = np.concatenate(groups)  # [nrows, nb, block bytes]
+            y, _ = _random_columns(rng, qtype, ncols, nb)
+            if qtype == Q6_K:  # q8 values at their ends too, in a token of its own
+                y3 = y.reshape(ncols, nb, -1)
+                y3[0, :, 4:260] = np.where(np.arange(256) % 2, 127, -127).astype(np.int8).view(np.uint8)
+                y3[0, :, 260:] = 0  # its block sums (16 values each)
             out_amx = np.zeros((ncols, nrows), np.float32)
             out_ref = np.zeros((ncols, nrows), np.float32)
-            rc = amx(nb * 256, nrows, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, out_amx.ctypes.data,
+            rc = amx(qtype, nb * 256, nrows, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, out_amx.ctypes.data,
                      out_ref.ctypes.data)
             if rc == -1:
                 break  # no AMX kernel in this build (AVX2) or no AMX on this CPU
             assert rc == 0, f"{variant}: the AMX kernel did not run (out of memory?)"
             assert out_amx.tobytes() == out_ref.tobytes(), (variant, nb, nrows, ncols)
             for g in range(nrows // 8):  # and ggml's gemv, 8 rows at a time
-                _, ggml = _mm(fn, Q4_K, True, x[8 * g:8 * g + 8], y, ncols, group=1, with_ggml=True)
-                assert out_amx[:, 8 * g:8 * g + 8].tobytes() == ggml.tobytes(), (variant, nb, nrows, ncols, g)
+                if qtype == Q4_K:
+                    _, ggml = _mm(fn, Q4_K, True, x[8 * g:8 * g + 8], y, ncols, group=1, with_ggml=True)
+                    assert out_amx[:, 8 * g:8 * g + 8].tobytes() == ggml.tobytes(), (variant, nb, nrows, ncols, g)
         else:
             ran.append(variant)
     if not ran:

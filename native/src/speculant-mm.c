@@ -1726,16 +1726,22 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
         default: kernel(4, __VA_ARGS__); break;           \
     }
 
-// -- Q4_K repacked, many tokens: AMX tiles (Sapphire Rapids and later) -----------------------------------------
+// -- Q4_K and Q6_K repacked, many tokens: AMX tiles (Sapphire Rapids and later) -----------------------------------
 //
-// The same bits as q4_Kx8_cols: per output element and superblock, that kernel's float operations on that
-// kernel's integers (its superblock sum sum_j scale_j * dot_j, and the mins' sum). Only the integers are formed
-// differently, and integer sums are exact. A tile product (TDPBUSD) multiplies unsigned bytes by signed ones, so
-// each 4-bit weight q is split as q = (q & 3) + 4 (q >> 2) and each half is multiplied by its sub-block's 6-bit
-// scale before the product (at most 63 * 3 = 189: still a byte); then the superblock's two products over all 256
-// values are sum_j scale_j * dot_j = P_low + 4 P_high, with no per-sub-block step. Each 16-row superblock is
-// unpacked once for every token of the pass, 16 tokens a tile. Taken where the CPU has AMX-INT8 and Linux grants
-// its tile state (SPECULANT_AMX=0: never), for passes of at least amx_min_cols tokens.
+// The same bits as q4_Kx8_cols and q6_Kx8_cols: per output element and superblock, those kernels' float operations
+// on those kernels' integers. Only the integers are formed differently, and integer sums are exact. A tile product
+// multiplies bytes, and a superblock's integer sum weights each value by its sub-block's scale: so each weight is
+// multiplied by its scale first, in 16-bit words, and the product split as lo + 256 hi, lo its low byte (0..255) and
+// hi the rest; the superblock's sum is then P_lo + 256 P_hi, two tile products over its 256 values, with no step per
+// sub-block. Q4_K: scale (0..63) x q (0..15), hi 0..3; its mins' sum stays a vector product over the q8 block sums.
+// Q6_K: scale (-128..127) x (q - 32), in [-4064, 4096], hi -16..16, the -32 offset folded in.
+//
+// The weights are the products' B operand, 16 rows a tile: a tile row holds 4 consecutive values of each row, so
+// the repacked layouts' 8 values of each of 8 rows (a 64-byte vector) make two tile rows with one permute per pair
+// of 8-row groups. The tokens are the A operand, 16 a tile, their q8_K values as stored (64 a tile row). Neither side
+// is transposed, and the products come out token by token, as the output is laid out. Each 16-row superblock is
+// unpacked once for every token of the pass. Taken where the CPU has AMX-INT8 and Linux grants its tile state
+// (SPECULANT_AMX=0: never), for passes of at least amx_min_cols tokens.
 #if defined(SPECULANT_MM_HAVE_512) && defined(__x86_64__) && defined(__linux__) \
     && (defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 11))
 #define SPECULANT_MM_AMX 1
@@ -1744,16 +1750,22 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
 #include <unistd.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
-#define AMX_MIN_COLS 14  // fewer read alike or slower than the VNNI kernel (BENCHMARKS.md)
-#define AMX_COLS 16     // tokens per tile
+// The VNNI kernels unpack the weights once per 8 tokens; from the 9th token on, a pass takes the tile products
+// (with 8 or fewer they read alike or slower: BENCHMARKS.md)
+#define AMX_MIN_COLS 9
+#define AMX_COLS 16  // tokens per tile
 
 static int amx_state = -1;  // -1: not asked yet; 0: no AMX; 1: granted
 static int64_t amx_min_cols = AMX_MIN_COLS;
-static uint8_t amx_scale_times[64][16];  // [scale][v]: scale * v for v = 0..3 (pshufb tables)
+// pshufb indices over a broadcast qword of 8 row scales (bytes): [0] words (scale_r, 0), [1] words (0, scale_r),
+// where qword r of the vector (lane r / 2) is row r's
+static uint8_t amx_scale_pick[2][64] __attribute__((aligned(64)));
 
 __attribute__((constructor)) static void amx_tables(void) {
-    for (int s = 0; s < 64; ++s) {
-        for (int v = 0; v < 4; ++v) amx_scale_times[s][v] = (uint8_t) (s * v);
+    for (int j = 0; j < 64; ++j) {
+        const uint8_t row = (uint8_t) (j / 8);  // byte j of the vector is in row j / 8's qword
+        amx_scale_pick[0][j] = j % 2 ? 0x80 : row;
+        amx_scale_pick[1][j] = j % 2 ? row : 0x80;
     }
 }
 
@@ -1778,199 +1790,303 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
-// 16 tokens' q8_K superblock in AMX's B layout: per 64 values (k), 16 rows of 4 values of each token
-// (q[k / 64][(k % 64) / 4][4 * token + k % 4] = value k); the sums of sub-blocks 2p and 2p+1 as an int16 pair per
-// token, as madd takes them; the tokens' d. Tokens past the pass are zero.
-typedef struct {
-    int8_t q[4][16][64];
-    int16_t bsums[4][AMX_COLS][2];
-    float d[AMX_COLS];
-} amx_cols;
-
-static void amx_cols_fill(int nb, const char * ycols, size_t row_size, int ncols, amx_cols * out) {
-    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    for (int t = 0; t < ntiles; ++t) {
-        const int nt = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
-        const block_q8_K * y[AMX_COLS];
-        for (int c = 0; c < nt; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (AMX_COLS * t + c) * row_size);
-        for (int i = 0; i < nb; ++i) {
-            amx_cols * o = out + (size_t) t * nb + i;
-            for (int kc = 0; kc < 4; ++kc) {  // 64 values of each token: its 16 groups of 4 as a 16 x 16 transpose
-                __m512 v[16];
-                for (int c = 0; c < AMX_COLS; ++c) {
-                    v[c] = c < nt ? _mm512_loadu_ps((const float *) (y[c][i].qs + 64 * kc)) : _mm512_setzero_ps();
-                }
-                transpose16_ps(v);
-                for (int k = 0; k < 16; ++k) _mm512_storeu_ps((float *) o->q[kc][k], v[k]);
-            }
-            memset(o->bsums, 0, sizeof(o->bsums));
-            memset(o->d, 0, sizeof(o->d));
-            for (int c = 0; c < nt; ++c) {
-                for (int p = 0; p < 4; ++p) {
-                    o->bsums[p][c][0] = (int16_t) (y[c][i].bsums[4 * p] + y[c][i].bsums[4 * p + 1]);
-                    o->bsums[p][c][1] = (int16_t) (y[c][i].bsums[4 * p + 2] + y[c][i].bsums[4 * p + 3]);
-                }
-                o->d[c] = y[c][i].d;
-            }
-        }
-    }
-}
-
-// One superblock of 8 repacked rows (rows row0..row0+7 of the tiles) as the two scaled halves of its weights:
-// a[k / 64][half][row][k % 64] = scale(k / 32) * (half ? q_k >> 2 : q_k & 3). u: the rows' scales (q4_Kx8_scales).
-static inline __attribute__((always_inline)) void q4_Kx8_amx_unpack(const q4_Kx8 * xb, const uint32_t u[8][4],
-                                                                    uint8_t a[4][2][16][64], int row0) {
-    const __m512i m4 = _mm512_set1_epi8(0x0F), m2 = _mm512_set1_epi8(0x03);
-    // qword r of 64-byte chunk k holds bytes 8k..8k+7 of row r: two rounds of permutes give each pair of rows its 32
-    // bytes, then the low nibbles (sub-block 2 sb) and high ones (2 sb + 1) make a row's 64 values
-    const __m512i pair_lo = _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0), pair_hi = _mm512_set_epi64(15, 7, 14, 6, 13, 5, 12, 4);
-    const __m512i quad_lo = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), quad_hi = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-    const __m512i first = _mm512_set_epi64(11, 10, 9, 8, 3, 2, 1, 0), second = _mm512_set_epi64(15, 14, 13, 12, 7, 6, 5, 4);
-    const uint8_t * sc = (const uint8_t *) u;  // sub-block j: 8 scales at 16 j, 8 mins at 16 j + 8
-    for (int sb = 0; sb < 4; ++sb) {
-        __m512i raw[4];
-        for (int k = 0; k < 4; ++k) raw[k] = _mm512_loadu_si512((const void *) (xb->qs + 256 * sb + 64 * k));
-        const __m512i t0 = _mm512_permutex2var_epi64(raw[0], pair_lo, raw[1]);  // rows 0-3: (chunk 0, chunk 1) each
-        const __m512i t1 = _mm512_permutex2var_epi64(raw[0], pair_hi, raw[1]);  // rows 4-7
-        const __m512i t2 = _mm512_permutex2var_epi64(raw[2], pair_lo, raw[3]);
-        const __m512i t3 = _mm512_permutex2var_epi64(raw[2], pair_hi, raw[3]);
-        const __m512i rows[4] = {  // rows 2p, 2p+1: 32 bytes each
-            _mm512_permutex2var_epi64(t0, quad_lo, t2), _mm512_permutex2var_epi64(t0, quad_hi, t2),
-            _mm512_permutex2var_epi64(t1, quad_lo, t3), _mm512_permutex2var_epi64(t1, quad_hi, t3),
-        };
-        for (int p = 0; p < 4; ++p) {
-            const __m512i lo = _mm512_and_si512(rows[p], m4), hi = _mm512_and_si512(_mm512_srli_epi16(rows[p], 4), m4);
-            for (int e = 0; e < 2; ++e) {
-                const int r = 2 * p + e;
-                const __m512i v = _mm512_permutex2var_epi64(lo, e ? second : first, hi);  // 64 values, 0..15
-                const __m512i times = _mm512_mask_blend_epi64(
-                    0xF0, _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) amx_scale_times[sc[16 * (2 * sb) + r]])),
-                    _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) amx_scale_times[sc[16 * (2 * sb + 1) + r]])));
-                _mm512_storeu_si512((void *) a[sb][0][row0 + r], _mm512_shuffle_epi8(times, _mm512_and_si512(v, m2)));
-                _mm512_storeu_si512((void *) a[sb][1][row0 + r],
-                                    _mm512_shuffle_epi8(times, _mm512_and_si512(_mm512_srli_epi16(v, 2), m2)));
-            }
-        }
-    }
-}
-
-// Scratch per tile of tokens: the tile products of a superblock (low and high halves), the accumulators.
-typedef struct {
-    int32_t prod[2][16][AMX_COLS];
-    float acc[16][AMX_COLS], acc_min[16][AMX_COLS];
-} amx_tile_scratch;
-
-// 16 repacked rows at a time (pairs of q4_Kx8 groups, group g at x + g * nb) against every token; token c's result
-// for row r at out[c * out_stride + r]. Returns how many rows it did (a multiple of 16). scratch: one per tile of
-// tokens, 64-byte aligned.
-AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrows, const amx_cols * cols, int ncols,
-                                         float * out, size_t out_stride, amx_tile_scratch * scratch) {
-    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+// tiles 0, 1: the two products (16 tokens x 16 rows, int32); 2, 3: the weights' lo and hi parts (16 tile rows of 4
+// values of 16 rows); 4: 64 values of 16 tokens
+AMX_TARGET static void amx_config(void) {
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 5; ++t) {  // 0, 1: the two products (16 rows x 16 tokens, int32); 2, 3: the two weight
-        cfg.rows[t] = 16;          // halves (16 rows x 64 values); 4: 64 values of 16 tokens
+    for (int t = 0; t < 5; ++t) {
+        cfg.rows[t] = 16;
         cfg.colsb[t] = 64;
     }
     _tile_loadconfig(&cfg);
+}
 
-    uint8_t a[4][2][16][64] __attribute__((aligned(64)));
-    const int64_t npairs = nrows / 16;
-    for (int64_t p = 0; p < npairs; ++p) {
-        const q4_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
+// 16 tokens' q8_K superblock as A tiles: window w holds values 64w..64w+63 of each token; the sums of sub-blocks
+// 2p and 2p+1 (32 values each) as an int16 pair, as madd takes them (Q4_K's mins); d. Tokens past the pass are zero.
+typedef struct {
+    int8_t q[4][AMX_COLS][64];
+    int16_t bsums[AMX_COLS][4][2];
+    float d[AMX_COLS];
+} amx_tokens;
+
+static void amx_tokens_fill(int nb, const char * ycols, size_t row_size, int ncols, amx_tokens * out) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    memset(out, 0, sizeof(amx_tokens) * (size_t) ntiles * nb);
+    for (int c = 0; c < ncols; ++c) {
+        const block_q8_K * y = (const block_q8_K *) (ycols + (size_t) c * row_size);
         for (int i = 0; i < nb; ++i) {
-            prefetch_stream(x0 + i, sizeof(q4_Kx8));
-            prefetch_stream(x1 + i, sizeof(q4_Kx8));
-            uint32_t u[2][8][4];
-            for (int j = 0; j < 8; ++j) { q4_Kx8_scales(x0 + i, j, u[0][j]); q4_Kx8_scales(x1 + i, j, u[1][j]); }
-            q4_Kx8_amx_unpack(x0 + i, (const uint32_t (*)[4]) u[0], a, 0);
-            q4_Kx8_amx_unpack(x1 + i, (const uint32_t (*)[4]) u[1], a, 8);
-            int32_t min_pair[4][16];
-            float xd[16], xdmin[16];
-            for (int r = 0; r < 16; ++r) {
-                const q4_Kx8 * xb = r < 8 ? x0 + i : x1 + i;
-                const uint8_t * ub = (const uint8_t *) u[r / 8];
-                for (int q = 0; q < 4; ++q) {
-                    min_pair[q][r] = ub[16 * (2 * q) + 8 + r % 8] | (int32_t) ub[16 * (2 * q + 1) + 8 + r % 8] << 16;
-                }
-                xd[r] = fp16_to_fp32(xb->d[r % 8]);
-                xdmin[r] = fp16_to_fp32(xb->dmin[r % 8]);
+            amx_tokens * o = out + (size_t) (c / AMX_COLS) * nb + i;
+            const int k = c % AMX_COLS;
+            for (int w = 0; w < 4; ++w) memcpy(o->q[w][k], y[i].qs + 64 * w, 64);
+            for (int p = 0; p < 4; ++p) {
+                o->bsums[k][p][0] = (int16_t) (y[i].bsums[4 * p] + y[i].bsums[4 * p + 1]);
+                o->bsums[k][p][1] = (int16_t) (y[i].bsums[4 * p + 2] + y[i].bsums[4 * p + 3]);
             }
-            // every tile's products first, then their sums (the sums of tile t can then start while the tile unit
-            // computes the tiles after it: ~12% fewer cycles than each tile's sums right after its products)
-            for (int t = 0; t < ntiles; ++t) {
-                const amx_cols * y = cols + (size_t) t * nb + i;
-                _tile_zero(0);
-                _tile_zero(1);
-                for (int kc = 0; kc < 4; ++kc) {
-                    _tile_loadd(4, y->q[kc], 64);
-                    _tile_loadd(2, a[kc][0], 64);
-                    _tile_dpbusd(0, 2, 4);
-                    _tile_loadd(3, a[kc][1], 64);
-                    _tile_dpbusd(1, 3, 4);
-                }
-                _tile_stored(0, scratch[t].prod[0], 64);
-                _tile_stored(1, scratch[t].prod[1], 64);
+            o->d[k] = y[i].d;
+        }
+    }
+}
+
+// Scratch per tile of tokens: a superblock's two products ([token][row], int32), the accumulators.
+typedef struct {
+    int32_t prod[2][AMX_COLS][16];
+    float acc[AMX_COLS][16], acc_min[AMX_COLS][16];
+} amx_scratch;
+
+// The B tiles of one 16-row superblock: b[w][half][kr][4r + e] = half (0: lo, 1: hi) of row r's scaled value
+// 64w + 4kr + e.
+typedef uint8_t amx_weights[4][2][16][64];
+
+// Row r's 8 scaled values, in qword r of q (8 rows x 8 values 0..63) times the scales in words (scale_r, 0) and
+// (0, scale_r), less off (words: 0, or 32 scale_r): their lo and hi bytes, in value order
+AMX_TARGET static inline __attribute__((always_inline)) void amx_scale_split(__m512i q, __m512i y_even, __m512i y_odd,
+                                                                             __m512i off, bool with_off, __m512i * lo,
+                                                                             __m512i * hi) {
+    const __m512i low_byte = _mm512_set1_epi16(0x00FF);
+    __m512i even = _mm512_maddubs_epi16(q, y_even), odd = _mm512_maddubs_epi16(q, y_odd);  // |.| <= 8064: exact
+    if (with_off) {
+        even = _mm512_sub_epi16(even, off);
+        odd = _mm512_sub_epi16(odd, off);
+    }
+    *lo = _mm512_ternarylogic_epi32(low_byte, even, _mm512_slli_epi16(odd, 8), 0xCA);  // low_byte ? even : odd << 8
+    *hi = _mm512_ternarylogic_epi32(low_byte, _mm512_srai_epi16(even, 8), odd, 0xCA);
+}
+
+// Two 8-row groups' lo / hi vectors (value v + 0..7 of row r in qword r) as tile rows kr, kr + 1 (values v + 0..3,
+// v + 4..7 of rows 0..15)
+AMX_TARGET static inline __attribute__((always_inline)) void amx_store_rows(__m512i g0, __m512i g1, uint8_t rows[2][64]) {
+    const __m512i even_dwords = _mm512_set_epi32(30, 28, 26, 24, 22, 20, 18, 16, 14, 12, 10, 8, 6, 4, 2, 0);
+    const __m512i odd_dwords = _mm512_set_epi32(31, 29, 27, 25, 23, 21, 19, 17, 15, 13, 11, 9, 7, 5, 3, 1);
+    _mm512_store_si512((void *) rows[0], _mm512_permutex2var_epi32(g0, even_dwords, g1));
+    _mm512_store_si512((void *) rows[1], _mm512_permutex2var_epi32(g0, odd_dwords, g1));
+}
+
+// Step `step` of `steps` in prefetching both groups' next superblocks (of `bytes` each), a few lines a step: one
+// burst would take every L1 fill buffer and stall until they drained
+static inline __attribute__((always_inline)) void amx_prefetch_next(const void * g0, const void * g1, size_t bytes,
+                                                                    int step, int steps) {
+    if (prefetch_ahead) {
+        const size_t lines = (bytes / 64 + steps) / steps;  // per step: every line of a superblock, or more
+        for (int k = 0; k < 2; ++k) {
+            for (size_t l = 0; l < lines; ++l) {
+                __builtin_prefetch((const char *) (k ? g1 : g0) + bytes + 64 * (lines * step + l), 0, 3);
             }
-            for (int t = 0; t < ntiles; ++t) {
-                const amx_cols * y = cols + (size_t) t * nb + i;
-                const __m512 yd = _mm512_loadu_ps(y->d);
-                __m512i bsums[4];
-                for (int q = 0; q < 4; ++q) bsums[q] = _mm512_loadu_si512((const void *) y->bsums[q]);
-                amx_tile_scratch * st = scratch + t;
-                for (int r = 0; r < 16; ++r) {
-                    const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][r]),
-                                                          _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][r]), 2));
-                    __m512i imin = _mm512_madd_epi16(bsums[0], _mm512_set1_epi32(min_pair[0][r]));
-                    for (int q = 1; q < 4; ++q) {
-                        imin = _mm512_add_epi32(imin, _mm512_madd_epi16(bsums[q], _mm512_set1_epi32(min_pair[q][r])));
+        }
+    }
+}
+
+// One superblock of 16 repacked Q4_K rows (groups x0: rows 0-7, x1: rows 8-15) as B tiles: scale x q. u: the
+// groups' scales and mins (q4_Kx8_scales; sub-block j: 8 scales at byte 16 j, 8 mins at 16 j + 8).
+AMX_TARGET static inline __attribute__((always_inline)) void q4_Kx8_amx_unpack(const q4_Kx8 * x0, const q4_Kx8 * x1,
+                                                                               const uint32_t u[2][8][4], amx_weights b) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
+    const __m512i pick_even = _mm512_load_si512((const void *) amx_scale_pick[0]);
+    const __m512i pick_odd = _mm512_load_si512((const void *) amx_scale_pick[1]);
+    const q4_Kx8 * xs[2] = {x0, x1};
+    for (int sb = 0; sb < 4; ++sb) {  // values 64sb + 0..63: sub-block 2sb in the low nibbles, 2sb + 1 in the high
+#pragma GCC unroll 2
+        for (int hh = 0; hh < 2; ++hh) {
+            amx_prefetch_next(x0, x1, sizeof(q4_Kx8), 2 * sb + hh, 8);
+            __m512i y_even[2], y_odd[2];
+            for (int k = 0; k < 2; ++k) {
+                const __m512i sc = _mm512_set1_epi64(load64((const int8_t *) u[k][2 * sb + hh]));
+                y_even[k] = _mm512_shuffle_epi8(sc, pick_even);
+                y_odd[k] = _mm512_shuffle_epi8(sc, pick_odd);
+            }
+            for (int kk = 0; kk < 4; ++kk) {  // bytes 32sb + 8kk + 0..7 of each row: values 64sb + 32hh + 8kk + 0..7
+                __m512i lo[2], hi[2];
+                for (int k = 0; k < 2; ++k) {
+                    const __m512i raw = _mm512_loadu_si512((const void *) (xs[k]->qs + 256 * sb + 64 * kk));
+                    const __m512i q = _mm512_and_si512(hh ? _mm512_srli_epi16(raw, 4) : raw, m4);
+                    amx_scale_split(q, y_even[k], y_odd[k], zero, false, &lo[k], &hi[k]);
+                }
+                amx_store_rows(lo[0], lo[1], b[sb][0] + 8 * hh + 2 * kk);
+                amx_store_rows(hi[0], hi[1], b[sb][1] + 8 * hh + 2 * kk);
+            }
+        }
+    }
+}
+
+// One superblock of 16 repacked Q6_K rows (groups x0: rows 0-7, x1: rows 8-15) as B tiles: scale x (q - 32).
+AMX_TARGET static inline __attribute__((always_inline)) void q6_Kx8_amx_unpack(const q6_Kx8 * x0, const q6_Kx8 * x1,
+                                                                               amx_weights b) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F), m6 = _mm512_set1_epi8(0x3F);
+    const __m512i pick_even = _mm512_load_si512((const void *) amx_scale_pick[0]);
+    const __m512i pick_odd = _mm512_load_si512((const void *) amx_scale_pick[1]);
+    const q6_Kx8 * xs[2] = {x0, x1};
+    for (int h = 0; h < 2; ++h) {
+        for (int p = 0; p < 2; ++p) {
+#pragma GCC unroll 4
+            for (int m = 0; m < 4; ++m) {  // group g = 8h + 2m + p: values 128h + 32m + 16p + 0..15
+                const int g = 8 * h + 2 * m + p;
+                amx_prefetch_next(x0, x1, sizeof(q6_Kx8), 8 * h + 4 * p + m, 16);
+                __m512i y_even[2], y_odd[2], off[2];
+                for (int k = 0; k < 2; ++k) {
+                    const __m512i sc = _mm512_set1_epi64(load64(xs[k]->scales + 8 * g));
+                    y_even[k] = _mm512_shuffle_epi8(sc, pick_even);
+                    y_odd[k] = _mm512_shuffle_epi8(sc, pick_odd);
+                    off[k] = _mm512_srai_epi16(y_odd[k], 3);  // 32 scale_r
+                }
+                for (int t = 0; t < 2; ++t) {  // 8 values each: chunk kk
+                    const int kk = 2 * p + t;
+                    __m512i lo[2], hi[2];
+                    for (int k = 0; k < 2; ++k) {
+                        // row r's 8 values 128h + 32m + 8kk + 0..7 in qword r, as q6_Kx8_cols unpacks them
+                        const uint8_t * ql = m & 1 ? Q6KX8_LOW_B(xs[k], h, kk) : Q6KX8_LOW_A(xs[k], h, kk);
+                        const __m512i l = _mm512_loadu_si512((const void *) ql);
+                        const __m512i qh = _mm512_loadu_si512((const void *) Q6KX8_HIGH(xs[k], h, kk));
+                        const __m512i lq = m < 2 ? l : _mm512_srli_epi16(l, 4);
+                        const __m512i hq = m == 0 ? _mm512_slli_epi16(qh, 4) : m == 1 ? _mm512_slli_epi16(qh, 2)
+                                         : m == 2 ? qh : _mm512_srli_epi16(qh, 2);
+                        const __m512i q = _mm512_and_si512(_mm512_ternarylogic_epi32(m4, lq, hq, 0xCA), m6);
+                        amx_scale_split(q, y_even[k], y_odd[k], off[k], true, &lo[k], &hi[k]);
                     }
-                    // the accumulators start at +0, as q4_Kx8_cols's do
-                    const __m512 prev = i ? _mm512_load_ps(st->acc[r]) : _mm512_setzero_ps();
-                    const __m512 prev_min = i ? _mm512_load_ps(st->acc_min[r]) : _mm512_setzero_ps();
-                    _mm512_store_ps(st->acc[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
-                                                                _mm512_mul_ps(_mm512_set1_ps(xd[r]), yd), prev));
-                    _mm512_store_ps(st->acc_min[r], _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin),
-                                                                    _mm512_mul_ps(_mm512_set1_ps(xdmin[r]), yd), prev_min));
+                    // values 128h + 32m + 8kk + 0..7 = 64w + 4kr + 0..7
+                    const int w = 2 * h + m / 2, kr = 8 * (m % 2) + 2 * kk;
+                    amx_store_rows(lo[0], lo[1], b[w][0] + kr);
+                    amx_store_rows(hi[0], hi[1], b[w][1] + kr);
                 }
             }
         }
-        for (int t = 0; t < ntiles; ++t) {  // rows x tokens -> tokens x rows: each token's 16 results in a row
-            __m512 v[16];
-            for (int r = 0; r < 16; ++r) v[r] = _mm512_sub_ps(_mm512_load_ps(scratch[t].acc[r]), _mm512_load_ps(scratch[t].acc_min[r]));
-            transpose16_ps(v);
-            for (int k = 0; k < AMX_COLS && AMX_COLS * t + k < ncols; ++k) {
-                _mm512_storeu_ps(out + (size_t) (AMX_COLS * t + k) * out_stride + 16 * p, v[k]);
+    }
+}
+
+// Every token tile's two products of one superblock (P_lo, P_hi: [token][row]) into its scratch
+AMX_TARGET static inline __attribute__((always_inline)) void amx_products(amx_weights b, const amx_tokens * toks, int nb,
+                                                                          int ntiles, amx_scratch * scratch) {
+    for (int t = 0; t < ntiles; ++t) {
+        const amx_tokens * y = toks + (size_t) t * nb;
+        _tile_zero(0);
+        _tile_zero(1);
+        for (int w = 0; w < 4; ++w) {
+            _tile_loadd(4, y->q[w], 64);
+            _tile_loadd(2, b[w][0], 64);
+            _tile_dpbsud(0, 4, 2);  // tokens signed, lo unsigned
+            _tile_loadd(3, b[w][1], 64);
+            _tile_dpbssd(1, 4, 3);  // hi signed (Q4_K's 0..3 too)
+        }
+        _tile_stored(0, scratch[t].prod[0], 64);
+        _tile_stored(1, scratch[t].prod[1], 64);
+    }
+}
+
+// 16 repacked rows at a time (pairs of 8-row groups, group g at x + g * nb superblocks) against every token;
+// token c's result for row r at out[c * out_stride + r]. Returns how many rows it did (a multiple of 16).
+AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrows, const amx_tokens * toks,
+                                         int ncols, float * out, size_t out_stride, amx_scratch * scratch) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    amx_config();
+    amx_weights b __attribute__((aligned(64)));
+    for (int64_t p = 0; p < nrows / 16; ++p) {
+        const q4_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
+        for (int i = 0; i < nb; ++i) {
+            uint32_t u[2][8][4];
+            for (int j = 0; j < 8; ++j) { q4_Kx8_scales(x0 + i, j, u[0][j]); q4_Kx8_scales(x1 + i, j, u[1][j]); }
+            q4_Kx8_amx_unpack(x0 + i, x1 + i, (const uint32_t (*)[8][4]) u, b);
+            amx_products(b, toks + i, nb, ntiles, scratch);
+            const __m512 xd = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x0[i].d)), _mm_loadu_si128((const __m128i *) x1[i].d), 1));
+            const __m512 xdmin = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x0[i].dmin)), _mm_loadu_si128((const __m128i *) x1[i].dmin), 1));
+            __m512i mins[4];  // sub-blocks 2q and 2q+1: each row's int16 pair (min_2q, min_2q+1)
+            for (int q = 0; q < 4; ++q) {
+                __m256i m8[2];
+                for (int k = 0; k < 2; ++k) {
+                    m8[k] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) &u[k][2 * q][2]),
+                                                                   _mm_loadl_epi64((const __m128i *) &u[k][2 * q + 1][2])));
+                }
+                mins[q] = _mm512_inserti64x4(_mm512_castsi256_si512(m8[0]), m8[1], 1);
             }
+            for (int t = 0; t < ntiles; ++t) {
+                const amx_tokens * y = toks + (size_t) t * nb + i;
+                amx_scratch * st = scratch + t;
+                for (int c = 0; c < AMX_COLS; ++c) {
+                    const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
+                                                          _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
+                    int32_t pair[4];
+                    memcpy(pair, y->bsums[c], sizeof(pair));
+                    __m512i imin = _mm512_madd_epi16(mins[0], _mm512_set1_epi32(pair[0]));
+                    for (int q = 1; q < 4; ++q) imin = _mm512_add_epi32(imin, _mm512_madd_epi16(mins[q], _mm512_set1_epi32(pair[q])));
+                    // the accumulators start at +0, as q4_Kx8_cols's do
+                    const __m512 yd = _mm512_set1_ps(y->d[c]);
+                    const __m512 prev = i ? _mm512_load_ps(st->acc[c]) : _mm512_setzero_ps();
+                    const __m512 prev_min = i ? _mm512_load_ps(st->acc_min[c]) : _mm512_setzero_ps();
+                    _mm512_store_ps(st->acc[c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum), _mm512_mul_ps(xd, yd), prev));
+                    _mm512_store_ps(st->acc_min[c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(imin), _mm512_mul_ps(xdmin, yd), prev_min));
+                }
+            }
+        }
+        for (int c = 0; c < ncols; ++c) {
+            const amx_scratch * st = scratch + c / AMX_COLS;
+            _mm512_storeu_ps(out + (size_t) c * out_stride + 16 * p,
+                             _mm512_sub_ps(_mm512_load_ps(st->acc[c % AMX_COLS]), _mm512_load_ps(st->acc_min[c % AMX_COLS])));
         }
     }
     _tile_release();
-    return 16 * npairs;
+    return nrows / 16 * 16;
 }
 
-// Q4_K repacked rows through AMX tile products, the tokens filled into tiles first; returns the rows done (a
-// multiple of 16; 0 out of memory, where the VNNI kernel does every row). The caller checks amx_ready().
-static int64_t q4_Kx8_amx_run(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
-                              float * dst, size_t dst_stride) {
-    const int nb = n / QK_K, ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    amx_cols * cols = malloc(sizeof(amx_cols) * (size_t) nb * ntiles);
-    amx_tile_scratch * scratch = aligned_alloc(64, sizeof(amx_tile_scratch) * (size_t) ntiles);
-    int64_t done = 0;
-    if (cols && scratch) {
-        amx_cols_fill(nb, ycols, row_size, ncols, cols);
-        done = q4_Kx8_amx_rows(nb, (const q4_Kx8 *) x, nrows, cols, ncols, dst, dst_stride, scratch);
+// The same for Q6_K (no mins)
+AMX_TARGET static int64_t q6_Kx8_amx_rows(int nb, const q6_Kx8 * x, int64_t nrows, const amx_tokens * toks,
+                                         int ncols, float * out, size_t out_stride, amx_scratch * scratch) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    amx_config();
+    amx_weights b __attribute__((aligned(64)));
+    for (int64_t p = 0; p < nrows / 16; ++p) {
+        const q6_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
+        for (int i = 0; i < nb; ++i) {
+            q6_Kx8_amx_unpack(x0 + i, x1 + i, b);
+            amx_products(b, toks + i, nb, ntiles, scratch);
+            const __m512 xd = _mm512_cvtph_ps(_mm256_inserti128_si256(
+                _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x0[i].d)), _mm_loadu_si128((const __m128i *) x1[i].d), 1));
+            for (int t = 0; t < ntiles; ++t) {
+                const amx_tokens * y = toks + (size_t) t * nb + i;
+                amx_scratch * st = scratch + t;
+                for (int c = 0; c < AMX_COLS; ++c) {
+                    const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
+                                                          _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
+                    // the accumulators start at +0, as q6_Kx8_cols's do
+                    const __m512 prev = i ? _mm512_load_ps(st->acc[c]) : _mm512_setzero_ps();
+                    _mm512_store_ps(st->acc[c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum),
+                                                                _mm512_mul_ps(xd, _mm512_set1_ps(y->d[c])), prev));
+                }
+            }
+        }
+        for (int c = 0; c < ncols; ++c) {
+            _mm512_storeu_ps(out + (size_t) c * out_stride + 16 * p, _mm512_load_ps(scratch[c / AMX_COLS].acc[c % AMX_COLS]));
+        }
     }
-    free(cols);
+    _tile_release();
+    return nrows / 16 * 16;
+}
+
+// Repacked Q4_K or Q6_K rows through AMX tile products, the tokens laid out as tiles first; returns the rows done
+// (a multiple of 16; 0 out of memory, where the VNNI kernel does every row). The caller checks amx_ready().
+static int64_t amx_run(enum ggml_type type, int n, const void * x, int64_t nrows, const char * ycols, size_t row_size,
+                       int ncols, float * dst, size_t dst_stride) {
+    const int nb = n / QK_K, ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    amx_tokens * toks = aligned_alloc(64, sizeof(amx_tokens) * (size_t) nb * ntiles);
+    amx_scratch * scratch = aligned_alloc(64, sizeof(amx_scratch) * (size_t) ntiles);
+    int64_t done = 0;
+    if (toks && scratch) {
+        amx_tokens_fill(nb, ycols, row_size, ncols, toks);
+        done = type == GGML_TYPE_Q4_K ? q4_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch)
+                                      : q6_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch);
+    }
+    free(toks);
     free(scratch);
     return done;
 }
 
 // ... where it pays
-static int64_t q4_Kx8_amx(int n, const void * x, int64_t nrows, const char * ycols, size_t row_size, int ncols,
-                          float * dst, size_t dst_stride) {
-    if (ncols < amx_min_cols || nrows < 16 || !amx_ready()) return 0;
-    return q4_Kx8_amx_run(n, x, nrows, ycols, row_size, ncols, dst, dst_stride);
+static int64_t amx_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const char * ycols, size_t row_size,
+                        int ncols, float * dst, size_t dst_stride) {
+    if ((type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K) || ncols < amx_min_cols || nrows < 16 || !amx_ready()) {
+        return 0;
+    }
+    return amx_run(type, n, x, nrows, ycols, row_size, ncols, dst, dst_stride);
 }
 
 #endif
@@ -2059,8 +2175,8 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
     }
     const size_t group_bytes = repacked_group_bytes(type, n);
 #ifdef SPECULANT_MM_AMX
-    if (type == GGML_TYPE_Q4_K && !order) {
-        const int64_t done = q4_Kx8_amx(n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
+    if (!order) {  // Q4_K and Q6_K: tile products for 16 rows at a time
+        const int64_t done = amx_rows(type, n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
         x = (const char *) x + done / 8 * group_bytes;
         dst += done;
         nrows -= done;
@@ -2906,18 +3022,25 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
 }
 
 #ifdef SPECULANT_MM_AMX
-// speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K rows (x) repacked as llama.cpp does, against ncols
-// columns; the AMX kernel's results in out_amx and the VNNI kernel's (REPACKED_COLS tokens per unpacking) in out_ref,
-// both [ncols][nrows]. -1 where this CPU or build has no AMX, -2 out of memory.
-static int amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols, float * out_amx,
-                    float * out_ref) {
-    if (!amx_ready() || n % QK_K || nrows % 16) return -1;
+// speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K or Q6_K rows (x) repacked as llama.cpp does, against
+// ncols columns; the AMX kernel's results in out_amx and the VNNI kernel's (REPACKED_COLS tokens per unpacking) in
+// out_ref, both [ncols][nrows]. -1 where this CPU or build has no AMX (or another type), -2 out of memory.
+static int amx_test(enum ggml_type type, int n, int nrows, const void * x, const void * y, size_t row_size, int ncols,
+                    float * out_amx, float * out_ref) {
+    if (!amx_ready() || n % QK_K || nrows % 16 || (type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K)) return -1;
     const int nb = n / QK_K, ngroups = nrows / 8;
-    q4_Kx8 * packed = malloc(sizeof(q4_Kx8) * (size_t) ngroups * nb);
-    for (int g = 0; g < ngroups; ++g) q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, packed + g * nb);
-    const int64_t done = q4_Kx8_amx_run(n, packed, nrows, y, row_size, ncols, out_amx, nrows);
+    const size_t group_bytes = repacked_group_bytes(type, n);
+    char * packed = malloc(group_bytes * ngroups);
     for (int g = 0; g < ngroups; ++g) {
-        repacked_group(GGML_TYPE_Q4_K, n, packed + g * nb, y, row_size, ncols, REPACKED_COLS, NULL, NULL, out_ref + 8 * g,
+        if (type == GGML_TYPE_Q4_K) {
+            q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, (q4_Kx8 *) (packed + g * group_bytes));
+        } else {
+            q6_Kx8_pack((const block_q6_K *) x + (size_t) 8 * g * nb, nb, (q6_Kx8 *) (packed + g * group_bytes));
+        }
+    }
+    const int64_t done = amx_run(type, n, packed, nrows, y, row_size, ncols, out_amx, nrows);
+    for (int g = 0; g < ngroups; ++g) {
+        repacked_group(type, n, packed + g * group_bytes, y, row_size, ncols, REPACKED_COLS, NULL, NULL, out_ref + 8 * g,
                        nrows);
     }
     free(packed);
@@ -3490,9 +3613,10 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
 
 // -- AMX switches (every build has them; they do nothing where there is no AMX kernel) --
 
+// the fewest tokens of a pass that take tile products; 0 or less: the default
 void speculant_mm_set_amx_min_cols(int64_t n) {
 #ifdef SPECULANT_MM_AMX
-    amx_min_cols = n;
+    amx_min_cols = n > 0 ? n : AMX_MIN_COLS;
 #else
     (void) n;
 #endif
@@ -3506,12 +3630,12 @@ int speculant_mm_amx(void) {
 #endif
 }
 
-int speculant_mm_amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols, float * out_amx,
-                          float * out_ref) {
+int speculant_mm_amx_test(int type, int n, int nrows, const void * x, const void * y, size_t row_size, int ncols,
+                          float * out_amx, float * out_ref) {
 #ifdef SPECULANT_MM_AMX
-    return amx_test(n, nrows, x, y, row_size, ncols, out_amx, out_ref);
+    return amx_test((enum ggml_type) type, n, nrows, x, y, row_size, ncols, out_amx, out_ref);
 #else
-    (void) n; (void) nrows; (void) x; (void) y; (void) row_size; (void) ncols; (void) out_amx; (void) out_ref;
+    (void) type; (void) n; (void) nrows; (void) x; (void) y; (void) row_size; (void) ncols; (void) out_amx; (void) out_ref;
     return -1;
 #endif
 }

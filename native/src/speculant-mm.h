@@ -122,15 +122,15 @@ GGML_BACKEND_API float speculant_vec_max_f32(int n, const float * x);
 // way). For A/B runs.
 GGML_BACKEND_API void speculant_mm_set_lanes_min_cols(int64_t n);
 
-// AMX (where the CPU has AMX-INT8 and Linux grants its tile state; SPECULANT_AMX=0: never): repacked Q4_K rows
-// in passes of at least n tokens (default 14) go through tile products, with the same bits. For A/B runs and
-// tests. speculant_mm_amx: 1 where it is taken. speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K rows
-// against ncols q8_K columns, the AMX kernel's results and the VNNI kernel's, both [ncols][nrows]; -1 without
-// AMX, -2 out of memory.
+// AMX (where the CPU has AMX-INT8 and Linux grants its tile state; SPECULANT_AMX=0: never): repacked Q4_K and Q6_K
+// rows in passes of at least n tokens (default 9) go through tile products, with the same bits.
+// speculant_mm_set_amx_min_cols: n (0: the default), for A/B runs and tests. speculant_mm_amx: 1 where they are
+// taken. speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K or Q6_K rows against ncols q8_K columns, the AMX
+// kernel's results and the VNNI kernel's, both [ncols][nrows]; -1 without AMX, -2 out of memory.
 GGML_BACKEND_API void speculant_mm_set_amx_min_cols(int64_t n);
 GGML_BACKEND_API int speculant_mm_amx(void);
-GGML_BACKEND_API int speculant_mm_amx_test(int n, int nrows, const void * x, const void * y, size_t row_size, int ncols,
-                                           float * out_amx, float * out_ref);
+GGML_BACKEND_API int speculant_mm_amx_test(int type, int n, int nrows, const void * x, const void * y, size_t row_size,
+                                           int ncols, float * out_amx, float * out_ref);
 
 // true where that kernel takes this attention product's scores: its chunks then span every query column (16 K
 // rows each), so a transposition serves all the columns that read those rows
