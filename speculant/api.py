@@ -222,13 +222,14 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
                 draft_threads: Optional[int] = None, history: bool = False, history_tokens: int = 16384,
-                long_max: int = 16, rpc: Sequence[str] = (), tensor_split: Optional[str] = None,
+                long_max: Optional[int] = None, rpc: Sequence[str] = (), tensor_split: Optional[str] = None,
                 parallel: int = 1) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
     and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
-    long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive.
+    long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive
+    (default: 16, or 32 where long passes are cheap: engine.default_long_max).
     draft_threads: CPU threads of the draft model (default: threads). rpc, tensor_split: the target's
     layers spread over RPC workers (see load_backend); the draft stays local. parallel: concurrent requests
     (engine.for_slot(i) for i < parallel: one engine each, sharing the models; speculant/batching.py).

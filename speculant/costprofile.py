@@ -46,7 +46,8 @@ def pass_times_ms(backend, ns: list[int], depth: int = DEPTH) -> dict[int, float
 
 
 def profile_key(backend) -> str:
-    """Model file (name, size, mtime), build, CPU, threads and weight layout: what T(n) depends on."""
+    """Model file (name, size, mtime), build, CPU, threads, weight layout and whether AMX tile products are taken
+    (SPECULANT_AMX=0 turns them off): what T(n) depends on."""
     from . import native
     from .bench.peers import cpu_key
 
@@ -55,6 +56,8 @@ def profile_key(backend) -> str:
     build = (native.build_info() or {}).get("key", "stock")
     layout = "repacked" if getattr(backend, "repack", False) else "plain"
     raw = f"{path.resolve()}|{st.st_size}|{int(st.st_mtime)}|{build}|{cpu_key()}|{backend.n_threads}|{layout}"
+    if native.amx():
+        raw += "|amx"
     return f"{path.stem}-{hashlib.sha256(raw.encode()).hexdigest()[:12]}"
 
 

@@ -195,3 +195,27 @@ def test_metrics_tau_is_the_per_request_tau():
     m.record(r.stats)
     m.record(r.stats)
     assert m.tau._value.get() == r.stats.mean_accepted_length == 1.0
+
+
+class _Priced(TableBackend):
+    """A synthetic target with a given measured cost profile r(n)."""
+
+    def __init__(self, profile, **kw):
+        super().__init__(V, seed=0, **kw)
+        self.profile = profile
+
+    def cost_profile(self):
+        return self.profile
+
+
+@pytest.mark.parametrize("r16,want", [(2.4, 32), (2.99, 32), (3.0, 16), (5.2, 16), (None, 16)])
+def test_long_free_drafts_go_to_32_where_long_passes_are_cheap(r16, want):
+    """An adaptive engine bounds long free drafts (a prediction, history) at 32 tokens where its target's measured
+    16-token pass costs under 3 one-token passes (AMX tile products: r(16) ~2.4), else at 16 (VNNI ~3.4, AVX2 ~5.2;
+    no profile); an explicit bound, or a fixed policy, keeps its own."""
+    target = _Priced(None if r16 is None else {1: 1.0, 8: 1.9, 16: r16})
+    draft = ModelDrafter(TableBackend(V, seed=1), V)
+    assert engine_mod.default_long_max(target) == want
+    assert Engine(target, draft, draft_max=4, adaptive=True).long_max == want
+    assert Engine(target, draft, draft_max=4, adaptive=True, long_max=20).long_max == 20
+    assert Engine(target, draft, draft_max=4).long_max == engine_mod.LONG_MAX
