@@ -40,6 +40,25 @@ def test_lookup_overlapping_match_and_end_of_context():
     assert LookupDrafter().lookup([1, 2, 1, 2], 0) == []
 
 
+def test_a_long_verbatim_copy_drafts_long_with_run_keys():
+    """Lookup's run is how far the context's end agrees with the text before the copy's source. From 8 tokens
+    on (an output quoting its prompt: a code edit) it drafts up to the long bound with run keys ('p8', 'p16',
+    ...), as a tracking prediction does; shorter matches keep k and their n-gram keys."""
+    source = list(range(100, 140))  # 40 distinct tokens, quoted in the prompt
+    quoting = source + [1, 2] + source[:12]  # the output has copied 12 of them so far
+    d = LookupDrafter()
+    assert d.run(quoting) == 12 and d.run([1, 2, 3, 1, 2]) == 2 and d.run([1, 2, 3]) == 0
+    flat = _with_costs(AdaptivePolicy(k_max=4), lambda n: 1.0 + 0.01 * (n - 1))  # cheap long passes
+    draft = d.propose(quoting, 4, budget=flat.budget(100, long_max=32))
+    # past k = 4, toward the quoted text's end (28 tokens), until the chance that all are right stops paying
+    assert 4 < len(draft.tokens) <= 28 and draft.tokens == source[12:12 + len(draft.tokens)]
+    assert draft.keys[:5] == ["p8", "p8", "p8", "p8", "p16"]
+    short = [7, 8, 9] + source[:10] + [1] + source[:5]  # agrees for 5 tokens: n-gram keys, k = 4
+    assert d.run(short) == 5
+    draft = d.propose(short, 4, budget=flat.budget(100, long_max=32))
+    assert draft.tokens == source[5:9] and draft.keys == ["n4", "n4+", "n4+", "n4+"]
+
+
 def test_lookup_settings_are_checked():
     with pytest.raises(SettingsError):
         LookupDrafter(ngram_max=1, ngram_min=2)
