@@ -73,11 +73,11 @@ class Result:
         return out
 
 
-def default_long_max(target: Backend) -> int:
-    """The bound of long free drafts for this target: LONG_MAX_CHEAP where its measured cost profile prices a
-    16-token pass under CHEAP_R16 one-token passes, else LONG_MAX. The adaptive policy still picks k."""
-    profile = target.cost_profile() or {}
-    return LONG_MAX_CHEAP if profile.get(16, CHEAP_R16) < CHEAP_R16 else LONG_MAX
+def default_long_max(cost_profile: Optional[dict[int, float]]) -> int:
+    """The bound of long free drafts for a target with this measured cost profile (r(n), or None):
+    LONG_MAX_CHEAP where it prices a 16-token pass under CHEAP_R16 one-token passes, else LONG_MAX. The adaptive
+    policy still picks k."""
+    return LONG_MAX_CHEAP if (cost_profile or {}).get(16, CHEAP_R16) < CHEAP_R16 else LONG_MAX
 
 
 class Engine:
@@ -91,26 +91,34 @@ class Engine:
         default_long_max)."""
         if not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT):
             raise SettingsError(f"--draft-max must be an integer in [0, {MAX_DRAFT}], got {draft_max!r}")
-        if long_max is None:
-            long_max = default_long_max(target) if adaptive else LONG_MAX
-        if not isinstance(long_max, int) or not (1 <= long_max <= MAX_DRAFT):
+        if long_max is not None and (not isinstance(long_max, int) or not (1 <= long_max <= MAX_DRAFT)):
             raise SettingsError(f"long_max must be an integer in [1, {MAX_DRAFT}], got {long_max!r}")
         self.target = target
         self.drafter = drafter
         self.draft_max = draft_max
         self.draft_min = draft_min
         self.adaptive = adaptive
-        self.long_max = long_max
+        self.long_max = LONG_MAX if long_max is None else long_max
+        self._long_max_default = long_max is None
+        self.cost_profile: Optional[dict[int, float]] = None  # the target's measured r(n), once a policy needs it
         self.prediction_policy = None  # the policy of an engine without a drafter, given a prediction
         self._scored: tuple[list[int], int, list[TokenLogprob]] = ([], 0, [])  # prompt_logprobs: tokens, n_top, entries
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
         if drafter is None or draft_max == 0:
             self.policy = FixedPolicy(0)
         elif adaptive:
+            self._load_costs()
             self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max),
-                                         cost_prior=target.cost_profile(), t1_prior=target.one_pass_seconds())
+                                         cost_prior=self.cost_profile, t1_prior=target.one_pass_seconds())
         else:
             self.policy = FixedPolicy(draft_max)
+
+    def _load_costs(self) -> None:
+        """Read the target's cost profile (measured once per machine where none is cached); the adaptive
+        policies start from it, and an unset long_max follows it (default_long_max)."""
+        self.cost_profile = self.target.cost_profile()
+        if self._long_max_default:
+            self.long_max = default_long_max(self.cost_profile)
 
     def for_slot(self, i: int) -> "Engine":
         """An engine for concurrent request slot i: the same models (their sequence i: Backend.slot), a
@@ -121,7 +129,7 @@ class Engine:
         target = self.target.slot(i)
         drafter = self.drafter.for_slot(i) if self.drafter is not None else None
         return Engine(target, drafter, draft_max=self.draft_max, adaptive=self.adaptive, draft_min=self.draft_min,
-                      long_max=self.long_max)
+                      long_max=None if self._long_max_default else self.long_max)
 
     def share_cache(self, source: "Engine", context: Sequence[int]) -> int:
         """Take another slot's prompt cache where it holds more of `context`: the target's KV stream is copied,
@@ -296,8 +304,10 @@ class Engine:
         pred = PredictionDrafter(tokens, start)
         if drafter is None:  # no drafter of its own: the prediction still gets a policy (adaptive unless asked)
             if self.prediction_policy is None:
+                if self.adaptive:
+                    self._load_costs()
                 self.prediction_policy = (
-                    AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1, cost_prior=self.target.cost_profile(),
+                    AdaptivePolicy(k_max=max(self.draft_max, 4), k_min=1, cost_prior=self.cost_profile,
                                    t1_prior=self.target.one_pass_seconds())
                     if self.adaptive else FixedPolicy(self.draft_max))
             return pred, self.prediction_policy

@@ -207,6 +207,9 @@ class _Priced(TableBackend):
     def cost_profile(self):
         return self.profile
 
+    def slot(self, i):
+        return self if i == 0 else _Priced(self.profile)
+
 
 @pytest.mark.parametrize("r16,want", [(2.4, 32), (2.99, 32), (3.0, 16), (5.2, 16), (None, 16)])
 def test_long_free_drafts_go_to_32_where_long_passes_are_cheap(r16, want):
@@ -215,7 +218,13 @@ def test_long_free_drafts_go_to_32_where_long_passes_are_cheap(r16, want):
     no profile); an explicit bound, or a fixed policy, keeps its own."""
     target = _Priced(None if r16 is None else {1: 1.0, 8: 1.9, 16: r16})
     draft = ModelDrafter(TableBackend(V, seed=1), V)
-    assert engine_mod.default_long_max(target) == want
+    assert engine_mod.default_long_max(target.cost_profile()) == want
     assert Engine(target, draft, draft_max=4, adaptive=True).long_max == want
     assert Engine(target, draft, draft_max=4, adaptive=True, long_max=20).long_max == 20
     assert Engine(target, draft, draft_max=4).long_max == engine_mod.LONG_MAX
+    plain = Engine(target, adaptive=True)  # no drafter: the costs are read when a prediction comes
+    assert plain.cost_profile is None and plain.long_max == engine_mod.LONG_MAX
+    slot = plain.for_slot(1)  # made before any prediction: not pinned to the bound of that moment
+    plain._with_prediction([1, 2, 3], 0)
+    slot._with_prediction([1, 2, 3], 0)
+    assert plain.long_max == want and slot.long_max == want
