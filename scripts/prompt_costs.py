@@ -5,8 +5,8 @@ alternating), beside llama.cpp's own llama-bench (pp512) where scripts/build_lla
 
 Prints seconds per prompt of 512, 1000 and 2000 tokens (median over ROUNDS, default 3) for the default target and
 draft. The prompt runs as `speculant generate` runs it: 64-token batch-invariant passes from position 0. With
---passes, also the target's ms per verify pass (every token's logits) over n = 1..64 new tokens after 200
-positions, both ways.
+--passes, also each model's ms per verify pass (every token's logits) over n = 1..64 new tokens after 200
+positions, both ways. --models=NAME,... measures those models instead (registered names or .gguf paths).
 """
 import contextlib
 import json
@@ -25,7 +25,8 @@ ROUNDS = int(ARGS[0]) if ARGS else 3
 PASSES = "--passes" in sys.argv
 LENGTHS = (512, 1000, 2000)
 PASS_SIZES = (1, 4, 8, 9, 10, 12, 14, 16, 20, 32, 64)
-MODELS = ("qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0")
+MODELS = tuple(next((a.split("=", 1)[1].split(",") for a in sys.argv[1:] if a.startswith("--models=")),
+                    ["qwen2.5-coder-1.5b-instruct", "qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0"]))
 
 
 def llama_bench(path: Path, n: int):
@@ -62,7 +63,7 @@ for name in MODELS:
                         t = time.perf_counter()
                         backend.prefill(tokens[:n])
                         times.setdefault((amx, n), []).append(time.perf_counter() - t)
-                    if PASSES and name == MODELS[0]:
+                    if PASSES:
                         backend.prefill(tokens[:200])
                         for n in PASS_SIZES:
                             for _ in range(3):
@@ -76,7 +77,7 @@ for name in MODELS:
         on, off = statistics.median(times[True, n]), statistics.median(times[False, n])
         print(f"{name}: prompt of {n}: {on:.2f} s ({n / on:.0f} tok/s) with AMX, {off:.2f} s ({n / off:.0f} tok/s) "
               f"without: {off / on:.2f}x")
-    if PASSES and name == MODELS[0]:
+    if PASSES:
         for n in PASS_SIZES:
             on, off = statistics.median(times[True, "pass", n]), statistics.median(times[False, "pass", n])
             print(f"{name}: verify pass of {n} after 200: {on:.1f} ms with AMX, {off:.1f} ms without: {off / on:.2f}x")

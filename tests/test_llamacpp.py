@@ -366,26 +366,29 @@ def test_shared_attention_products_change_no_bit(model, request):
             assert np.array_equal(ours[n][0], ours[1][0]), (context, n)
 
 
-def test_amx_tile_products_change_no_bit(qwen_target):
-    """Where the CPU has AMX, the target's repacked Q4_K and Q6_K rows (Q6_K: the output layer, half the ffn_down and
-    attn_v matrices) in passes of 9 tokens or more go through tile products: the prompt's 64-token passes, a
-    16-token and a 9-token verify pass give the logits, and leave the KV cache, of the VNNI kernels, bit for bit (the
-    next one-token pass reads that cache)."""
+@pytest.mark.parametrize("model", ["qwen_target", "qwen_draft"])
+def test_amx_tile_products_change_no_bit(model, request):
+    """Where the CPU has AMX, repacked Q4_K and Q6_K rows (the target's; Q6_K: the output layer, half the ffn_down and
+    attn_v matrices) in passes of 9 tokens or more, and Q4_0 rows (the default draft's) in passes of 6 or more, go
+    through tile products: the prompt's 64-token passes, 16-, 9- and 6-token verify passes give the logits, and leave
+    the KV cache, of the VNNI kernels, bit for bit (the next one-token pass reads that cache)."""
     from speculant import native
 
     if not native.amx():
         pytest.skip("no AMX on this CPU (or SPECULANT_AMX=0)")
-    toks = (qwen_target.tokenize(LONG_TEXT) * 2)[:200]
+    backend = request.getfixturevalue(model)
+    toks = (backend.tokenize(LONG_TEXT) * 2)[:200]
     runs = []
     for amx in (True, False):
         with (contextlib.nullcontext(True) if amx else native.without_amx()) as ok:
             assert ok
-            qwen_target.rewind(0)
-            prompt = qwen_target.eval(toks[:64], n_logits=64).copy()
-            verify = qwen_target.eval(toks[64:80], n_logits=16).copy()
-            verify9 = qwen_target.eval(toks[80:89], n_logits=9).copy()
-            step = qwen_target.eval(toks[89:90]).copy()
-        runs.append((prompt, verify, verify9, step))
+            backend.rewind(0)
+            prompt = backend.eval(toks[:64], n_logits=64).copy()
+            verify = backend.eval(toks[64:80], n_logits=16).copy()
+            verify9 = backend.eval(toks[80:89], n_logits=9).copy()
+            verify6 = backend.eval(toks[89:95], n_logits=6).copy()
+            step = backend.eval(toks[95:96]).copy()
+        runs.append((prompt, verify, verify9, verify6, step))
     for got, want in zip(runs[0], runs[1]):
         assert np.array_equal(got, want)
 

@@ -361,12 +361,14 @@ def _extreme_q6_K_rows(rng, nb: int) -> np.ndarray:
     return x
 
 
-@pytest.mark.parametrize("qtype", [Q4_K, Q6_K], ids=["Q4_K", "Q6_K"])
+@pytest.mark.parametrize("qtype", [Q4_K, Q6_K, Q4_0, IQ4_NL, MXFP4], ids=["Q4_K", "Q6_K", "Q4_0", "IQ4_NL", "MXFP4"])
 def test_amx_tile_products_give_the_bits_of_the_vnni_kernels(qtype):
-    """Repacked Q4_K and Q6_K rows in passes of many tokens go through AMX tile products where the CPU has AMX: each
-    row's result equals the VNNI kernel's, bit for bit, on every AVX-512 build this CPU runs, and for Q4_K ggml's
-    one-token gemv's too (ggml has no x86 kernel for repacked Q6_K); blocks of 1, 6 and 35 superblocks; 16-48 rows;
-    tokens filling tiles of 16 exactly, partly and not at all; Q6_K weights at both ends of their range."""
+    """Repacked Q4_K, Q6_K, Q4_0, IQ4_NL and MXFP4 rows in passes of many tokens go through AMX tile products where
+    the CPU has AMX: each row's result equals the VNNI kernel's, bit for bit, on every AVX-512 build this CPU runs,
+    and ggml's one-token gemv's too (but for Q6_K: ggml has no x86 kernel for its repacked rows); rows of 1, 6 and 35
+    blocks (the 32-value types also 7 and 28: an odd count, as their tiles take blocks in pairs, and the draft's 896
+    values); 16-48 rows; tokens filling tiles of 16 exactly, partly and not at all; Q6_K weights at both ends of their
+    range, the 32-value types' at both ends of their tables."""
     _kernel_lib()
     rng = np.random.default_rng(11 + qtype)
     ran = []
@@ -376,11 +378,17 @@ def test_amx_tile_products_give_the_bits_of_the_vnni_kernels(qtype):
         amx.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t,
                         ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p]
         fn = _bind(lib)
-        for nb, nrows, ncols in [(1, 16, 1), (1, 48, 64), (6, 16, 14), (6, 48, 16), (6, 16, 17), (6, 32, 33),
-                                 (35, 16, 64), (35, 32, 5)]:
+        cases = [(1, 16, 1), (1, 48, 64), (6, 16, 14), (6, 48, 16), (6, 16, 17), (6, 32, 33), (35, 16, 64), (35, 32, 5)]
+        if BLOCK_VALUES[qtype] == 32:
+            cases += [(7, 32, 24), (28, 16, 64)]
+        for nb, nrows, ncols in cases:
             groups = [_random_weights(rng, qtype, nb) for _ in range(nrows // 8)]
             if qtype == Q6_K:
                 groups[-1] = _extreme_q6_K_rows(rng, nb)
+            if BLOCK_VALUES[qtype] == 32:  # every nibble 0 or 15 (Q4_0: -8 and 7, after its XOR 8: 0 and -1)
+                head = 1 if qtype == MXFP4 else 2  # the scale's bytes
+                groups[-1][..., head:] = rng.choice(np.array([0x00, 0xFF, 0x0F, 0xF0], np.uint8),
+                                                    groups[-1][..., head:].shape)
             x = np.concatenate(groups)  # [nrows, nb, block bytes]
             y, _ = _random_columns(rng, qtype, ncols, nb)
             if qtype == Q6_K:  # q8 values at their ends too, in a token of its own
@@ -389,15 +397,15 @@ def test_amx_tile_products_give_the_bits_of_the_vnni_kernels(qtype):
                 y3[0, :, 260:] = 0  # its block sums (16 values each)
             out_amx = np.zeros((ncols, nrows), np.float32)
             out_ref = np.zeros((ncols, nrows), np.float32)
-            rc = amx(qtype, nb * 256, nrows, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, out_amx.ctypes.data,
+            rc = amx(qtype, nb * BLOCK_VALUES[qtype], nrows, x.ctypes.data, y.ctypes.data, y.shape[1], ncols, out_amx.ctypes.data,
                      out_ref.ctypes.data)
             if rc == -1:
                 break  # no AMX kernel in this build (AVX2) or no AMX on this CPU
             assert rc == 0, f"{variant}: the AMX kernel did not run (out of memory?)"
             assert out_amx.tobytes() == out_ref.tobytes(), (variant, nb, nrows, ncols)
             for g in range(nrows // 8):  # and ggml's gemv, 8 rows at a time
-                if qtype == Q4_K:
-                    _, ggml = _mm(fn, Q4_K, True, x[8 * g:8 * g + 8], y, ncols, group=1, with_ggml=True)
+                if qtype != Q6_K:
+                    _, ggml = _mm(fn, qtype, True, x[8 * g:8 * g + 8], y, ncols, group=1, with_ggml=True)
                     assert out_amx[:, 8 * g:8 * g + 8].tobytes() == ggml.tobytes(), (variant, nb, nrows, ncols, g)
         else:
             ran.append(variant)

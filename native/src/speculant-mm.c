@@ -1753,10 +1753,13 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
 // The VNNI kernels unpack the weights once per 8 tokens; from the 9th token on, a pass takes the tile products
 // (with 8 or fewer they read alike or slower: BENCHMARKS.md)
 #define AMX_MIN_COLS 9
+// Rows of 32-value blocks (Q4_0, IQ4_NL, MXFP4) take one product and one float step per block, while their VNNI
+// kernels' cost grows faster with the tokens: the tiles win from 6 tokens on (Q4_0, whole model, BENCHMARKS.md)
+#define AMX_MIN_COLS_32 6
 #define AMX_COLS 16  // tokens per tile
 
 static int amx_state = -1;  // -1: not asked yet; 0: no AMX; 1: granted
-static int64_t amx_min_cols = AMX_MIN_COLS;
+static int64_t amx_min_cols = 0;  // 0: each type's default
 // pshufb indices over a broadcast qword of 8 row scales (bytes): [0] words (scale_r, 0), [1] words (0, scale_r),
 // where qword r of the vector (lane r / 2) is row r's
 static uint8_t amx_scale_pick[2][64] __attribute__((aligned(64)));
@@ -1790,17 +1793,25 @@ typedef struct {
     uint8_t rows[16];
 } amx_tilecfg;
 
-// tiles 0, 1: the two products (16 tokens x 16 rows, int32); 2, 3: the weights' lo and hi parts (16 tile rows of 4
-// values of 16 rows); 4: 64 values of 16 tokens
-AMX_TARGET static void amx_config(void) {
+// Tiles 0..n-1 as rows x colsb bytes (palette 1)
+AMX_TARGET static void amx_config(int n, const uint8_t * rows, const uint16_t * colsb) {
     amx_tilecfg cfg;
     memset(&cfg, 0, sizeof(cfg));
     cfg.palette_id = 1;
-    for (int t = 0; t < 5; ++t) {
-        cfg.rows[t] = 16;
-        cfg.colsb[t] = 64;
+    for (int t = 0; t < n; ++t) {
+        cfg.rows[t] = rows[t];
+        cfg.colsb[t] = colsb[t];
     }
     _tile_loadconfig(&cfg);
+}
+
+// The K-quants' tiles. 0, 1: the two products (m tokens x 16 rows, int32); 2, 3: the weights' lo and hi parts (16
+// tile rows of 4 values of 16 rows); 4: 64 values of m tokens. m: the tokens per tile (a product's time grows with
+// its rows: a pass of fewer than 16 tokens multiplies only those)
+AMX_TARGET static void amx_config_k(int m) {
+    const uint8_t rows[5] = {m, m, 16, 16, m};
+    const uint16_t colsb[5] = {64, 64, 64, 64, 64};
+    amx_config(5, rows, colsb);
 }
 
 // 16 tokens' q8_K superblock as A tiles: window w holds values 64w..64w+63 of each token; the sums of sub-blocks
@@ -1977,7 +1988,7 @@ AMX_TARGET static inline __attribute__((always_inline)) void amx_products(amx_we
 AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrows, const amx_tokens * toks,
                                          int ncols, float * out, size_t out_stride, amx_scratch * scratch) {
     const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    amx_config();
+    amx_config_k(ntiles == 1 ? ncols : AMX_COLS);
     amx_weights b __attribute__((aligned(64)));
     for (int64_t p = 0; p < nrows / 16; ++p) {
         const q4_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
@@ -2002,7 +2013,8 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
             for (int t = 0; t < ntiles; ++t) {
                 const amx_tokens * y = toks + (size_t) t * nb + i;
                 amx_scratch * st = scratch + t;
-                for (int c = 0; c < AMX_COLS; ++c) {
+                const int nc = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+                for (int c = 0; c < nc; ++c) {
                     const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
                                                           _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
                     int32_t pair[4];
@@ -2032,7 +2044,7 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
 AMX_TARGET static int64_t q6_Kx8_amx_rows(int nb, const q6_Kx8 * x, int64_t nrows, const amx_tokens * toks,
                                          int ncols, float * out, size_t out_stride, amx_scratch * scratch) {
     const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    amx_config();
+    amx_config_k(ntiles == 1 ? ncols : AMX_COLS);
     amx_weights b __attribute__((aligned(64)));
     for (int64_t p = 0; p < nrows / 16; ++p) {
         const q6_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
@@ -2044,7 +2056,8 @@ AMX_TARGET static int64_t q6_Kx8_amx_rows(int nb, const q6_Kx8 * x, int64_t nrow
             for (int t = 0; t < ntiles; ++t) {
                 const amx_tokens * y = toks + (size_t) t * nb + i;
                 amx_scratch * st = scratch + t;
-                for (int c = 0; c < AMX_COLS; ++c) {
+                const int nc = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+                for (int c = 0; c < nc; ++c) {
                     const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
                                                           _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
                     // the accumulators start at +0, as q6_Kx8_cols's do
@@ -2062,18 +2075,174 @@ AMX_TARGET static int64_t q6_Kx8_amx_rows(int nb, const q6_Kx8 * x, int64_t nrow
     return nrows / 16 * 16;
 }
 
-// Repacked Q4_K or Q6_K rows through AMX tile products, the tokens laid out as tiles first; returns the rows done
+// -- Q4_0, IQ4_NL and MXFP4 (repacked 8 rows x 32 values a block) on tiles: one product per block, since each block
+// has its own scale --
+//
+// A block's integer sum of w x y, w the signed value a nibble stands for (Q4_0: q - 8; IQ4_NL and MXFP4: their
+// tables), is what q4_0x8_cols and lut4x8_cols form (with unsigned values, less the offset x the block sum), and each
+// output's float step per block is their fmadd(isum, xd x yd, acc), so the bits are the VNNI kernels'. The weights
+// go in as signed bytes: no scale split and no block sums.
+
+// 16 tokens' q8_0 block (32 values) as an A tile (16 rows of 32 bytes) and their scales as floats
+typedef struct {
+    int8_t q[AMX_COLS][QK8_0];
+    float d[AMX_COLS];
+} amx_tokens_32;
+
+static void amx_tokens_32_fill(int nb, const char * ycols, size_t row_size, int ncols, amx_tokens_32 * out) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    memset(out, 0, sizeof(amx_tokens_32) * (size_t) ntiles * nb);
+    for (int c = 0; c < ncols; ++c) {
+        const block_q8_0 * y = (const block_q8_0 *) (ycols + (size_t) c * row_size);
+        for (int i = 0; i < nb; ++i) {
+            amx_tokens_32 * o = out + (size_t) (c / AMX_COLS) * nb + i;
+            memcpy(o->q[c % AMX_COLS], y[i].qs, QK8_0);
+            o->d[c % AMX_COLS] = fp16_to_fp32(y[i].d);
+        }
+    }
+}
+
+// The 32-value types' tiles. 0, 1 and 2, 3: two rounds' products of two blocks (m tokens x 16 rows, int32); 4, 5:
+// tokens (m x 32 values); 6, 7: weights (8 tile rows of 4 values of 16 rows). m as amx_config_k's
+AMX_TARGET static void amx_config_32(int m) {
+    const uint8_t rows[8] = {m, m, m, m, m, m, QK8_0 / 4, QK8_0 / 4};
+    const uint16_t colsb[8] = {64, 64, 64, 64, QK8_0, QK8_0, 64, 64};
+    amx_config(8, rows, colsb);
+}
+
+// Q4_0's stored nibble is q ^ 8 (q4_0x8_pack): the value it stands for, q - 8, by nibble
+static const int8_t q4_0x8_values[16] = {0, 1, 2, 3, 4, 5, 6, 7, -8, -7, -6, -5, -4, -3, -2, -1};
+
+// One block of 16 repacked rows (groups x0: rows 0-7, x1: rows 8-15, each block_bytes, its 128 nibble bytes at qs)
+// as a B tile of the values the nibbles stand for (table); returns the rows' scales (lut4x8_scales)
+AMX_TARGET static inline __attribute__((always_inline)) __m512 lut4x8_amx_unpack(const uint8_t * x0, const uint8_t * x1,
+                                                                                 bool mx, __m512i table,
+                                                                                 uint8_t b[QK8_0 / 4][64]) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    const uint8_t * xs[2] = {x0, x1};
+    __m512i w[2][4];
+    for (int k = 0; k < 2; ++k) {
+        // as q4_0x8_cols reads them: qword r holds 8 values of row r
+        const uint8_t * qs = mx ? ((const mxfp4x8 *) xs[k])->qs : ((const q4_0x8 *) xs[k])->qs;
+        const __m512i lo = _mm512_loadu_si512((const void *) qs), hi = _mm512_loadu_si512((const void *) (qs + 64));
+        w[k][0] = _mm512_shuffle_epi8(table, _mm512_and_si512(lo, m4));
+        w[k][1] = _mm512_shuffle_epi8(table, _mm512_and_si512(hi, m4));
+        w[k][2] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(lo, 4), m4));
+        w[k][3] = _mm512_shuffle_epi8(table, _mm512_and_si512(_mm512_srli_epi16(hi, 4), m4));
+    }
+    for (int j = 0; j < 4; ++j) amx_store_rows(w[0][j], w[1][j], b + 2 * j);  // values 8j + 0..7
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lut4x8_scales(mx, x0)), lut4x8_scales(mx, x1), 1);
+}
+
+// One block's products (prod: [token][row]) into the accumulators of the tile's nc tokens: fmadd(isum, xd x yd, acc)
+static inline __attribute__((always_inline)) void amx_32_step(const int32_t prod[AMX_COLS][16], __m512 xd,
+                                                             const float * yd, float acc[AMX_COLS][16], int nc,
+                                                             bool first) {
+    for (int c = 0; c < nc; ++c) {
+        const __m512 prev = first ? _mm512_setzero_ps() : _mm512_load_ps(acc[c]);
+        _mm512_store_ps(acc[c], _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512((const void *) prod[c])),
+                                                _mm512_mul_ps(xd, _mm512_set1_ps(yd[c])), prev));
+    }
+}
+
+// A round issued but not yet summed: one or two blocks of one tile of tokens
+typedef struct {
+    const amx_tokens_32 * y;
+    float (*acc)[16];
+    __m512 xd[2];
+    int nc, two, first;
+} amx_32_round;
+
+#define AMX_32_ISSUE(C0, C1, y, b, two) do {                                                              \
+        _tile_zero(C0); _tile_loadd(4, (y)[0].q, QK8_0); _tile_loadd(6, (b)[0], 64); _tile_dpbssd(C0, 4, 6); \
+        if (two) { _tile_zero(C1); _tile_loadd(5, (y)[1].q, QK8_0); _tile_loadd(7, (b)[1], 64); _tile_dpbssd(C1, 5, 7); } \
+    } while (0)
+
+#define AMX_32_SUM(C0, C1, r, prod) do {                                                                       \
+        _tile_stored(C0, (prod)[0], 64);                                                                    \
+        amx_32_step((const int32_t (*)[16]) (prod)[0], (r).xd[0], (r).y[0].d, (r).acc, (r).nc, (r).first);     \
+        if ((r).two) {                                                                                      \
+            _tile_stored(C1, (prod)[1], 64);                                                                \
+            amx_32_step((const int32_t (*)[16]) (prod)[1], (r).xd[1], (r).y[1].d, (r).acc, (r).nc, false);   \
+        }                                                                                                   \
+    } while (0)
+
+// 16 repacked Q4_0, IQ4_NL or MXFP4 rows at a time against every token, as q4_Kx8_amx_rows. Rounds of two blocks x
+// one tile of tokens alternate between two pairs of product tiles: a round's products are issued before the previous
+// round's are stored and summed, so the float steps run while the tile unit multiplies.
+AMX_TARGET static int64_t lut4x8_amx_rows(enum ggml_type type, int nb, const void * x, int64_t nrows,
+                                          const amx_tokens_32 * toks, int ncols, float * out, size_t out_stride,
+                                          amx_scratch * scratch) {
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    const bool mx = type == GGML_TYPE_MXFP4;
+    const size_t block_bytes = mx ? sizeof(mxfp4x8) : sizeof(q4_0x8);
+    const __m512i table = _mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *) (
+        type == GGML_TYPE_Q4_0 ? q4_0x8_values : mx ? kvalues_fp4 : iq4_values)));
+    amx_config_32(ntiles == 1 ? ncols : AMX_COLS);
+    uint8_t b[2][QK8_0 / 4][64] __attribute__((aligned(64)));
+    int32_t prod[2][2][AMX_COLS][16] __attribute__((aligned(64)));  // [round parity][block]
+    for (int64_t p = 0; p < nrows / 16; ++p) {
+        const uint8_t * x0 = (const uint8_t *) x + 2 * p * nb * block_bytes, * x1 = x0 + nb * block_bytes;
+        amx_32_round prev = {0};
+        int n_rounds = 0;
+        for (int i = 0; i < nb; i += 2) {
+            const int two = i + 1 < nb;  // a second block in this round
+            __m512 xd[2];
+            for (int k = 0; k <= two; ++k) {
+                const uint8_t * g0 = x0 + (i + k) * block_bytes, * g1 = x1 + (i + k) * block_bytes;
+                prefetch_stream(g0, block_bytes);
+                prefetch_stream(g1, block_bytes);
+                prefetch_stream_l2(g0, block_bytes);
+                prefetch_stream_l2(g1, block_bytes);
+                xd[k] = lut4x8_amx_unpack(g0, g1, mx, table, b[k]);
+            }
+            for (int t = 0; t < ntiles; ++t) {
+                const amx_32_round r = {toks + (size_t) t * nb + i, scratch[t].acc, {xd[0], xd[1]},
+                                        ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS, two, i == 0};
+                if (n_rounds % 2 == 0) {
+                    AMX_32_ISSUE(0, 1, r.y, b, two);
+                    if (n_rounds) AMX_32_SUM(2, 3, prev, prod[1]);
+                } else {
+                    AMX_32_ISSUE(2, 3, r.y, b, two);
+                    AMX_32_SUM(0, 1, prev, prod[0]);
+                }
+                prev = r;
+                ++n_rounds;
+            }
+        }
+        if (n_rounds % 2) {
+            AMX_32_SUM(0, 1, prev, prod[0]);
+        } else {
+            AMX_32_SUM(2, 3, prev, prod[1]);
+        }
+        for (int c = 0; c < ncols; ++c) {
+            _mm512_storeu_ps(out + (size_t) c * out_stride + 16 * p, _mm512_load_ps(scratch[c / AMX_COLS].acc[c % AMX_COLS]));
+        }
+    }
+    _tile_release();
+    return nrows / 16 * 16;
+}
+
+// Repacked Q4_K, Q6_K, Q4_0, IQ4_NL or MXFP4 rows through AMX tile products, the tokens laid out as tiles first
+// (q8_K superblocks, or q8_0 blocks for the 32-value types); returns the rows done
 // (a multiple of 16; 0 out of memory, where the VNNI kernel does every row). The caller checks amx_ready().
 static int64_t amx_run(enum ggml_type type, int n, const void * x, int64_t nrows, const char * ycols, size_t row_size,
                        int ncols, float * dst, size_t dst_stride) {
-    const int nb = n / QK_K, ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    amx_tokens * toks = aligned_alloc(64, sizeof(amx_tokens) * (size_t) nb * ntiles);
+    const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
+    const bool q0 = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;  // 32-value blocks
+    const int nb = q0 ? n / QK8_0 : n / QK_K;
+    void * toks = aligned_alloc(64, (q0 ? sizeof(amx_tokens_32) : sizeof(amx_tokens)) * (size_t) nb * ntiles);
     amx_scratch * scratch = aligned_alloc(64, sizeof(amx_scratch) * (size_t) ntiles);
     int64_t done = 0;
     if (toks && scratch) {
-        amx_tokens_fill(nb, ycols, row_size, ncols, toks);
-        done = type == GGML_TYPE_Q4_K ? q4_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch)
-                                      : q6_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch);
+        if (q0) {
+            amx_tokens_32_fill(nb, ycols, row_size, ncols, toks);
+            done = lut4x8_amx_rows(type, nb, x, nrows, toks, ncols, dst, dst_stride, scratch);
+        } else {
+            amx_tokens_fill(nb, ycols, row_size, ncols, toks);
+            done = type == GGML_TYPE_Q4_K ? q4_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch)
+                                          : q6_Kx8_amx_rows(nb, x, nrows, toks, ncols, dst, dst_stride, scratch);
+        }
     }
     free(toks);
     free(scratch);
@@ -2083,7 +2252,10 @@ static int64_t amx_run(enum ggml_type type, int n, const void * x, int64_t nrows
 // ... where it pays
 static int64_t amx_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const char * ycols, size_t row_size,
                         int ncols, float * dst, size_t dst_stride) {
-    if ((type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K) || ncols < amx_min_cols || nrows < 16 || !amx_ready()) {
+    const bool k_quant = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
+    const int64_t min_cols = amx_min_cols ? amx_min_cols : k_quant ? AMX_MIN_COLS : AMX_MIN_COLS_32;
+    if (!(k_quant || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4) || ncols < min_cols
+        || nrows < 16 || !amx_ready()) {
         return 0;
     }
     return amx_run(type, n, x, nrows, ycols, row_size, ncols, dst, dst_stride);
@@ -3022,17 +3194,26 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
 }
 
 #ifdef SPECULANT_MM_AMX
-// speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K or Q6_K rows (x) repacked as llama.cpp does, against
+// speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K, Q6_K, Q4_0, IQ4_NL or MXFP4 rows (x) repacked as llama.cpp does, against
 // ncols columns; the AMX kernel's results in out_amx and the VNNI kernel's (REPACKED_COLS tokens per unpacking) in
 // out_ref, both [ncols][nrows]. -1 where this CPU or build has no AMX (or another type), -2 out of memory.
 static int amx_test(enum ggml_type type, int n, int nrows, const void * x, const void * y, size_t row_size, int ncols,
                     float * out_amx, float * out_ref) {
-    if (!amx_ready() || n % QK_K || nrows % 16 || (type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K)) return -1;
-    const int nb = n / QK_K, ngroups = nrows / 8;
+    const bool q0 = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+    if (!amx_ready() || n % (q0 ? QK8_0 : QK_K) || nrows % 16
+        || (type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K && !q0)) return -1;
+    const int nb = n / (q0 ? QK8_0 : QK_K), ngroups = nrows / 8;
     const size_t group_bytes = repacked_group_bytes(type, n);
     char * packed = malloc(group_bytes * ngroups);
+    int32_t * ysums = q0 ? malloc(sizeof(int32_t) * ncols * nb) : NULL;
+    if (q0) q8_0_block_sums(nb, y, row_size, ncols, ysums);
     for (int g = 0; g < ngroups; ++g) {
-        if (type == GGML_TYPE_Q4_K) {
+        if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL) {  // block_q4_0 and block_iq4_nl: 18 bytes alike
+            q4_0x8_pack((const block_q4_0 *) x + (size_t) 8 * g * nb, nb, type == GGML_TYPE_Q4_0 ? 0x88 : 0,
+                        (q4_0x8 *) (packed + g * group_bytes));
+        } else if (type == GGML_TYPE_MXFP4) {
+            mxfp4x8_pack((const block_mxfp4 *) x + (size_t) 8 * g * nb, nb, (mxfp4x8 *) (packed + g * group_bytes));
+        } else if (type == GGML_TYPE_Q4_K) {
             q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, (q4_Kx8 *) (packed + g * group_bytes));
         } else {
             q6_Kx8_pack((const block_q6_K *) x + (size_t) 8 * g * nb, nb, (q6_Kx8 *) (packed + g * group_bytes));
@@ -3040,10 +3221,11 @@ static int amx_test(enum ggml_type type, int n, int nrows, const void * x, const
     }
     const int64_t done = amx_run(type, n, packed, nrows, y, row_size, ncols, out_amx, nrows);
     for (int g = 0; g < ngroups; ++g) {
-        repacked_group(type, n, packed + g * group_bytes, y, row_size, ncols, REPACKED_COLS, NULL, NULL, out_ref + 8 * g,
+        repacked_group(type, n, packed + g * group_bytes, y, row_size, ncols, REPACKED_COLS, ysums, NULL, out_ref + 8 * g,
                        nrows);
     }
     free(packed);
+    free(ysums);
     return done == nrows ? 0 : -2;
 }
 #endif
@@ -3616,7 +3798,7 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
 // the fewest tokens of a pass that take tile products; 0 or less: the default
 void speculant_mm_set_amx_min_cols(int64_t n) {
 #ifdef SPECULANT_MM_AMX
-    amx_min_cols = n > 0 ? n : AMX_MIN_COLS;
+    amx_min_cols = n > 0 ? n : 0;
 #else
     (void) n;
 #endif

@@ -123,9 +123,10 @@ GGML_BACKEND_API float speculant_vec_max_f32(int n, const float * x);
 GGML_BACKEND_API void speculant_mm_set_lanes_min_cols(int64_t n);
 
 // AMX (where the CPU has AMX-INT8 and Linux grants its tile state; SPECULANT_AMX=0: never): repacked Q4_K and Q6_K
-// rows in passes of at least n tokens (default 9) go through tile products, with the same bits.
-// speculant_mm_set_amx_min_cols: n (0: the default), for A/B runs and tests. speculant_mm_amx: 1 where they are
-// taken. speculant_mm_amx_test: nrows (a multiple of 16) plain Q4_K or Q6_K rows against ncols q8_K columns, the AMX
+// rows in passes of at least 9 tokens, and Q4_0, IQ4_NL and MXFP4 rows in passes of at least 6, go through tile
+// products, with the same bits. speculant_mm_set_amx_min_cols: n for every type (0: the defaults), for A/B runs and
+// tests. speculant_mm_amx: 1 where they are taken. speculant_mm_amx_test: nrows (a multiple of 16) plain rows of one
+// of those types against ncols q8_K (32-value types: q8_0) columns, the AMX
 // kernel's results and the VNNI kernel's, both [ncols][nrows]; -1 without AMX, -2 out of memory.
 GGML_BACKEND_API void speculant_mm_set_amx_min_cols(int64_t n);
 GGML_BACKEND_API int speculant_mm_amx(void);
