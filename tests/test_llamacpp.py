@@ -429,11 +429,13 @@ def test_a_warm_prefill_gives_the_bits_of_a_cold_one(qwen_target, stock):
             assert kept == n_decoded and set(qwen_target._passes) == {0}
         warm = qwen_target.eval(second[-1:])[0]
         assert warm.tobytes() == cold.tobytes()
-        # what this guards against: keeping every cached position and evaluating the rest in one fast pass
+        # what this guards against: keeping every cached position and evaluating the rest in one fast pass (a
+        # stock build's sync); ours evaluates any rest in invariant passes too (of prefill_chunk tokens), so there
+        # a plain sync gives the same bits
         after_first_request()
         qwen_target.sync(second[:-1], n_logits=0)
         naive = qwen_target.eval(second[-1:])[0]
-        assert naive.tobytes() != cold.tobytes()
+        assert (naive.tobytes() == cold.tobytes()) == (not stock)
     finally:
         qwen_target.prefill_chunk = default
 
