@@ -3,8 +3,8 @@
 // Ours: speculant_mm_repacked_rows over Q6_K / Q4_K in the 8-row layout. ggml: vec_dot_q6_K_q8_K row by row
 // over plain Q6_K (what llama.cpp runs for Q6_K on x86) and gemv_q4_K_8x8_q8_K (its repacked Q4_K), once per
 // token. The weights are random bytes with unit scales: timing only, the bits are tested in tests/test_native.py.
-// Ours runs AMX tile products where the CPU has them and the pass has 9+ tokens; "no AMX" is the same call with them
-// switched off (speculant_mm_set_amx_min_cols): below 9 the two are the same call, and what separates them is their
+// Ours runs AMX tile products where the CPU has them and the pass has 8+ tokens; "no AMX" is the same call with them
+// switched off (speculant_mm_set_amx_min_cols): below 8 the two are the same call, and what separates them is their
 // place in the round.
 //
 //   gcc -O2 -o /tmp/kernel_bench scripts/kernel_bench.c -ldl

@@ -106,7 +106,7 @@ def render(facts: dict) -> str:
             f"  kernels    {' '.join(ll['kernel_features'])}",
             f"  backends   {', '.join(ll['backends'])}",
             f"  exactness  {ll['exactness']}",
-            f"  amx        " + ("tile products for repacked Q4_K and Q6_K rows in passes of 9+ tokens, Q4_0, IQ4_NL "
+            f"  amx        " + ("tile products for repacked Q4_K and Q6_K rows in passes of 8+ tokens, Q4_0, IQ4_NL "
                                 "and MXFP4 rows in passes of 6+ (prompts, long verify passes)" if ll["amx"]
                                 else "not used (no AMX-INT8 on this CPU, or SPECULANT_AMX=0)"),
             f"  pages      transparent huge pages {ll['huge_pages']['kernel'] or 'not in this kernel'}; buffers of "

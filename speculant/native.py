@@ -371,7 +371,7 @@ def ggml_attention():
 
 
 def amx() -> bool:
-    """Whether our kernels take AMX tile products here (repacked Q4_K and Q6_K rows in passes of 9 tokens or more,
+    """Whether our kernels take AMX tile products here (repacked Q4_K and Q6_K rows in passes of 8 tokens or more,
     Q4_0, IQ4_NL and MXFP4 rows in passes of 6 or more: the prompt's passes, long verify passes): the CPU has AMX-INT8, Linux granted its tile state, SPECULANT_AMX is
     not 0, and the loaded variant has the kernels."""
     fn = _variant_fn("speculant_mm_amx")

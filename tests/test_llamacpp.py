@@ -59,7 +59,7 @@ def test_pass_sizes_are_bit_identical_smollm2(small_target):
 
 def test_pass_sizes_are_bit_identical_qwen(qwen_target):
     """The Qwen target's Q4_K/Q6_K weights, repacked 8 rows at a time, go through our multi-token kernels
-    (native/src/speculant-mm.c); where the CPU has AMX, its Q4_K and Q6_K rows in passes of 9 tokens or more go through
+    (native/src/speculant-mm.c); where the CPU has AMX, its Q4_K and Q6_K rows in passes of 8 tokens or more go through
     tile products."""
     assert qwen_target.repack
     sizes = list(range(1, 18)) + [24, 33, 48, 64]
@@ -369,9 +369,9 @@ def test_shared_attention_products_change_no_bit(model, request):
 @pytest.mark.parametrize("model", ["qwen_target", "qwen_draft"])
 def test_amx_tile_products_change_no_bit(model, request):
     """Where the CPU has AMX, repacked Q4_K and Q6_K rows (the target's; Q6_K: the output layer, half the ffn_down and
-    attn_v matrices) in passes of 9 tokens or more, and Q4_0 rows (the default draft's) in passes of 6 or more, go
-    through tile products: the prompt's 64-token passes, 16-, 9- and 6-token verify passes give the logits, and leave
-    the KV cache, of the VNNI kernels, bit for bit (the next one-token pass reads that cache)."""
+    attn_v matrices) in passes of 8 tokens or more, and Q4_0 rows (the default draft's) in passes of 6 or more, go
+    through tile products: the prompt's 64-token passes, 16-, 9-, 8- and 6-token verify passes give the logits, and
+    leave the KV cache, of the VNNI kernels, bit for bit (the next one-token pass reads that cache)."""
     from speculant import native
 
     if not native.amx():
@@ -386,9 +386,10 @@ def test_amx_tile_products_change_no_bit(model, request):
             prompt = backend.eval(toks[:64], n_logits=64).copy()
             verify = backend.eval(toks[64:80], n_logits=16).copy()
             verify9 = backend.eval(toks[80:89], n_logits=9).copy()
-            verify6 = backend.eval(toks[89:95], n_logits=6).copy()
-            step = backend.eval(toks[95:96]).copy()
-        runs.append((prompt, verify, verify9, verify6, step))
+            verify8 = backend.eval(toks[89:97], n_logits=8).copy()
+            verify6 = backend.eval(toks[97:103], n_logits=6).copy()
+            step = backend.eval(toks[103:104]).copy()
+        runs.append((prompt, verify, verify9, verify8, verify6, step))
     for got, want in zip(runs[0], runs[1]):
         assert np.array_equal(got, want)
 

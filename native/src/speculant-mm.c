@@ -234,6 +234,17 @@ static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
     u[0] &= 0x3f3f3f3f;
 }
 
+// The same 8 scales and 8 mins as two qwords, in registers: the AMX kernel reads them as qwords, and loads of
+// qwords stored as dwords (k_scales_mins's u) stall on store forwarding
+static inline void k_scales_mins64(const uint8_t * packed, uint64_t * scales, uint64_t * mins) {
+    uint32_t a, b, c;
+    memcpy(&a, packed, 4);
+    memcpy(&b, packed + 4, 4);
+    memcpy(&c, packed + 8, 4);
+    *scales = (a & 0x3f3f3f3f) | (uint64_t) ((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
+    *mins = (b & 0x3f3f3f3f) | (uint64_t) (((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+}
+
 // Q4_K x q8_K for NC columns. y[c] is column c's q8_K row. `order` lists the superblocks in the order they
 // are summed (the identity, except in the test that proves a reordered sum is seen).
 static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const int nb, const block_q4_K * x,
@@ -1750,9 +1761,9 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
 #include <unistd.h>
 
 #define AMX_TARGET __attribute__((target("amx-tile,amx-int8")))
-// The VNNI kernels unpack the weights once per 8 tokens; from the 9th token on, a pass takes the tile products
-// (with 8 or fewer they read alike or slower: BENCHMARKS.md)
-#define AMX_MIN_COLS 9
+// Q4_K and Q6_K: from 8 tokens on a pass takes the tile products (Qwen 1.5B: 8 tokens 71.8 ms against 76.6 on the
+// VNNI kernels, 7: 69.5 / 68.9; BENCHMARKS.md)
+#define AMX_MIN_COLS 8
 // Rows of 32-value blocks (Q4_0, IQ4_NL, MXFP4) take one product and one float step per block, while their VNNI
 // kernels' cost grows faster with the tokens: the tiles win from 6 tokens on (Q4_0, whole model, BENCHMARKS.md)
 #define AMX_MIN_COLS_32 6
@@ -1888,10 +1899,10 @@ static inline __attribute__((always_inline)) void amx_prefetch_next(const void *
     }
 }
 
-// One superblock of 16 repacked Q4_K rows (groups x0: rows 0-7, x1: rows 8-15) as B tiles: scale x q. u: the
-// groups' scales and mins (q4_Kx8_scales; sub-block j: 8 scales at byte 16 j, 8 mins at 16 j + 8).
+// One superblock of 16 repacked Q4_K rows (groups x0: rows 0-7, x1: rows 8-15) as B tiles: scale x q. sc8: each
+// group's 8 scales of each sub-block, a byte a row (k_scales_mins64).
 AMX_TARGET static inline __attribute__((always_inline)) void q4_Kx8_amx_unpack(const q4_Kx8 * x0, const q4_Kx8 * x1,
-                                                                               const uint32_t u[2][8][4], amx_weights b) {
+                                                                               const uint64_t sc8[2][8], amx_weights b) {
     const __m512i m4 = _mm512_set1_epi8(0x0F), zero = _mm512_setzero_si512();
     const __m512i pick_even = _mm512_load_si512((const void *) amx_scale_pick[0]);
     const __m512i pick_odd = _mm512_load_si512((const void *) amx_scale_pick[1]);
@@ -1902,7 +1913,7 @@ AMX_TARGET static inline __attribute__((always_inline)) void q4_Kx8_amx_unpack(c
             amx_prefetch_next(x0, x1, sizeof(q4_Kx8), 2 * sb + hh, 8);
             __m512i y_even[2], y_odd[2];
             for (int k = 0; k < 2; ++k) {
-                const __m512i sc = _mm512_set1_epi64(load64((const int8_t *) u[k][2 * sb + hh]));
+                const __m512i sc = _mm512_set1_epi64((long long) sc8[k][2 * sb + hh]);
                 y_even[k] = _mm512_shuffle_epi8(sc, pick_even);
                 y_odd[k] = _mm512_shuffle_epi8(sc, pick_odd);
             }
@@ -1993,9 +2004,12 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
     for (int64_t p = 0; p < nrows / 16; ++p) {
         const q4_Kx8 * x0 = x + 2 * p * nb, * x1 = x0 + nb;
         for (int i = 0; i < nb; ++i) {
-            uint32_t u[2][8][4];
-            for (int j = 0; j < 8; ++j) { q4_Kx8_scales(x0 + i, j, u[0][j]); q4_Kx8_scales(x1 + i, j, u[1][j]); }
-            q4_Kx8_amx_unpack(x0 + i, x1 + i, (const uint32_t (*)[8][4]) u, b);
+            uint64_t sc8[2][8], mn8[2][8];  // [group][sub-block]: 8 rows' 6-bit scales, mins
+            for (int j = 0; j < 8; ++j) {
+                k_scales_mins64(x0[i].scales + 12 * j, &sc8[0][j], &mn8[0][j]);
+                k_scales_mins64(x1[i].scales + 12 * j, &sc8[1][j], &mn8[1][j]);
+            }
+            q4_Kx8_amx_unpack(x0 + i, x1 + i, (const uint64_t (*)[8]) sc8, b);
             amx_products(b, toks + i, nb, ntiles, scratch);
             const __m512 xd = _mm512_cvtph_ps(_mm256_inserti128_si256(
                 _mm256_castsi128_si256(_mm_loadu_si128((const __m128i *) x0[i].d)), _mm_loadu_si128((const __m128i *) x1[i].d), 1));
@@ -2005,8 +2019,8 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
             for (int q = 0; q < 4; ++q) {
                 __m256i m8[2];
                 for (int k = 0; k < 2; ++k) {
-                    m8[k] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *) &u[k][2 * q][2]),
-                                                                   _mm_loadl_epi64((const __m128i *) &u[k][2 * q + 1][2])));
+                    m8[k] = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(_mm_cvtsi64_si128((long long) mn8[k][2 * q]),
+                                                                   _mm_cvtsi64_si128((long long) mn8[k][2 * q + 1])));
                 }
                 mins[q] = _mm512_inserti64x4(_mm512_castsi256_si512(m8[0]), m8[1], 1);
             }

@@ -123,7 +123,7 @@ GGML_BACKEND_API float speculant_vec_max_f32(int n, const float * x);
 GGML_BACKEND_API void speculant_mm_set_lanes_min_cols(int64_t n);
 
 // AMX (where the CPU has AMX-INT8 and Linux grants its tile state; SPECULANT_AMX=0: never): repacked Q4_K and Q6_K
-// rows in passes of at least 9 tokens, and Q4_0, IQ4_NL and MXFP4 rows in passes of at least 6, go through tile
+// rows in passes of at least 8 tokens, and Q4_0, IQ4_NL and MXFP4 rows in passes of at least 6, go through tile
 // products, with the same bits. speculant_mm_set_amx_min_cols: n for every type (0: the defaults), for A/B runs and
 // tests. speculant_mm_amx: 1 where they are taken. speculant_mm_amx_test: nrows (a multiple of 16) plain rows of one
 // of those types against ncols q8_K (32-value types: q8_0) columns, the AMX
