@@ -225,17 +225,6 @@ static inline __m256i vnni_dpwssd(__m256i acc, __m256i a, __m256i b) {
 
 // Q4_K / Q5_K's 12 bytes of 8 six-bit scales and 8 six-bit mins, unpacked to bytes: scales in u[0..1], mins in
 // u[2..3] (as ggml's kernels unpack them)
-static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
-    memcpy(u, packed, 12);
-    u[3] = ((u[2] >> 4) & 0x0f0f0f0f) | (((u[1] >> 6) & 0x03030303) << 4);
-    const uint32_t u1 = u[1] & 0x3f3f3f3f;
-    u[1] = (u[2] & 0x0f0f0f0f) | (((u[0] >> 6) & 0x03030303) << 4);
-    u[2] = u1;
-    u[0] &= 0x3f3f3f3f;
-}
-
-// The same 8 scales and 8 mins as two qwords, in registers: the AMX kernel reads them as qwords, and loads of
-// qwords stored as dwords (k_scales_mins's u) stall on store forwarding
 static inline void k_scales_mins64(const uint8_t * packed, uint64_t * scales, uint64_t * mins) {
     uint32_t a, b, c;
     memcpy(&a, packed, 4);
@@ -243,6 +232,15 @@ static inline void k_scales_mins64(const uint8_t * packed, uint64_t * scales, ui
     memcpy(&c, packed + 8, 4);
     *scales = (a & 0x3f3f3f3f) | (uint64_t) ((c & 0x0f0f0f0f) | (((a >> 6) & 0x03030303) << 4)) << 32;
     *mins = (b & 0x3f3f3f3f) | (uint64_t) (((c >> 4) & 0x0f0f0f0f) | (((b >> 6) & 0x03030303) << 4)) << 32;
+}
+
+// The same as dwords: u[0..1] the scales, u[2..3] the mins. (The AMX kernel keeps the qwords in registers: loads of
+// qwords stored as dwords stall on store forwarding.)
+static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
+    uint64_t scales, mins;
+    k_scales_mins64(packed, &scales, &mins);
+    memcpy(u, &scales, 8);
+    memcpy(u + 2, &mins, 8);
 }
 
 // Q4_K x q8_K for NC columns. y[c] is column c's q8_K row. `order` lists the superblocks in the order they
@@ -1769,6 +1767,16 @@ static void q8_0_block_sums(int nb, const char * ycols, size_t row_size, int nco
 #define AMX_MIN_COLS_32 6
 #define AMX_COLS 16  // tokens per tile
 
+// Types of 32-value blocks with a scale each (lut4x8_amx_rows), rather than K-quant superblocks
+static inline bool amx_32_type(enum ggml_type type) {
+    return type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+}
+
+// Tokens in tile t of a pass of ncols
+static inline int amx_tile_cols(int ncols, int t) {
+    return ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+}
+
 static int amx_state = -1;  // -1: not asked yet; 0: no AMX; 1: granted
 static int64_t amx_min_cols = 0;  // 0: each type's default
 // pshufb indices over a broadcast qword of 8 row scales (bytes): [0] words (scale_r, 0), [1] words (0, scale_r),
@@ -2027,7 +2035,7 @@ AMX_TARGET static int64_t q4_Kx8_amx_rows(int nb, const q4_Kx8 * x, int64_t nrow
             for (int t = 0; t < ntiles; ++t) {
                 const amx_tokens * y = toks + (size_t) t * nb + i;
                 amx_scratch * st = scratch + t;
-                const int nc = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+                const int nc = amx_tile_cols(ncols, t);
                 for (int c = 0; c < nc; ++c) {
                     const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
                                                           _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
@@ -2070,7 +2078,7 @@ AMX_TARGET static int64_t q6_Kx8_amx_rows(int nb, const q6_Kx8 * x, int64_t nrow
             for (int t = 0; t < ntiles; ++t) {
                 const amx_tokens * y = toks + (size_t) t * nb + i;
                 amx_scratch * st = scratch + t;
-                const int nc = ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS;
+                const int nc = amx_tile_cols(ncols, t);
                 for (int c = 0; c < nc; ++c) {
                     const __m512i isum = _mm512_add_epi32(_mm512_load_si512((const void *) st->prod[0][c]),
                                                           _mm512_slli_epi32(_mm512_load_si512((const void *) st->prod[1][c]), 8));
@@ -2212,7 +2220,7 @@ AMX_TARGET static int64_t lut4x8_amx_rows(enum ggml_type type, int nb, const voi
             }
             for (int t = 0; t < ntiles; ++t) {
                 const amx_32_round r = {toks + (size_t) t * nb + i, scratch[t].acc, {xd[0], xd[1]},
-                                        ncols - AMX_COLS * t < AMX_COLS ? ncols - AMX_COLS * t : AMX_COLS, two, i == 0};
+                                        amx_tile_cols(ncols, t), two, i == 0};
                 if (n_rounds % 2 == 0) {
                     AMX_32_ISSUE(0, 1, r.y, b, two);
                     if (n_rounds) AMX_32_SUM(2, 3, prev, prod[1]);
@@ -2243,7 +2251,7 @@ AMX_TARGET static int64_t lut4x8_amx_rows(enum ggml_type type, int nb, const voi
 static int64_t amx_run(enum ggml_type type, int n, const void * x, int64_t nrows, const char * ycols, size_t row_size,
                        int ncols, float * dst, size_t dst_stride) {
     const int ntiles = (ncols + AMX_COLS - 1) / AMX_COLS;
-    const bool q0 = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;  // 32-value blocks
+    const bool q0 = amx_32_type(type);
     const int nb = q0 ? n / QK8_0 : n / QK_K;
     void * toks = aligned_alloc(64, (q0 ? sizeof(amx_tokens_32) : sizeof(amx_tokens)) * (size_t) nb * ntiles);
     amx_scratch * scratch = aligned_alloc(64, sizeof(amx_scratch) * (size_t) ntiles);
@@ -2268,8 +2276,7 @@ static int64_t amx_rows(enum ggml_type type, int n, const void * x, int64_t nrow
                         int ncols, float * dst, size_t dst_stride) {
     const bool k_quant = type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K;
     const int64_t min_cols = amx_min_cols ? amx_min_cols : k_quant ? AMX_MIN_COLS : AMX_MIN_COLS_32;
-    if (!(k_quant || type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4) || ncols < min_cols
-        || nrows < 16 || !amx_ready()) {
+    if (!(k_quant || amx_32_type(type)) || ncols < min_cols || nrows < 16 || !amx_ready()) {
         return 0;
     }
     return amx_run(type, n, x, nrows, ycols, row_size, ncols, dst, dst_stride);
@@ -2361,7 +2368,7 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
     }
     const size_t group_bytes = repacked_group_bytes(type, n);
 #ifdef SPECULANT_MM_AMX
-    if (!order) {  // Q4_K and Q6_K: tile products for 16 rows at a time
+    if (!order) {  // tile products for 16 rows at a time, where amx_rows takes the type and pass
         const int64_t done = amx_rows(type, n, x, nrows, wdata, row_size, ncols, dst, dst_stride);
         x = (const char *) x + done / 8 * group_bytes;
         dst += done;
@@ -2459,6 +2466,22 @@ static void q2_Kx8_pack(const block_q2_K * rows, int nb, q2_Kx8 * out) {
     }
 }
 #endif
+
+static void mxfp4x8_pack(const block_mxfp4 * rows, int nb, mxfp4x8 * out);
+
+// 8 plain rows of nb blocks (x) in the repacked layout of their type, as llama.cpp lays them out
+static void repack_group(enum ggml_type type, const void * x, int nb, void * out) {
+    switch (type) {
+        case GGML_TYPE_Q4_K: q4_Kx8_pack(x, nb, out); break;
+        case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, out); break;
+        case GGML_TYPE_IQ4_NL: q4_0x8_pack(x, nb, 0, out); break;
+        case GGML_TYPE_MXFP4: mxfp4x8_pack(x, nb, out); break;
+#ifdef SPECULANT_MM_HAVE_Q2_KX8
+        case GGML_TYPE_Q2_K: q2_Kx8_pack(x, nb, out); break;
+#endif
+        default:             q4_0x8_pack(x, nb, 0x88, out); break;
+    }
+}
 
 static void mxfp4x8_pack(const block_mxfp4 * rows, int nb, mxfp4x8 * out) {
     for (int i = 0; i < nb; ++i) {
@@ -3213,7 +3236,7 @@ void speculant_mm_expert_rows(enum ggml_type type, int repacked, int n, const ch
 // out_ref, both [ncols][nrows]. -1 where this CPU or build has no AMX (or another type), -2 out of memory.
 static int amx_test(enum ggml_type type, int n, int nrows, const void * x, const void * y, size_t row_size, int ncols,
                     float * out_amx, float * out_ref) {
-    const bool q0 = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+    const bool q0 = amx_32_type(type);
     if (!amx_ready() || n % (q0 ? QK8_0 : QK_K) || nrows % 16
         || (type != GGML_TYPE_Q4_K && type != GGML_TYPE_Q6_K && !q0)) return -1;
     const int nb = n / (q0 ? QK8_0 : QK_K), ngroups = nrows / 8;
@@ -3221,17 +3244,9 @@ static int amx_test(enum ggml_type type, int n, int nrows, const void * x, const
     char * packed = malloc(group_bytes * ngroups);
     int32_t * ysums = q0 ? malloc(sizeof(int32_t) * ncols * nb) : NULL;
     if (q0) q8_0_block_sums(nb, y, row_size, ncols, ysums);
+    const size_t row_bytes = ggml_row_size(type, n);
     for (int g = 0; g < ngroups; ++g) {
-        if (type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL) {  // block_q4_0 and block_iq4_nl: 18 bytes alike
-            q4_0x8_pack((const block_q4_0 *) x + (size_t) 8 * g * nb, nb, type == GGML_TYPE_Q4_0 ? 0x88 : 0,
-                        (q4_0x8 *) (packed + g * group_bytes));
-        } else if (type == GGML_TYPE_MXFP4) {
-            mxfp4x8_pack((const block_mxfp4 *) x + (size_t) 8 * g * nb, nb, (mxfp4x8 *) (packed + g * group_bytes));
-        } else if (type == GGML_TYPE_Q4_K) {
-            q4_Kx8_pack((const block_q4_K *) x + (size_t) 8 * g * nb, nb, (q4_Kx8 *) (packed + g * group_bytes));
-        } else {
-            q6_Kx8_pack((const block_q6_K *) x + (size_t) 8 * g * nb, nb, (q6_Kx8 *) (packed + g * group_bytes));
-        }
+        repack_group(type, (const char *) x + (size_t) 8 * g * row_bytes, nb, packed + g * group_bytes);
     }
     const int64_t done = amx_run(type, n, packed, nrows, y, row_size, ncols, out_amx, nrows);
     for (int g = 0; g < ngroups; ++g) {
@@ -3280,16 +3295,7 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
         }
     } else {
         void * packed = malloc(repacked_group_bytes(t, n));
-        switch (t) {
-            case GGML_TYPE_Q4_K: q4_Kx8_pack(x, nb, packed); break;
-            case GGML_TYPE_Q6_K: q6_Kx8_pack(x, nb, packed); break;
-            case GGML_TYPE_IQ4_NL: q4_0x8_pack(x, nb, 0, packed); break;
-            case GGML_TYPE_MXFP4: mxfp4x8_pack(x, nb, packed); break;
-#ifdef SPECULANT_MM_HAVE_Q2_KX8
-            case GGML_TYPE_Q2_K: q2_Kx8_pack(x, nb, packed); break;
-#endif
-            default:             q4_0x8_pack(x, nb, 0x88, packed); break;
-        }
+        repack_group(t, x, nb, packed);
         repacked_rows(t, n, packed, 8, y, row_size, ncols, group, order, out, 8);
         for (int c = 0; out_ggml && c < ncols; ++c) {
             const char * yc = (const char *) y + c * row_size;
