@@ -3495,9 +3495,13 @@ float speculant_vec_max_f32(int n, const float * x) {
 #define F16_BATCHED 1  // 16 reductions at once (f16_reduce16)
 #define F16_COLS 8     // columns at a time: a Qwen2.5 head group (6 query heads per KV head) in one
 #define F16_ROWS 4     // rows at a time (2 with more than 4 columns): at most 16 sums in 32 registers
+#define F16_LANES 16   // the score products with 16 K rows in the lanes of a vector
 #else
 #define F16_COLS 4
 #define F16_ROWS 2
+#if defined(__AVX2__) && GGML_F16_DOT_ARR == 4 && GGML_F16_DOT_EPR == 8
+#define F16_LANES 8    // 8 K rows in the lanes
+#endif
 #endif
 
 #ifdef F16_BATCHED
@@ -3621,15 +3625,19 @@ static inline __attribute__((always_inline)) void f16_rows(const int NC, const i
     }
 #endif
 
-#ifdef F16_BATCHED
+#ifdef F16_LANES
+#define F16_LANES_MAX_N 256
+#define F16_LANES_COLS 16  // query columns per f16_lanes_block call (their f32 copies sit on the stack)
+#define F16_LANES_ROWS 16  // K rows per f16_lanes_block call (AVX2: two blocks of 8)
+#endif
+
+#if F16_LANES == 16
 // -- short dots (a head long: the attention scores) with 16 rows in the lanes ---------------------------------
 // ggml_vec_dot_f16 over n = 64 S values (S <= 4, no scalar tail) is, per output: for each lane group j and lane l
 // an FMA chain over the S steps, a_jl = x[64s + 16j + l] y[64s + 16j + l] + a_jl from 0; v_l = (a_0l + a_2l) +
 // (a_1l + a_3l); then _mm512_reduce_add_ps's tree over l (f16_reduce16). Here each lane of a vector is one of 16 K
 // rows, so those very operations run 16 outputs at once, with no horizontal step: the rows are transposed once
 // and serve every query column that reads them.
-#define F16_LANES_MAX_N 256
-#define F16_LANES_COLS 16  // query columns per f16_lanes_block call (their f32 copies sit on the stack)
 
 // 16 rows of x (f16, stride xs bytes, n values) -> xt[d * 16 + r], f32 (exact)
 static inline void f16_transpose_rows(const char * x, size_t xs, int n, float * xt) {
@@ -3703,6 +3711,103 @@ static void f16_lanes_block(const float * xt, int n, int nc, const ggml_fp16_t *
         f16_lanes_2cols(xt, y[c], y[c], S, dcol[c], spare);
     }
 }
+#elif F16_LANES == 8
+// -- the same with 8 rows in the lanes (AVX2): ggml_vec_dot_f16 over n = 32 S values is, per output: for each lane
+// group j and lane l an FMA chain over the S steps, a_jl = x[32s + 8j + l] y[32s + 8j + l] + a_jl from 0;
+// v_l = (a_0l + a_2l) + (a_1l + a_3l) (GGML_F32x8_REDUCE's vector adds); then its horizontal step: the 128-bit
+// halves added, w_k = v_k + v_(k+4), and two hadds, (w_0 + w_1) + (w_2 + w_3). The 16 rows of a chunk step are
+// two blocks of 8.
+
+// 8 x 8 transpose: r[i] lane c -> r[c] lane i
+static inline void transpose8_ps(__m256 r[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 4; ++i) {  // per 128-bit half: rows 2i, 2i+1 interleaved, columns (0, 1) and (2, 3)
+        t[2 * i] = _mm256_unpacklo_ps(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm256_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 2; ++i) {  // u[4i + k]: rows 4i .. 4i + 3 of column k (low half) and k + 4 (high half)
+        u[4 * i] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 1] = _mm256_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+        u[4 * i + 2] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+        u[4 * i + 3] = _mm256_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    }
+    for (int k = 0; k < 4; ++k) {
+        r[k] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x20);
+        r[k + 4] = _mm256_permute2f128_ps(u[k], u[4 + k], 0x31);
+    }
+}
+
+// 16 rows of x (f16, stride xs bytes, n values) -> two blocks of 8, xt[(b n + d) * 8 + r] = row 8b + r, f32 (exact)
+static inline void f16_transpose_rows(const char * x, size_t xs, int n, float * xt) {
+    for (int b = 0; b < 2; ++b) {
+        for (int d0 = 0; d0 < n; d0 += 8) {
+            __m256 v[8];
+            for (int r = 0; r < 8; ++r) {
+                v[r] = _mm256_cvtph_ps(_mm_loadu_si128(
+                    (const __m128i *) ((const ggml_fp16_t *) (x + (8 * b + r) * xs) + d0)));
+            }
+            transpose8_ps(v);
+            for (int d = 0; d < 8; ++d) _mm256_store_ps(xt + (b * n + d0 + d) * 8, v[d]);
+        }
+    }
+}
+
+// a_jl and a_(j+2)l for 4 columns (8 chains: enough to keep both FMA ports busy; each xt load serves 4 columns)
+static inline __attribute__((always_inline)) void f16_lanes_chains(const float * xt, const float * const * y, int l,
+                                                                   int j, int S, __m256 a[2][4]) {
+    for (int h = 0; h < 2; ++h) {
+        const int d = 8 * (j + 2 * h) + l;
+        const __m256 x = _mm256_load_ps(xt + d * 8);
+        for (int c = 0; c < 4; ++c) a[h][c] = _mm256_fmadd_ps(x, _mm256_set1_ps(y[c][d]), _mm256_setzero_ps());
+    }
+    for (int s = 1; s < S; ++s) {
+        for (int h = 0; h < 2; ++h) {
+            const int d = 32 * s + 8 * (j + 2 * h) + l;
+            const __m256 x = _mm256_load_ps(xt + d * 8);
+            for (int c = 0; c < 4; ++c) a[h][c] = _mm256_fmadd_ps(x, _mm256_set1_ps(y[c][d]), a[h][c]);
+        }
+    }
+}
+
+// out[c]: 8 rows' dots with columns y[c], c < 4 (f32 copies of f16 values), each ggml_vec_dot_f16's value
+static inline void f16_lanes_4cols(const float * xt, const float * const * y, int S, float * const * out) {
+    __m256 v[8][4];  // v_l of each column
+    for (int l = 0; l < 8; ++l) {
+        __m256 a02[2][4], a13[2][4];
+        f16_lanes_chains(xt, y, l, 0, S, a02);
+        f16_lanes_chains(xt, y, l, 1, S, a13);
+        for (int c = 0; c < 4; ++c) {
+            v[l][c] = _mm256_add_ps(_mm256_add_ps(a02[0][c], a02[1][c]), _mm256_add_ps(a13[0][c], a13[1][c]));
+        }
+    }
+    for (int c = 0; c < 4; ++c) {
+        __m256 w[4];  // w_k = v_k + v_(k+4)
+        for (int k = 0; k < 4; ++k) w[k] = _mm256_add_ps(v[k][c], v[k + 4][c]);
+        _mm256_storeu_ps(out[c], _mm256_add_ps(_mm256_add_ps(w[0], w[1]), _mm256_add_ps(w[2], w[3])));
+    }
+}
+
+// 16 rows, transposed in xt (f16_transpose_rows) . nc columns (f16 rows, n values, n = 32 S) into dcol[c][0 .. 16)
+static void f16_lanes_block(const float * xt, int n, int nc, const ggml_fp16_t * const * cols, float * const * dcol) {
+    float y[F16_LANES_COLS][F16_LANES_MAX_N];
+    for (int c = 0; c < nc; ++c) ggml_cpu_fp16_to_fp32(cols[c], y[c], n);
+    const int S = n / 32;
+    for (int b = 0; b < 2; ++b) {
+        const float * xtb = xt + b * n * 8;
+        for (int c0 = 0; c0 < nc; c0 += 4) {
+            // a last group of fewer than 4 columns is filled with copies of its first; their results dropped
+            float spare[3][8];
+            const float * yc[4];
+            float * oc[4];
+            for (int c = 0; c < 4; ++c) {
+                const bool real = c0 + c < nc;
+                yc[c] = y[real ? c0 + c : c0];
+                oc[c] = real ? dcol[c0 + c] + 8 * b : spare[c - 1];
+            }
+            f16_lanes_4cols(xtb, yc, S, oc);
+        }
+    }
+}
 #else
 #define F16_LANES_COLS F16_COLS
 #endif
@@ -3716,8 +3821,8 @@ void speculant_mm_set_lanes_min_cols(int64_t n) {
 
 // dots of n values the lanes kernel can take (when it is on)
 static inline bool f16_lanes_fit(int64_t n) {
-#ifdef F16_BATCHED
-    return f16_lanes_min_cols > 0 && n % 64 == 0 && n <= F16_LANES_MAX_N;
+#ifdef F16_LANES
+    return f16_lanes_min_cols > 0 && n % GGML_F16_DOT_STEP == 0 && n <= F16_LANES_MAX_N;
 #else
     (void) n;
     return false;
@@ -3725,7 +3830,7 @@ static inline bool f16_lanes_fit(int64_t n) {
 }
 
 bool speculant_mm_f16_wide_chunks(const struct ggml_tensor * src0) {
-#ifdef F16_BATCHED
+#ifdef F16_LANES
     return shared_attention && src0->type == GGML_TYPE_F16 && f16_lanes_fit(src0->ne[0]);
 #else
     (void) src0;
@@ -3747,12 +3852,12 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
     const int64_t r2 = ne12 / ne02;
     const int64_t r3 = ne13 / ne03;
     const bool lanes = f16_lanes_fit(ne00);
-#ifdef F16_BATCHED
-    float xt[F16_LANES_MAX_N * 16] __attribute__((aligned(64)));  // the 16 rows of `transposed`
+#ifdef F16_LANES
+    float xt[F16_LANES_MAX_N * F16_LANES_ROWS] __attribute__((aligned(64)));  // the 16 rows of `transposed`
 #endif
-    for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += 16) {  // 16 rows at a time stay in cache
+    for (int64_t iir0 = ir0_start; iir0 < ir0_end; iir0 += 16) {  // 16 rows at a time stay in cache (F16_LANES_ROWS)
         const int64_t rows = MIN(iir0 + 16, ir0_end) - iir0;
-#ifdef F16_BATCHED
+#ifdef F16_LANES
         const char * transposed = NULL;  // the plane whose rows xt holds
 #endif
         for (int64_t ir1 = ir1_start; ir1 < ir1_end;) {
@@ -3775,7 +3880,7 @@ bool speculant_mm_f16_chunk(const struct ggml_tensor * dst, const void * wdata, 
                 cols[nc] = (const ggml_fp16_t *) ((const char *) wdata + (j11 + j12 * ne11 + j13 * ne12 * ne11) * row_size);
                 dcol[nc] = (float *) ((char *) dst->data + j11 * nb1 + j12 * nb2 + j13 * nb3) + iir0;
             }
-#ifdef F16_BATCHED
+#ifdef F16_LANES
             if (max_nc == F16_LANES_COLS && (nc >= f16_lanes_min_cols || plane == transposed)) {
                 if (plane != transposed) {
                     f16_transpose_rows(plane + iir0 * nb01, nb01, (int) ne00, xt);
