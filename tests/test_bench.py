@@ -224,7 +224,25 @@ def test_cli_missing_draft_is_a_clear_error(capsys):
     if not models.cached_path(SMALL).exists():
         pytest.skip(f"{SMALL} not pulled")
     assert main(["bench", "-m", SMALL, "--methods", "draft", "--limit", "1", "--no-progress"]) == 1
-    assert "need a draft model: pass -md" in capsys.readouterr().err
+    assert "method draft needs a draft model: pass -md, or --methods without it" in capsys.readouterr().err
+    assert main(["bench", "-m", SMALL, "--methods", "draft,adaptive", "--limit", "1", "--no-progress"]) == 1
+    assert "methods adaptive, draft need a draft model" in capsys.readouterr().err
+
+
+def test_bench_checks_its_output_paths_before_it_runs(tmp_path, capsys):
+    """--out and --trace are checked before any model loads: a bench that runs for an hour must not fail at its
+    end because its results cannot be written."""
+    from speculant.cli import main
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    assert main(["bench", "-m", "no-such-model.gguf", "--out", str(blocker), "--no-progress"]) == 1
+    assert f"--out {blocker}: cannot write there" in capsys.readouterr().err
+    assert main(["bench", "--costs", "-m", "no-such-model.gguf", "--out", str(blocker / "sub")]) == 1
+    assert "cannot write there" in capsys.readouterr().err
+    assert main(["bench", "-m", "no-such-model.gguf", "--out", str(tmp_path / "out"), "--trace", str(tmp_path),
+                 "--no-progress"]) == 1
+    assert "is a directory: name a file" in capsys.readouterr().err
 
 
 @pytest.mark.models

@@ -291,3 +291,47 @@ def test_demo_drafts_with_the_default_draft_only_for_its_tokenizer(small, capsys
     assert proc.returncode == 0, proc.stderr
     assert "identical output: yes" in proc.stdout and "then qwen" not in proc.stdout
     assert "the file as predicted output" in proc.stdout
+
+
+def test_output_cut_short_or_unwritable_is_not_a_traceback(small):
+    """`speculant generate ... | head` ends quietly when head leaves (status 141, as a tool killed by SIGPIPE);
+    a full disk is one error line."""
+    proc = subprocess.run(f"{sys.executable} -m speculant generate -m {small} -p 'Once upon a time' -n 48 | head -c 3",
+                          shell=True, capture_output=True, text=True, timeout=300,
+                          executable="/bin/bash", env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert len(proc.stdout) == 3
+    assert "Traceback" not in proc.stderr and "Broken pipe" not in proc.stderr, proc.stderr
+    if os.path.exists("/dev/full"):
+        with open("/dev/full", "w") as full:
+            proc = subprocess.run([sys.executable, "-m", "speculant", "generate", "-m", small, "-p", "Hi", "-n", "4"],
+                                  stdout=full, stderr=subprocess.PIPE, text=True, timeout=300)
+        assert_clean_error(proc, "cannot write the output")
+
+
+def test_a_corrupt_local_index_is_reported_and_never_overwritten(tmp_path, monkeypatch):
+    home = tmp_path / "home"
+    (home / "models").mkdir(parents=True)
+    index = home / "models" / "local.json"
+    index.write_text("{not json")
+    proc = run("models", env={"SPECULANT_HOME": str(home)})
+    assert proc.returncode == 0 and "local.json" in proc.stderr and "cannot be read" in proc.stderr
+    assert SMALL in proc.stdout  # the registered models are still listed
+    from speculant.errors import ModelError
+
+    monkeypatch.setenv("SPECULANT_HOME", str(home))
+    with pytest.raises(ModelError, match="fix or remove it"):
+        models.register_local("mine", {"path": "x"})
+    assert index.read_text() == "{not json"
+
+
+def test_chat_without_a_template_is_warned_about():
+    from types import SimpleNamespace
+
+    from speculant.server import chat_template_warning
+
+    def engine(template):
+        return SimpleNamespace(target=SimpleNamespace(chat_template=lambda: template))
+
+    assert "has no chat template" in chat_template_warning(engine(None), "/m/base.gguf")
+    assert "base.gguf" in chat_template_warning(engine(""), "/m/base.gguf")
+    assert chat_template_warning(engine("{% for m in messages %}{% endfor %}"), "x") is None

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from pathlib import Path
 
 from .. import models
@@ -96,6 +97,26 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.set_defaults(handler=cmd_bench)
 
 
+def writable_dir(path: str, flag: str) -> Path:
+    """The directory `path` (made if missing), checked writable; a clear error otherwise."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise SettingsError(f"{flag} {path}: cannot write there ({e.strerror or e})") from None
+    return out
+
+
+def writable_file(path: str, flag: str) -> None:
+    """`path` can be written (its directory exists and takes files; it is not a directory)."""
+    p = Path(path)
+    if p.is_dir():
+        raise SettingsError(f"{flag} {path} is a directory: name a file")
+    writable_dir(str(p.parent), flag)
+
+
 def config_from_args(args):
     from .runner import BenchConfig
 
@@ -154,7 +175,9 @@ def cmd_bench(args) -> int:
         from . import peers as peers_mod
 
         peers_mod.check_names(peers)
-    out = Path(args.out)
+    out = writable_dir(args.out, "--out")  # before hours of benchmarking, not after
+    if args.trace:
+        writable_file(args.trace, "--trace")
     print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
           f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
           f"repeat(s), -n {cfg.n_predict}", file=sys.stderr)

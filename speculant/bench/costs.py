@@ -117,10 +117,11 @@ def run_cli(args) -> int:
 
     if args.costs_rounds < 1:
         raise SettingsError("--costs-rounds must be at least 1")
+    from . import writable_dir
+
+    out = writable_dir(args.out, "--out")
     costs = measure(str(models.resolve(args.model)), depth=args.costs_depth, rounds=args.costs_rounds,
                     threads=args.threads, tools_dir=args.llama_tools)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "costs.json").write_text(json.dumps(costs, indent=2, default=str))
     print(markdown(costs), end="")
     return 0

@@ -173,7 +173,9 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
     need_draft = any(v.method.needs_draft for v in cfg.variants)
     if need_draft and not cfg.draft_model:
         names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
-        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} need a draft model: pass -md")
+        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} "
+                            f"need{'' if len(names) > 1 else 's'} a draft model: pass -md, or --methods without "
+                            f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,lookup; the default is plain,draft)")
     params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
     methods = list({v.method.name: v.method for v in cfg.variants}.values())
     check_torch(methods)
