@@ -380,6 +380,13 @@ def cmd_generate(args) -> int:
     gbnf = _read_grammar(args)
     engine = engine_from_args(args)
     try:
+        if args.chat:
+            from .server import chat_template_warning
+
+            no_template = chat_template_warning(engine, args.model)
+            if no_template:
+                print(f"speculant: warning: {no_template}; without --chat the prompt goes in as it is",
+                      file=sys.stderr)
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
@@ -392,17 +399,15 @@ def cmd_generate(args) -> int:
                                    result=result, prediction=prediction, logprobs=args.logprobs,
                                    constraint=constraint):
             if not args.json and event.text:
-                sys.stdout.write(event.text)
-                sys.stdout.flush()
+                _write(event.text)
                 printed += len(event.text)
         speculative = engine.drafter is not None
     finally:
         engine.close()
     if args.json:
-        json.dump({**result.to_dict(), "seed": seed}, sys.stdout, ensure_ascii=False)
-        sys.stdout.write("\n")
+        _write(json.dumps({**result.to_dict(), "seed": seed}, ensure_ascii=False) + "\n")
     else:
-        sys.stdout.write(result.text[printed:] + "\n")
+        _write(result.text[printed:] + "\n")
         sampled = f", seed {seed}" if not params.greedy else ""
         sources = (f", accepted by source {dict(result.stats.accepted_by_source)}"
                    if len(result.stats.accepted_by_source) > 1 or prediction else "")
@@ -421,8 +426,10 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
-    for name, desc, present in models.list_models():
-        print(f"{name:32s} {'pulled' if present else '-':7s} {desc}")
+    rows = models.list_models()
+    width = max([32] + [len(name) for name, _, _ in rows])
+    for name, desc, present in rows:
+        print(f"{name:{width}s} {'pulled' if present else '-':7s} {desc}")
     return 0
 
 
@@ -488,6 +495,18 @@ def cmd_demo(args) -> int:
 MODEL_COMMANDS = ("generate", "serve", "demo")  # the commands with the common model flags
 
 
+def _write(text: str) -> None:
+    """Generated text to stdout, flushed. A reader that went away (`| head`) ends the command quietly (main); any
+    other write error (a full disk) is one line, not a traceback."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        raise
+    except OSError as e:
+        raise SpeculantError(f"cannot write the output: {e.strerror or e}") from None
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     previous = exit_on_sigterm()  # SIGTERM cleans up like Ctrl-C (a pull's staging directory, loaded models)
     try:
@@ -506,6 +525,11 @@ def main(argv: Optional[list[str]] = None) -> int:
     except KeyboardInterrupt:
         print("speculant: interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader of our output went away (`speculant generate ... | head`): stop quietly, as a Unix tool
+        # killed by SIGPIPE does; stdout now points at /dev/null so that Python's flush at exit stays quiet
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -141,14 +141,30 @@ def cached_path(name: str) -> Path:
 LOCAL_INDEX = "local.json"  # in home()/models: models made on this machine (`speculant quantize`), by name
 
 
-def local_entries() -> dict[str, dict]:
-    """Models made here, by name: {path, size, sha256, source, type, tokenizer, n_vocab, description}."""
+_warned_index: set[str] = set()
+
+
+def local_entries(*, strict: bool = False) -> dict[str, dict]:
+    """Models made here, by name: {path, size, sha256, source, type, tokenizer, n_vocab, description}. An index
+    that cannot be read counts as empty, with a warning (once); strict: an error instead (before rewriting it)."""
+    path = home() / "models" / LOCAL_INDEX
     try:
-        with open(home() / "models" / LOCAL_INDEX, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             entries = json.load(f)
-    except (OSError, ValueError):
+        if not isinstance(entries, dict):
+            raise ValueError("not a JSON object")
+    except FileNotFoundError:
         return {}
-    return entries if isinstance(entries, dict) else {}
+    except (OSError, ValueError) as e:
+        why = (f"{path} (the index of the models `speculant quantize` made here) cannot be read: "
+               f"{getattr(e, 'strerror', None) or e}")
+        if strict:
+            raise ModelError(why + "; fix or remove it, so that it is not overwritten") from None
+        if str(path) not in _warned_index:
+            _warned_index.add(str(path))
+            print(f"speculant: warning: {why}; its models are left out", file=sys.stderr)
+        return {}
+    return entries
 
 
 def register_local(name: str, entry: dict) -> None:
@@ -159,7 +175,7 @@ def register_local(name: str, entry: dict) -> None:
     folder.mkdir(parents=True, exist_ok=True)
     with open(folder / (LOCAL_INDEX + ".lock"), "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        entries = local_entries()
+        entries = local_entries(strict=True)
         entries[name] = entry
         tmp = folder / f".{LOCAL_INDEX}.{os.getpid()}"
         tmp.write_text(json.dumps(entries, indent=1, sort_keys=True) + "\n", encoding="utf-8")

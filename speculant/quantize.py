@@ -386,7 +386,7 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.set_defaults(handler=cmd_quantize)
 
 
-def dry_run_report(model: str, d: DryRun) -> str:
+def dry_run_report(model: str, d: DryRun, allow_requantize: bool = False) -> str:
     """What `quantize --dry-run` prints."""
     from . import api, native
 
@@ -409,7 +409,9 @@ def dry_run_report(model: str, d: DryRun) -> str:
     if d.needs_imatrix:
         lines.append("  needs an importance matrix: pass --imatrix FILE (llama-imatrix's output for this model)")
     if d.source_quantized:
-        lines.append("  the source is already quantized: the real run needs --allow-requantize")
+        lines.append("  the source is already quantized: " + ("requantized, as --allow-requantize asks"
+                                                              if allow_requantize else
+                                                              "the real run needs --allow-requantize"))
     return "\n".join(lines) + "\n"
 
 
@@ -419,7 +421,7 @@ def cmd_quantize(args) -> int:
             raise SettingsError("--dry-run writes nothing: -o, --name and --imatrix have no use with it")
         d = dry_run(args.model, args.type, output_tensor_type=args.output_tensor_type,
                     token_embedding_type=args.token_embedding_type)
-        print(dry_run_report(args.model, d), end="")
+        print(dry_run_report(args.model, d, args.allow_requantize), end="")
         return 0
     name, path = quantize(args.model, args.type, output=args.output, name=args.name,
                           allow_requantize=args.allow_requantize, output_tensor_type=args.output_tensor_type,
