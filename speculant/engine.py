@@ -170,7 +170,8 @@ class Engine:
             raise SettingsError("the prompt is empty")
         if len(tokens) >= self.target.n_ctx:
             raise ContextOverflowError(
-                f"the prompt has {len(tokens)} tokens but the context window holds {self.target.n_ctx}; "
+                f"the prompt has {len(tokens)} tokens but the context window holds {self.target.n_ctx}, "
+                f"prompt and answer together (at least one token must be left for the answer); "
                 f"shorten the prompt or raise --ctx-size"
             )
         return tokens

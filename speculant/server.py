@@ -76,6 +76,9 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")  # OpenAI's
+
+
 def _bad(message: str, param: Optional[str] = None, code: Optional[str] = "invalid_value") -> APIError:
     return APIError(400, message, param=param, code=code)
 
@@ -261,6 +264,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         for i, m in enumerate(messages):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str):
                 raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
+            if m["role"] not in CHAT_ROLES:  # a typo ("usr") would otherwise go into the prompt as it is
+                raise _bad(f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
             content = m.get("content")
             if isinstance(content, list):  # content parts: only text is supported
                 texts = []
@@ -278,7 +283,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
                 raise _bad(f"messages[{i}].tool_calls must be an array", "messages", "invalid_type")
             try:
-                flat.append(message_for_template({**m, "content": content}))
+                role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
+                flat.append(message_for_template({**m, "role": role, "content": content}))
             except ToolsError as e:
                 raise _bad(f"messages[{i}]: {e}", "messages") from None
         # tool_choice none: the model is not told of the tools (so it cannot call them)
@@ -326,6 +332,8 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, repetition: str = "repetitio
     if seed is not None and seed == random_seed:
         seed = None
     if seed is not None:
+        if not -(1 << 63) <= seed < 1 << 64:
+            raise _bad(f"'seed' must be a 64-bit integer, got {seed}", "seed")
         seed %= 1 << 64  # OpenAI seeds are signed 64-bit; numpy wants a non-negative one
     presence = _get_num(body, "presence_penalty", cfg.presence_penalty, -2.0, 2.0)
     frequency = _get_num(body, "frequency_penalty", cfg.frequency_penalty, -2.0, 2.0)
@@ -842,7 +850,8 @@ class Worker:
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
         if self.waiting >= self.max_queue and self.slots.locked():
-            raise APIError(503, f"the server is busy ({self.waiting} requests queued); retry later",
+            raise APIError(503, f"the server is busy ({self.waiting} request{'s' if self.waiting != 1 else ''} "
+                                f"queued); retry later",
                            type="server_error", code="server_overloaded")
         if job.after is not None:  # the first choice processes the prompt; this one then copies its cache
             await job.after.wait()
@@ -996,6 +1005,7 @@ def create_app(engine, cfg: ServerConfig):
     from fastapi.responses import JSONResponse, Response, StreamingResponse
     from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
+    from starlette.requests import ClientDisconnect
 
     from .engine import Result
     from .stats import SpecStats
@@ -1026,7 +1036,8 @@ def create_app(engine, cfg: ServerConfig):
         if request is not None and request.url.path.startswith("/v1/"):
             log_request(request, f"{e.status} {e.code}", request.state.t0 if hasattr(request.state, "t0")
                         else time.perf_counter())
-        headers = {"WWW-Authenticate": "Bearer"} if e.status == 401 else None
+        headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401
+                   else {"Retry-After": "1"} if e.status == 503 and e.code == "server_overloaded" else None)
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -1038,6 +1049,13 @@ def create_app(engine, cfg: ServerConfig):
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
         return error_response(APIError(e.status_code, f"{request.method} {request.url.path}: {e.detail}",
                                        code=code), request=request)
+
+    @app.exception_handler(ClientDisconnect)
+    async def _client_gone(request: Request, e: ClientDisconnect):
+        # the client went away while sending its request body: no one reads an answer; logged and counted
+        # as 499, as a client that leaves a stream is
+        return error_response(APIError(499, "the client closed the connection before sending its whole request",
+                                       code="client_closed_request"), request.url.path, request)
 
     @app.exception_handler(RequestValidationError)
     async def _validation_error(request: Request, e: RequestValidationError):
@@ -1076,7 +1094,7 @@ def create_app(engine, cfg: ServerConfig):
         except (ValueError, RecursionError) as e:
             raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
 
-    @app.get("/health")
+    @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probes
     async def health():
         body = {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
                 "draft_model": cfg.draft_id, "queue_depth": worker.waiting,
@@ -1102,8 +1120,25 @@ def create_app(engine, cfg: ServerConfig):
         check_auth(request)
         metrics.requests.labels("/v1/models", "200").inc()
         log_request(request, "200", request.state.t0)
-        return {"object": "list", "data": [{"id": cfg.model_id, "object": "model", "created": created,
-                                            "owned_by": "speculant", "draft_model": cfg.draft_id}]}
+        return {"object": "list", "data": [model_object()]}
+
+    def model_object() -> dict:
+        return {"id": cfg.model_id, "object": "model", "created": created, "owned_by": "speculant",
+                "draft_model": cfg.draft_id}
+
+    @app.get("/v1/models/{model_id:path}")  # client.models.retrieve(); ids may hold slashes (paths)
+    async def retrieve_model(request: Request, model_id: str):
+        request.state.t0 = time.perf_counter()
+        try:
+            check_auth(request)
+            if model_id != cfg.model_id:
+                raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{cfg.model_id}'",
+                               param="model", code="model_not_found")
+        except APIError as e:  # counted under /v1/models: a label per asked-for id would grow without bound
+            return error_response(e, "/v1/models", request)
+        metrics.requests.labels("/v1/models", "200").inc()
+        log_request(request, "200", request.state.t0)
+        return model_object()
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -1532,6 +1567,14 @@ def serves_parallel(args) -> bool:
                 or args.draft_vocab)
 
 
+def chat_template_warning(engine, model: str) -> Optional[str]:
+    """What to tell a user whose model has no chat template (a base model), or None."""
+    if engine.target.chat_template():
+        return None
+    return (f"{os.path.basename(str(model))} has no chat template (a base model?): chat is formatted as ChatML "
+            f"(<|im_start|>role ... <|im_end|>), which it may not know")
+
+
 def listen(host: str, port: int):
     """The listening socket, bound before any model is loaded: a busy port fails at once."""
     import socket
@@ -1540,6 +1583,9 @@ def listen(host: str, port: int):
     try:
         return socket.create_server((host, port), family=family, backlog=2048)
     except OSError as e:
+        if isinstance(e, socket.gaierror) or (e.errno or 0) < 0:  # getaddrinfo's codes: 256.1.1.1, a typo
+            raise SpeculantError(f"cannot listen on {host}:{port}: {host!r} is not an address or host name that "
+                                 f"resolves here") from None
         raise SpeculantError(f"cannot listen on {host}:{port}: {os.strerror(e.errno) if e.errno else e}"
                              + (" (another server is using it; pick one with --port)"
                                 if e.errno == errno.EADDRINUSE else "")) from None
@@ -1583,6 +1629,9 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
+    no_template = chat_template_warning(engine, args.model)
+    if no_template:
+        print(f"speculant: warning: {no_template}; /v1/completions takes the text as it is", file=sys.stderr)
     bad = [t for t, _ in defaults.logit_bias if t >= engine.target.n_vocab]
     if bad:
         engine.close()

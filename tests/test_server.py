@@ -4,6 +4,7 @@
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -90,9 +91,15 @@ def _post(url, path, body, *, key=KEY, **kw):
 # -- the happy paths ------------------------------------------------------------------------------------------
 
 def test_models_and_health(server, client):
+    import openai
+
     assert [m.id for m in client.models.list().data] == [MODEL]
+    assert client.models.retrieve(MODEL).id == MODEL
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("gpt-4")
     h = httpx.get(server + "/health").json()
     assert h["status"] == "ok" and h["model"] == MODEL and h["draft_model"] == MODEL
+    assert httpx.head(server + "/health").status_code == 200
 
 
 def test_greedy_completion_equals_cli(client):
@@ -642,6 +649,8 @@ BAD = [
     ("/v1/chat/completions", {"model": MODEL, "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": 5}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "usr", "content": "hi"}]}, 400, "messages"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": 2 ** 64 + 3}, 400, "seed"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "stream": True,
                               "max_tokens": -5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
@@ -803,6 +812,24 @@ def test_disconnect_while_waiting_non_streaming(server, client):
     after = _wait_idle(server)
     assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
     assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] < 400
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
+
+
+def test_a_client_that_leaves_while_sending_its_body_is_a_499(server, client):
+    """A client (or a proxy that timed out) that closes its connection halfway through the request body: counted
+    and logged as 499 (client closed request), no 500, no traceback in the log (the fixture checks it)."""
+    host, port = server.rsplit("//", 1)[1].split(":")
+    label = 'speculant_requests_total{endpoint="/v1/chat/completions",status="%s"}'
+    before = _metrics(server)
+    with socket.create_connection((host, int(port)), timeout=10) as s:
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
+                  + b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"messages\":")
+    deadline = time.monotonic() + 30
+    while _metrics(server).get(label % "499", 0) == before.get(label % "499", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _metrics(server)
+    assert after.get(label % "499", 0) == before.get(label % "499", 0) + 1
+    assert after.get(label % "500", 0) == before.get(label % "500", 0)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
