@@ -840,6 +840,25 @@ def _swallow(fn):
         pass
 
 
+def test_a_full_queue_is_a_503_that_says_when_to_retry():
+    """-np 1 --max-queue 0: while one request generates, the next is refused at once (503 server_overloaded),
+    with Retry-After as HTTP clients and proxies read it."""
+    proc, url = _start("-np", "1", "--max-queue", "0")
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
+                                "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # until it generates
+            busy = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                              timeout=60)
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_overloaded"
+        assert busy.headers["retry-after"] == "1" and "(0 requests queued)" in busy.json()["error"]["message"]
+    finally:
+        _stop(proc)
+
+
 def test_graceful_shutdown_cuts_in_flight_and_exits():
     proc, url = _start("--shutdown-timeout", "2")
     lines = []
