@@ -1323,6 +1323,9 @@ def create_app(engine, cfg: ServerConfig):
         if job.cut:
             raise APIError(503, "the server shut down before this completion finished", type="server_error",
                            code="shutting_down")
+        if await request.is_disconnected():  # the client left: its generation stopped early, no one reads this
+            done("499")
+            return Response(status_code=499)
         done("200")
         return _fields(response(True, answer()), fields)
 
@@ -1479,6 +1482,9 @@ def create_app(engine, cfg: ServerConfig):
         await _run_all([consume(i) for i in range(len(jobs))])
         if any(j.cut for j in jobs):
             raise cut_error()
+        if await request.is_disconnected():  # the client left: its generation stopped early, no one reads this
+            done_metrics("499")
+            return Response(status_code=499)
         done_metrics("200")
         choices = []
         for i, result in enumerate(results):

@@ -812,6 +812,13 @@ def test_disconnect_while_waiting_non_streaming(server, client):
     after = _wait_idle(server)
     assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
     assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] < 400
+    label = 'speculant_requests_total{endpoint="/v1/completions",status="%s"}'
+    deadline = time.monotonic() + 10  # counted as the client closing its request (499), not as answered (200)
+    while _metrics(server).get(label % "499", 0) == before.get(label % "499", 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _metrics(server)
+    assert after.get(label % "499", 0) == before.get(label % "499", 0) + 1
+    assert after.get(label % "200", 0) == before.get(label % "200", 0)
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
