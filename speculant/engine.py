@@ -23,7 +23,7 @@ from .constraint import Constraint, MaskedRows
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
 from .drafters.prediction import PredictionDrafter
-from .errors import ContextOverflowError, SettingsError
+from .errors import Cancelled, ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import (SamplingParams, TokenLogprob, adjust_logits, probs_from_logits, token_logprobs,
@@ -367,7 +367,10 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         t0 = time.perf_counter()
         # everything but the last token, which each step feeds
+        should_stop = target.should_stop  # this request's
         stats.cached_prompt_tokens = target.prefill(context[:-1]) or 0
+        if should_stop is not None and should_stop():  # before the draft model's prompt processing
+            raise Cancelled("stopped after prompt processing")
         if drafter:
             policy.new_request(params.temperature if not params.greedy else 0.0)
             drafter.begin(context)  # e.g. history indexes the prompt

@@ -19,3 +19,7 @@ class SettingsError(SpeculantError, ValueError):
 
 class ContextOverflowError(SpeculantError):
     """The prompt does not fit the context window."""
+
+
+class Cancelled(SpeculantError):
+    """The request's work was stopped on the way (a server client that went away during its prompt)."""

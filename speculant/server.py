@@ -35,6 +35,7 @@ import logging
 import math
 import os
 import sys
+import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
@@ -45,7 +46,7 @@ from typing import Any, AsyncIterator, Optional
 from .backends.base import common_prefix
 from .constraint import TriggeredGrammar, json_grammar
 from .engine import MAX_TOP_LOGPROBS
-from .errors import ContextOverflowError, SpeculantError
+from .errors import Cancelled, ContextOverflowError, SpeculantError
 from .rpc import WorkerError
 from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
 from .verify import SamplingParams
@@ -870,6 +871,8 @@ class Worker:
         loop = asyncio.get_running_loop()
         gen = None
         finished = False
+        stop = threading.Event()  # set when this request ends early: a prompt in flight stops between its passes
+        engine.target.should_stop = stop.is_set
         try:
             if self.closing:
                 raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -907,7 +910,18 @@ class Worker:
                 if is_disconnected is not None and await is_disconnected():
                     break
                 try:
-                    event = await loop.run_in_executor(executor, _step, gen)
+                    step = loop.run_in_executor(executor, _step, gen)
+                    # read its outcome even if this request is cancelled while it runs (no "never retrieved")
+                    step.add_done_callback(lambda f: f.cancelled() or f.exception())
+                    if is_disconnected is not None and result.stats.prefill_time == 0:
+                        # the first step processes the prompt (seconds for a long one): watch the client meanwhile
+                        while not (await asyncio.wait({step}, timeout=0.25))[0]:
+                            if await is_disconnected():
+                                stop.set()
+                                break
+                    event = await step
+                except Cancelled:  # the client left during the prompt
+                    break
                 except WorkerError as e:
                     raise worker_down(e) from None
                 if event is _DONE:
@@ -921,6 +935,7 @@ class Worker:
                         break
                 yield event
         finally:
+            stop.set()
             if gen is not None:
                 if not finished:
                     self.metrics.cancelled.inc()

@@ -840,6 +840,24 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_499(server, client):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
+def test_a_client_that_leaves_during_its_prompt_stops_the_prompt():
+    """A long prompt is processed in passes of 64 tokens; a client that gives up meanwhile stops it between two
+    passes (the slot is not held until the whole prompt is done). What it processed stays cached: the same
+    prompt asked again finds only that part there, not all of it."""
+    proc, url = _start("-c", "4096", "-np", "1")
+    try:
+        prompt = "word " * 2500
+        _swallow(lambda: httpx.post(url + "/v1/completions", timeout=1.0,
+                                    json={"model": MODEL, "prompt": prompt, "max_tokens": 4}))
+        _wait_idle(url)
+        assert _metrics(url)["speculant_requests_cancelled_total"] == 1
+        again = httpx.post(url + "/v1/completions", timeout=300,
+                           json={"model": MODEL, "prompt": prompt, "max_tokens": 1}).json()["usage"]
+        assert 0 < again["prompt_tokens_details"]["cached_tokens"] < again["prompt_tokens"] - 64
+    finally:
+        _stop(proc)
+
+
 def _swallow(fn):
     try:
         fn()

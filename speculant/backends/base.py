@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -44,6 +44,9 @@ class Backend(ABC):
     name: str
     n_ctx: int
     n_vocab: int
+    # checked between a prompt's passes (prefill): True stops it with errors.Cancelled (a server sets it for a
+    # request whose client may leave during a long prompt)
+    should_stop: Optional[Callable[[], bool]] = None
 
     def __init__(self) -> None:
         self.tokens: list[int] = []  # what the KV cache holds now

@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..batching import GATHERER, Job
-from ..errors import ModelError, SettingsError
+from ..errors import Cancelled, ModelError, SettingsError
 from ..native import build_info, exactness_problems, invariant_rows, load_backends
 from ..signals import deferred_signals
 from .base import Backend, VocabInfo, common_prefix
@@ -342,8 +342,11 @@ class LlamaCppBackend(Backend):
             else:
                 break
         self.rewind(kept)
+        stop = self.should_stop  # this request's (a server installs the next request's while this one may run)
         for a, b in chunks:
             if b > kept:
+                if stop is not None and stop():
+                    raise Cancelled(f"prompt processing stopped after {a} of {len(context)} tokens")
                 self.eval(context[max(a, kept):b], n_logits=0)
         return kept
 
