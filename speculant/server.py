@@ -787,6 +787,8 @@ class Worker:
         self.waiting = 0
         self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
         self.deadline = math.inf
+        self._loop: Optional[asyncio.AbstractEventLoop] = None
+        self._closed: Optional[asyncio.Event] = None  # set with closing: queued requests get their 503 at once
 
     def _held(self, prompt: list[int]) -> list[int]:
         """Per slot, how many tokens of the prompt its cache holds (a busy slot's token list, copied at once)."""
@@ -822,6 +824,31 @@ class Worker:
     def begin_shutdown(self, grace_s: float) -> None:
         self.deadline = min(self.deadline, time.monotonic() + grace_s)
         self.closing = True
+        if self._loop is not None:  # from a signal handler too: the waiters are woken on the loop
+            self._loop.call_soon_threadsafe(self._closed.set)
+
+    async def _acquire_slot(self) -> None:
+        """A free slot, waited for in arrival order; a shutdown meanwhile is a 503 at once (not after the
+        grace period of the requests in flight)."""
+        if self._loop is None:
+            self._loop, self._closed = asyncio.get_running_loop(), asyncio.Event()
+            if self.closing:
+                self._closed.set()
+        acquire = asyncio.ensure_future(self.slots.acquire())
+        closed = asyncio.ensure_future(self._closed.wait())
+        try:
+            await asyncio.wait({acquire, closed}, return_when=asyncio.FIRST_COMPLETED)
+        except BaseException:  # this request was cancelled (its client left) while it waited
+            if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
+                self.slots.release()
+            acquire.cancel()  # a pending acquire gives back a slot it was just granted (asyncio.Semaphore)
+            raise
+        finally:
+            closed.cancel()
+        if not acquire.done():
+            acquire.cancel()
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        # granted (even if the shutdown came at the same time: the caller checks `closing` next)
 
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
@@ -859,7 +886,7 @@ class Worker:
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
-            await self.slots.acquire()
+            await self._acquire_slot()
         finally:
             self.waiting -= 1
             self.metrics.queue_depth.set(self.waiting)

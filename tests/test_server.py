@@ -913,6 +913,40 @@ def test_graceful_shutdown_cuts_in_flight_and_exits():
     assert last is None or last["error"]["code"] == "shutting_down"
 
 
+def test_shutdown_answers_queued_requests_at_once():
+    """-np 1: one request streams, another waits for the slot; on SIGTERM the waiting one gets its 503 at once,
+    while the one in flight still streams (its grace period), not when that one ends or the server exits."""
+    proc, url = _start("--shutdown-timeout", "8", "-np", "1")
+    tokens, answered = [], []
+
+    def stream():
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
+                                "stream": True}) as r:
+            tokens.extend(1 for line in r.iter_lines() if line)
+
+    def queued():
+        r = httpx.post(url + "/v1/completions", timeout=60, json={"model": MODEL, "prompt": "Hi", "max_tokens": 4})
+        answered.append((r.status_code, r.json()["error"]["code"], len(tokens)))  # events streamed by then
+
+    first = threading.Thread(target=stream)
+    first.start()
+    deadline = time.monotonic() + 60
+    while not tokens and time.monotonic() < deadline:
+        time.sleep(0.05)
+    second = threading.Thread(target=queued)
+    second.start()
+    while _metrics(url)["speculant_queue_depth"] < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    second.join(60)
+    first.join(60)
+    assert proc.wait(60) == 0
+    (status, code, streamed_by_then), = answered
+    assert (status, code) == (503, "shutting_down")
+    assert streamed_by_then < len(tokens) - 5, (streamed_by_then, len(tokens))  # the stream went on after it
+
+
 # -- fail fast, log, say what -n means ----------------------------------------------------------------------
 
 def test_busy_port_fails_before_loading_in_one_line():
