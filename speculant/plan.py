@@ -218,7 +218,7 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64)."""
     if models.spec_of(model) is not None and not models.cached_path(model).exists():
         raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
-    path = Path(model) if Path(model).is_file() else models.resolve(model)
+    path = models.resolve(model)  # a file is checked as every command checks it (a truncated one is refused)
     f = gguf_facts(path)
     n_ctx = n_ctx or f["n_ctx_train"]
     if f["n_ctx_train"]:

@@ -151,6 +151,16 @@ def test_cli_bad_input(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+def test_a_truncated_file_is_refused_as_by_every_command(tmp_path):
+    need(SMALL)
+    src = models.cached_path(SMALL)
+    cut = tmp_path / "cut.gguf"
+    with open(src, "rb") as f, open(cut, "wb") as out:
+        out.write(f.read(src.stat().st_size // 2))
+    proc = run("plan", "-m", str(cut))
+    assert proc.returncode != 0 and "Traceback" not in proc.stderr and "is truncated" in proc.stderr, proc.stderr
+
+
 def test_parse_size():
     assert plan.parse_size("8G") == 8 * 2 ** 30
     assert plan.parse_size("1.5GiB") == int(1.5 * 2 ** 30)
