@@ -66,6 +66,27 @@ def small_draft_same_numerics():
     b.close()
 
 
+def rerun_on_haswell(test_file: str, selector: str, n_passed: int) -> None:
+    """Run the tests of `test_file` that `selector` (-k) picks in a subprocess on the AVX2 (haswell) variant, as an
+    AVX2-only machine runs them (SPECULANT_CPU_VARIANT loads one variant); skip where that says nothing new."""
+    import subprocess
+
+    from speculant import native
+    from speculant.backends import llamacpp  # noqa: F401  (loads the backends)
+
+    info = native.build_info()
+    if info is None or "haswell" not in info["variants"].split(","):
+        pytest.skip("no haswell variant in this llama.cpp build")
+    if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
+        pytest.skip("this CPU has no AVX2")
+    if native.loaded_variant() == "haswell":
+        pytest.skip("the haswell variant is this machine's own: the tests ran on it already")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test_file, "-k", selector],
+                          env={**os.environ, "SPECULANT_CPU_VARIANT": "haswell"}, capture_output=True, text=True,
+                          timeout=900, cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert proc.returncode == 0 and f"{n_passed} passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+
+
 def write_imatrix(path, entries: dict, *, legacy: bool = False, ncall: int = 10):
     """An importance matrix file as llama-imatrix writes it, for entries {tensor name: mean squared activations
     per input column}: GGUF (NAME.in_sum2 sums over `ncall` tokens, NAME.counts) or the older .dat."""

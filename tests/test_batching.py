@@ -3,8 +3,6 @@ sequence the bits it gets alone, and the gatherer merges what it should and neve
 
 import os
 import random
-import subprocess
-import sys
 import threading
 import time
 
@@ -230,22 +228,10 @@ def test_a_slot_that_copies_another_slots_prompt_computes_its_bits():
 @pytest.mark.models
 def test_merged_passes_on_the_avx2_kernels():
     """The same check on the AVX2 (haswell) variant, as an AVX2-only machine runs it: 4 tokens per weight
-    unpacking there, 8 on AVX-512 (SPECULANT_CPU_VARIANT loads one variant)."""
-    from speculant import native
-    from speculant.backends import llamacpp  # noqa: F401  (loads the backends)
+    unpacking there, 8 on AVX-512."""
+    from conftest import rerun_on_haswell
 
-    info = native.build_info()
-    if info is None or "haswell" not in info["variants"].split(","):
-        pytest.skip("no haswell variant in this llama.cpp build")
-    if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    if native.loaded_variant() == "haswell":
-        pytest.skip("the haswell variant is this machine's own: the test above ran it")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           f"test_slots_in_merged_passes_get_the_bits_they_get_alone and {TARGET}"],
-                          env={**os.environ, "SPECULANT_CPU_VARIANT": "haswell"}, capture_output=True, text=True,
-                          timeout=600, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0 and "1 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rerun_on_haswell(__file__, f"test_slots_in_merged_passes_get_the_bits_they_get_alone and {TARGET}", 1)
 
 
 @pytest.mark.models

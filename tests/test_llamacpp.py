@@ -1,9 +1,6 @@
 """Real models through llama.cpp: batch invariance, greedy identity, cache consistency, structure."""
 
 import contextlib
-import os
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -345,8 +342,7 @@ def test_shared_attention_products_change_no_bit(model, request):
     """Our attention products dot each K / V row with every query column that reads it (a head group's heads and
     a pass's tokens) while it is converted once, by ggml_vec_dot_f16's operations per element (the scores of 16
     or more columns with K rows in the lanes, 16 on AVX-512, 8 on AVX2: Qwen's heads of 128 values, SmolLM2's of
-    64): the
-    logits are ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail
+    64): the logits are ggml's loop's, bit for bit, for every pass size, at contexts with and without a scalar tail
     (positions not a multiple of 64), and a token alone still gets the bits it gets in a pass. The switch also
     puts back ggml's scalar loop for the softmax's maximum, which ours takes 16 lanes at once: the same bits too."""
     from speculant import native
@@ -372,22 +368,10 @@ def test_shared_attention_products_change_no_bit(model, request):
 
 def test_shared_attention_products_on_the_avx2_kernels():
     """The same check on the AVX2 (haswell) variant, as an AVX2-only machine runs it (8 K rows in the lanes, dots
-    of 32 values a step; SPECULANT_CPU_VARIANT loads one variant)."""
-    from speculant import native
-    from speculant.backends import llamacpp  # noqa: F401  (loads the backends)
+    of 32 values a step)."""
+    from conftest import rerun_on_haswell
 
-    info = native.build_info()
-    if info is None or "haswell" not in info["variants"].split(","):
-        pytest.skip("no haswell variant in this llama.cpp build")
-    if not {"avx2", "fma", "f16c"} <= native.cpu_flags():
-        pytest.skip("this CPU has no AVX2")
-    if native.loaded_variant() == "haswell":
-        pytest.skip("the haswell variant is this machine's own: the test above ran it")
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__, "-k",
-                           "test_shared_attention_products_change_no_bit"],
-                          env={**os.environ, "SPECULANT_CPU_VARIANT": "haswell"}, capture_output=True, text=True,
-                          timeout=900, cwd=os.path.dirname(os.path.dirname(__file__)))
-    assert proc.returncode == 0 and "2 passed" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-2000:]
+    rerun_on_haswell(__file__, "test_shared_attention_products_change_no_bit", 2)
 
 
 @pytest.mark.parametrize("model", ["qwen_target", "qwen_draft"])

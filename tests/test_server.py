@@ -782,6 +782,18 @@ def _wait_idle(url, timeout=60):
     raise AssertionError("the engine stayed busy")
 
 
+def _assert_counted_once(url, before, endpoint, status, *, not_as, timeout=30):
+    """One more request of `endpoint` counted with `status` since the metrics `before` (it is counted a moment
+    after the request ends), none more with `not_as`."""
+    label = 'speculant_requests_total{endpoint="%s",status="%%s"}' % endpoint
+    deadline = time.monotonic() + timeout
+    while _metrics(url).get(label % status, 0) == before.get(label % status, 0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    after = _metrics(url)
+    assert after.get(label % status, 0) == before.get(label % status, 0) + 1
+    assert after.get(label % not_as, 0) == before.get(label % not_as, 0)
+
+
 def test_disconnect_mid_stream_frees_the_slot(server, client):
     before = _metrics(server)
     with httpx.stream("POST", server + "/v1/completions", headers={"Authorization": f"Bearer {KEY}"},
@@ -812,13 +824,8 @@ def test_disconnect_while_waiting_non_streaming(server, client):
     after = _wait_idle(server)
     assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
     assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] < 400
-    label = 'speculant_requests_total{endpoint="/v1/completions",status="%s"}'
-    deadline = time.monotonic() + 10  # counted as the client closing its request (499), not as answered (200)
-    while _metrics(server).get(label % "499", 0) == before.get(label % "499", 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    after = _metrics(server)
-    assert after.get(label % "499", 0) == before.get(label % "499", 0) + 1
-    assert after.get(label % "200", 0) == before.get(label % "200", 0)
+    # counted as the client closing its request (499), not as answered (200)
+    _assert_counted_once(server, before, "/v1/completions", "499", not_as="200")
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
@@ -826,17 +833,11 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_499(server, client):
     """A client (or a proxy that timed out) that closes its connection halfway through the request body: counted
     and logged as 499 (client closed request), no 500, no traceback in the log (the fixture checks it)."""
     host, port = server.rsplit("//", 1)[1].split(":")
-    label = 'speculant_requests_total{endpoint="/v1/chat/completions",status="%s"}'
     before = _metrics(server)
     with socket.create_connection((host, int(port)), timeout=10) as s:
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer " + KEY.encode()
                   + b"\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{\"messages\":")
-    deadline = time.monotonic() + 30
-    while _metrics(server).get(label % "499", 0) == before.get(label % "499", 0) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    after = _metrics(server)
-    assert after.get(label % "499", 0) == before.get(label % "499", 0) + 1
-    assert after.get(label % "500", 0) == before.get(label % "500", 0)
+    _assert_counted_once(server, before, "/v1/chat/completions", "499", not_as="500")
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
