@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from functools import lru_cache
 from typing import Optional
 
@@ -27,6 +28,14 @@ def _compile(template: str):
     env.globals["raise_exception"] = _raise
     return env.from_string(template)
 
+
+def missing_template_warning(template: Optional[str], model: str) -> Optional[str]:
+    """What to tell a user whose model ships no chat template (a base model: render falls back to CHATML), or
+    None when it has one."""
+    if template:
+        return None
+    return (f"{os.path.basename(str(model))} has no chat template (a base model?): chat is formatted as ChatML "
+            f"(<|im_start|>role ... <|im_end|>), which it may not know")
 
 def render(template: str | None, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
            add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> str:

@@ -381,9 +381,9 @@ def cmd_generate(args) -> int:
     engine = engine_from_args(args)
     try:
         if args.chat:
-            from .server import chat_template_warning
+            from .chat import missing_template_warning
 
-            no_template = chat_template_warning(engine, args.model)
+            no_template = missing_template_warning(engine.target.chat_template(), args.model)
             if no_template:
                 print(f"speculant: warning: {no_template}; without --chat the prompt goes in as it is",
                       file=sys.stderr)

@@ -927,6 +927,7 @@ class Worker:
                 self.metrics.record(result.stats)
                 finished = True
                 return
+            first_step = True
             gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
                                 is_chat=job.is_chat, result=result, prediction=job.prediction,
                                 logprobs=job.logprobs, constraint=job.constraint)
@@ -940,12 +941,13 @@ class Worker:
                     step = loop.run_in_executor(executor, _step, gen)
                     # read its outcome even if this request is cancelled while it runs (no "never retrieved")
                     step.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    if is_disconnected is not None and result.stats.prefill_time == 0:
-                        # the first step processes the prompt (seconds for a long one): watch the client meanwhile
+                    if is_disconnected is not None and first_step:
+                        # it processes the prompt (seconds for a long one): watch the client meanwhile
                         while not (await asyncio.wait({step}, timeout=0.25))[0]:
                             if await is_disconnected():
                                 stop.set()
                                 break
+                    first_step = False
                     event = await step
                 except Cancelled:  # the client left during the prompt
                     break
@@ -1615,14 +1617,6 @@ def serves_parallel(args) -> bool:
                 or args.draft_vocab)
 
 
-def chat_template_warning(engine, model: str) -> Optional[str]:
-    """What to tell a user whose model has no chat template (a base model), or None."""
-    if engine.target.chat_template():
-        return None
-    return (f"{os.path.basename(str(model))} has no chat template (a base model?): chat is formatted as ChatML "
-            f"(<|im_start|>role ... <|im_end|>), which it may not know")
-
-
 def listen(host: str, port: int):
     """The listening socket, bound before any model is loaded: a busy port fails at once."""
     import socket
@@ -1677,7 +1671,9 @@ def cmd_serve(args) -> int:
     except BaseException:
         sock.close()
         raise
-    no_template = chat_template_warning(engine, args.model)
+    from .chat import missing_template_warning
+
+    no_template = missing_template_warning(engine.target.chat_template(), args.model)
     if no_template:
         print(f"speculant: warning: {no_template}; /v1/completions takes the text as it is", file=sys.stderr)
     bad = [t for t, _ in defaults.logit_bias if t >= engine.target.n_vocab]

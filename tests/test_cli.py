@@ -325,13 +325,8 @@ def test_a_corrupt_local_index_is_reported_and_never_overwritten(tmp_path, monke
 
 
 def test_chat_without_a_template_is_warned_about():
-    from types import SimpleNamespace
+    from speculant.chat import missing_template_warning
 
-    from speculant.server import chat_template_warning
-
-    def engine(template):
-        return SimpleNamespace(target=SimpleNamespace(chat_template=lambda: template))
-
-    assert "has no chat template" in chat_template_warning(engine(None), "/m/base.gguf")
-    assert "base.gguf" in chat_template_warning(engine(""), "/m/base.gguf")
-    assert chat_template_warning(engine("{% for m in messages %}{% endfor %}"), "x") is None
+    assert "has no chat template" in missing_template_warning(None, "/m/base.gguf")
+    assert "base.gguf" in missing_template_warning("", "/m/base.gguf")
+    assert missing_template_warning("{% for m in messages %}{% endfor %}", "x") is None
