@@ -14,7 +14,8 @@ only the tokens that can matter are asked about, most likely first: greedy, the 
 sampling, the tokens the settings keep when they are few (top-k, top-p or min-p). A sampled row that keeps more
 than DRAW_ABOVE tokens (no truncation at all: OpenAI's defaults) is not written out but drawn from
 (draw_allowed: rejection, then Gumbel-max asking about tokens in order of their keys), and verification
-keeps a draft there iff the draw equals it (verify.verify_sampled_lazy). Only a row where the mask must come
+keeps a draft there iff the draw equals it (verify.verify_sampled_lazy); a seeded request's coupled draw there
+asks about blocks of tokens in order of their mass (coupled_draw_allowed). Only a row where the mask must come
 first without top-k still checks every token (exact, and slow).
 """
 
@@ -29,7 +30,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from .errors import SettingsError
-from .verify import SamplingParams, probs_from_logits, sample
+from .verify import (COUPLED_BLOCK, SamplingParams, block_exponentials, block_masses, coupled_draw, exponentials,
+                     probs_from_logits, sample)
 
 FIRST_CHECK = 64  # candidates asked about at once; each miss asks 8x more
 DRAFT_CHECK = 512  # a drafter asks about at most this many of its likeliest tokens
@@ -167,6 +169,34 @@ def draw_allowed(logits: np.ndarray, constraint: Constraint, params: SamplingPar
     return sample(law, rng)
 
 
+def coupled_draw_allowed(logits: np.ndarray, constraint: Constraint, params: SamplingParams, probs: np.ndarray,
+                         seed: int, position: int) -> int:
+    """verify.coupled_draw of the row's law under the constraint (the sampler's distribution probs [V] restricted
+    to the allowed tokens, as masked_probs's where it keeps one), asking about few tokens when the likely ones are
+    allowed: a block's allowed mass is at most its mass, so blocks are asked about in order of the key their whole
+    mass would give, until no block left could beat the best allowed one. Then the race among its allowed tokens."""
+    mass = block_masses(probs)  # [blocks]
+    blocks = np.flatnonzero(mass)
+    noise = block_exponentials(seed, position, blocks)  # [n]
+    bound = mass[blocks] / noise
+    best_key, best = 0.0, None
+    for j in np.argsort(-bound, kind="stable"):
+        if bound[j] <= best_key:
+            break
+        start = int(blocks[j]) * COUPLED_BLOCK
+        ids = start + np.flatnonzero(probs[start:start + COUPLED_BLOCK])
+        ids = ids[constraint.allowed(ids)]
+        key = probs[ids].sum() / noise[j] if len(ids) else 0.0
+        if key > best_key:
+            best_key, best = key, ids
+    if best is None:  # the sampler keeps no allowed token: the mask comes first (masked_probs)
+        law = masked_probs(logits, constraint, params, probs=probs)
+        if law is None:
+            raise SettingsError("the grammar allows no token here")
+        return coupled_draw(law, seed, position)
+    return int(best[np.argmax(probs[best] / exponentials(seed, position, best))])
+
+
 def _head(logits: np.ndarray, m: int) -> np.ndarray:
     """Ids of the m largest logits, largest first, ties by id (the order of a stable argsort of -logits)."""
     head = np.argpartition(-logits, m - 1)[:m] if m < len(logits) else np.arange(len(logits))
@@ -216,6 +246,17 @@ class MaskedRows:
             self.wide[self.done] = probs
             return None
         return masked_probs(row, state, self.params, probs=probs)
+
+    def coupled(self, i: int, seed: int, position: int) -> int:
+        """A seeded request's token at row i (verify.coupled_draw of its law under the constraint); rows are
+        read in order, as by verify.verify_greedy_lazy."""
+        law = self.probs(i)
+        if law is not None:
+            return coupled_draw(law, seed, position)
+        t = time.perf_counter()
+        token = coupled_draw_allowed(self.logits[i], self.state, self.params, self.wide[i], seed, position)
+        self.seconds += time.perf_counter() - t
+        return token
 
     def draw(self, i: int, rng: np.random.Generator) -> int:
         """Sampling: one token from row i's law under the constraint; row i must be the last one read (the

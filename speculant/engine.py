@@ -26,7 +26,7 @@ from .drafters.prediction import PredictionDrafter
 from .errors import Cancelled, ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
-from .verify import (SamplingParams, TokenLogprob, adjust_logits, probs_from_logits, token_logprobs,
+from .verify import (SamplingParams, TokenLogprob, adjust_logits, coupled_draw, probs_from_logits, token_logprobs,
                      verify_greedy, verify_greedy_lazy, verify_sampled, verify_sampled_lazy)
 
 MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
@@ -335,6 +335,8 @@ class Engine:
         if bad:
             raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         stop = [s for s in stop if s]
+        if params.couples and params.seed is None:  # coupled draws asked for without a seed: a random one
+            params = dataclasses.replace(params, seed=int(np.random.SeedSequence().generate_state(1, np.uint64)[0]))
         context = self.tokenize_prompt(prompt, is_chat=is_chat)
         drafter, policy = self._with_prediction(prediction, len(context))
         result = result if result is not None else Result("", [], SpecStats())
@@ -499,8 +501,16 @@ def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Ge
             n_prompt: int, constraint: Optional[Constraint]) -> tuple[int, int, float]:
     """Verify a draft against the target's logits [k+1, V] of the pass over candidate[-(k+1):]: logit bias and
     penalties per row (each with the drafts before it), a grammar's mask per row (on demand, up to the first
-    rejection), then greedy or rejection sampling. Returns (n_accepted, next token, seconds spent masking)."""
+    rejection), then greedy, coupled draws (a seeded request) or rejection sampling. Returns (n_accepted, next
+    token, seconds spent masking)."""
     adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
+    if params.couples:  # row i draws the token at position len(candidate) - k + i; the drafts' q play no part
+        at = len(candidate) - len(draft)
+        if constraint is not None:
+            rows = MaskedRows(adjusted, constraint, params, draft.tokens)
+            return (*verify_greedy_lazy(draft.tokens, lambda i: rows.coupled(i, params.seed, at + i)), rows.seconds)
+        return (*verify_greedy_lazy(draft.tokens, lambda i: coupled_draw(probs_from_logits(adjusted[i], params),
+                                                                         params.seed, at + i)), 0.0)
     if draft.probs is not None and not isinstance(draft.probs, np.ndarray):  # q left on a draft's device
         draft = dataclasses.replace(draft, probs=draft.probs.cpu().numpy())
     if constraint is not None:

@@ -5,8 +5,10 @@ Same vocabulary and the same laws as verify.py (the numpy reference they are tes
 after temperature, top-k, top-p and min-p; greedy = the longest prefix equal to the target's argmax, then the
 target's token; sampled = modified rejection sampling with the recovered token from normalize(max(0, p - q))
 at the first rejection, or the bonus token from p_{k+1}. Probabilities are float64 as in the reference.
-The random draws come from a torch.Generator on the device, so a seed gives a different (equally exact)
-stream than the numpy path.
+The random draws of rejection sampling come from a torch.Generator on the device, so a seed gives a different
+(equally exact) stream than the numpy path. A seeded request's coupled draws (verify.coupled_draw) use the very
+noise of the numpy path (the same keyed hash, in int64 arithmetic that wraps as uint64's does); the block masses
+are summed in another order, so a near tie may break otherwise, and each backend keeps to one path.
 """
 
 from __future__ import annotations
@@ -15,7 +17,62 @@ from typing import Optional
 
 import torch
 
-from .verify import SamplingParams
+from . import verify
+from .verify import COUPLED_BLOCK, SamplingParams
+
+
+def _signed(x: int) -> int:
+    """A uint64 as the int64 of the same bits."""
+    return x - (1 << 64) if x >= 1 << 63 else x
+
+
+def _shr(z: torch.Tensor, n: int) -> torch.Tensor:
+    """Logical right shift of int64 bits (torch's >> is arithmetic)."""
+    return (z >> n) & ((1 << (64 - n)) - 1)
+
+
+def exponentials(seed: int, positions, ids: torch.Tensor) -> torch.Tensor:
+    """verify.exponentials on the device: E(seed, positions[i], ids[i, j]) [n, m] float64 (positions [n] ints,
+    ids [n, m] long), bit for bit the numpy values."""
+    keys = [verify._mix((seed & verify._MASK) ^ verify._mix((p * verify._GAMMA + 1) & verify._MASK)) for p in positions]
+    key = torch.tensor([_signed(k) for k in keys], dtype=torch.long, device=ids.device).view(-1, 1)  # [n, 1]
+    z = (ids + 1) * _signed(verify._GAMMA) + key  # wraps: two's complement
+    z = z ^ _shr(z, 30)
+    z = z * _signed(verify._M1)
+    z = z ^ _shr(z, 27)
+    z = z * _signed(verify._M2)
+    z = z ^ _shr(z, 31)
+    w = (_shr(z, 12).to(torch.float64) + 0.5) * 2.0 ** -52  # (0, 1)
+    return -torch.log(w)
+
+
+def coupled_draws(probs: torch.Tensor, seed: int, positions) -> torch.Tensor:
+    """verify.coupled_draw for each row of probs [n, V] at positions [n] (ints): tokens [n] long, on the device,
+    with no host round trip. The block race, then the race among the winning block's tokens."""
+    n, v = probs.shape
+    dev = probs.device
+    if v <= COUPLED_BLOCK:
+        ids = torch.arange(v, device=dev).expand(n, v)
+        return (probs / exponentials(seed, positions, ids)).argmax(-1)
+    n_blocks = -(-v // COUPLED_BLOCK)
+    padded = torch.nn.functional.pad(probs, (0, n_blocks * COUPLED_BLOCK - v))  # [n, blocks * B]
+    mass = padded.view(n, n_blocks, COUPLED_BLOCK).sum(-1)  # [n, blocks]
+    blocks = torch.arange(n_blocks, device=dev).expand(n, n_blocks)
+    block = (mass / exponentials(seed ^ verify._BLOCK_KEY, positions, blocks)).argmax(-1, keepdim=True)  # [n, 1]
+    ids = block * COUPLED_BLOCK + torch.arange(COUPLED_BLOCK, device=dev)  # [n, B]
+    weights = padded.gather(1, ids)  # the padding's ids have no mass
+    return ids.gather(1, (weights / exponentials(seed, positions, ids)).argmax(-1, keepdim=True))[:, 0]
+
+
+def verify_coupled(draft_tokens: torch.Tensor, target_probs: torch.Tensor, seed: int, position: int) -> tuple[int, int]:
+    """A seeded request's verification: the target's coupled draw at each row (positions position.. position+k),
+    drafts kept while they equal it, then its draw. draft_tokens [k] long, target_probs [k+1, V]; one transfer."""
+    k = draft_tokens.shape[0]
+    drawn = coupled_draws(target_probs, seed, range(position, position + k + 1))  # [k+1]
+    match = (drawn[:k] == draft_tokens).to(torch.long)
+    n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=drawn.device)
+    n_accepted, token = torch.stack([n, drawn.gather(0, n.view(1))[0]]).tolist()
+    return n_accepted, token
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:

@@ -45,6 +45,11 @@ def test_generate_json_plain_and_speculative_agree(small):
                 "target_calls", "prompt_tokens", "generated_tokens", "tokens_per_s"):
         assert key in s["stats"]
     assert s["tokens"] == p["tokens"] and s["stats"]["drafted"] > 0 and p["stats"]["drafted"] == 0
+    # sampled with a seed: the same tokens with or without a drafter (coupled draws), the seed reported
+    sampled = [*base, "--temp", "0.9", "--top-k", "0", "--top-p", "1", "--min-p", "0", "-s", "11"]
+    plain, spec = run(*sampled), run(*sampled, "-md", small, "--draft-max", "3", "--no-adapt")
+    p, s = json.loads(plain.stdout), json.loads(spec.stdout)
+    assert s["tokens"] == p["tokens"] and s["stats"]["drafted"] > 0 and p["seed"] == s["seed"] == 11
 
 
 def test_generate_streams_text_from_stdin_and_file(small, tmp_path):

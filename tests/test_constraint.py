@@ -6,6 +6,7 @@ output equals plain decoding. constrain_row's lazy search equals masking the who
 pair with llama.cpp's GBNF grammars: JSON mode and a JSON schema give valid JSON, token for token plain
 decoding's."""
 
+import dataclasses
 import itertools
 import json
 
@@ -14,13 +15,13 @@ import pytest
 
 import speculant.engine as engine_mod
 import speculant.constraint as constraint_mod
-from speculant.constraint import (Constraint, MaskedRows, TriggeredGrammar, constrain_row, draw_allowed, json_grammar,
-                                  masked_probs)
+from speculant.constraint import (Constraint, MaskedRows, TriggeredGrammar, constrain_row, coupled_draw_allowed,
+                                  draw_allowed, json_grammar, masked_probs)
 from speculant.drafters.lookup import LookupDrafter
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import SettingsError
-from speculant.verify import (SamplingParams, probs_from_logits, verify_greedy, verify_greedy_lazy,
+from speculant.verify import (SamplingParams, coupled_draw, probs_from_logits, verify_greedy, verify_greedy_lazy,
                               verify_sampled, verify_sampled_lazy)
 
 from synthetic import TableBackend, pvalue
@@ -162,6 +163,41 @@ def test_draws_under_a_constraint_follow_the_masked_law(params, tries, monkeypat
         assert pvalue(counts(SkewedRng(2)), law) < 1e-6
 
 
+class SkewedNoise:
+    """Wrong noise for coupled_draw_allowed's block race: uniform instead of exponential."""
+
+    def __init__(self):
+        self.right = constraint_mod.block_exponentials
+
+    def __call__(self, seed, position, blocks):
+        return 1.0 - np.exp(-self.right(seed, position, blocks))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(1.0), SamplingParams(0.7, top_p=0.97),
+                                    SamplingParams(1.0, top_k=300)], ids=["untruncated", "top-p", "top-k-none-allowed"])
+def test_coupled_draws_under_a_constraint_are_those_of_the_masked_law(params, monkeypatch):
+    """A seeded request's wide row (coupled_draw_allowed: blocks asked about in order of the key their mass
+    would give) draws the very token coupled_draw draws from masked_probs's law, seed by seed, so its law is
+    that law; the same test fails uniform noise in the block race. Blocks: 3 and a partial one."""
+    rng = np.random.default_rng(1)
+    v = 3 * 256 + 40
+    logits = (rng.standard_normal(v) * 2.0).astype(np.float32)
+    allowed_ids = rng.random(v) < 0.6
+    allowed_ids[256:512] = False  # a block with nothing allowed
+    if params.top_k:  # none of the 300 likeliest is allowed: the mask comes first
+        allowed_ids[:] = False
+        allowed_ids[np.argsort(-logits)[300:]] = True
+    law = masked_probs(logits, Fixed(allowed_ids), params)
+    probs = probs_from_logits(logits, params)
+    got = [coupled_draw_allowed(logits, Fixed(allowed_ids), params, probs, seed, 9) for seed in range(400)]
+    assert got == [coupled_draw(law, seed, 9) for seed in range(400)]
+    assert all(allowed_ids[got]) and len(set(got)) > 20
+    if not params.top_k:
+        monkeypatch.setattr(constraint_mod, "block_exponentials", SkewedNoise())
+        skewed = [coupled_draw_allowed(logits, Fixed(allowed_ids), params, probs, seed, 9) for seed in range(400)]
+        assert skewed != got
+
+
 def test_a_wide_row_asks_about_few_tokens():
     """Untruncated sampling over a big vocabulary with most tokens allowed: a draw asks about a few dozen
     tokens, where writing the row out asks about every one."""
@@ -175,6 +211,10 @@ def test_a_wide_row_asks_about_few_tokens():
     for _ in range(20):
         assert allowed.ids[draw_allowed(logits, allowed, params, probs, rng)]
     assert allowed.calls <= 20 * (constraint_mod.REJECTION_TRIES + constraint_mod.FIRST_CHECK)
+    allowed.calls = 0
+    for seed in range(20):  # a seeded request's: a block or two of 256 tokens (half of them allowed)
+        assert allowed.ids[coupled_draw_allowed(logits, allowed, params, probs, seed, 3)]
+    assert allowed.calls <= 20 * 2 * 256
     masked_probs(logits, allowed, params)
     assert allowed.calls > v
     assert not constraint_mod.drawable(probs_from_logits(logits, SamplingParams(1.0, top_k=40)), params)
@@ -217,7 +257,7 @@ def sampled_joint(params, n_runs, n=3, k=3, make=None):
     counts = np.zeros(V ** n, dtype=np.int64)
     drafted = 0
     for i in range(n_runs):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=params.seed + i)
+        p = dataclasses.replace(params, seed=params.seed + i)
         log = []
         r = eng.generate(PROMPT, max_tokens=n, params=p, constraint=Automaton(log=log) if make is None else make())
         assert make is not None or log == r.tokens[:len(log)]
@@ -227,8 +267,11 @@ def sampled_joint(params, n_runs, n=3, k=3, make=None):
     return counts
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=60_000), SamplingParams(0.8, top_k=3, seed=70_000),
-                                    SamplingParams(1.2, top_p=0.6, seed=80_000)], ids=["T1", "T0.8-topk3", "T1.2-topp"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=60_000, coupled=False),
+                                    SamplingParams(0.8, top_k=3, seed=70_000, coupled=False),
+                                    SamplingParams(1.2, top_p=0.6, seed=80_000, coupled=False),
+                                    SamplingParams(0.8, top_k=3, seed=75_000)],
+                         ids=["T1", "T0.8-topk3", "T1.2-topp", "coupled-T0.8-topk3"])
 def test_sampled_sequences_under_a_constraint_follow_the_target(params):
     probs = exact_joint(params)
     counts = sampled_joint(params, 20_000)
@@ -236,15 +279,18 @@ def test_sampled_sequences_under_a_constraint_follow_the_target(params):
     assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=90_000), SamplingParams(1.2, top_p=0.6, seed=95_000)],
-                         ids=["T1", "T1.2-topp"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=90_000, coupled=False),
+                                    SamplingParams(1.2, top_p=0.6, seed=95_000, coupled=False),
+                                    SamplingParams(1.2, top_p=0.6, seed=97_000)],
+                         ids=["T1", "T1.2-topp", "coupled-T1.2-topp"])
 def test_sampled_sequences_with_drawn_rows_follow_the_target(params, monkeypatch):
     """Every row drawn from (DRAW_ABOVE 0, as a wide row over a real vocabulary): the draft model's tokens are
     kept iff the target's draw equals them, and the law of sequences is still the masked one."""
     monkeypatch.setattr(constraint_mod, "DRAW_ABOVE", 0)
     drawn = []
-    real_draw = MaskedRows.draw
+    real_draw, real_coupled = MaskedRows.draw, constraint_mod.coupled_draw_allowed
     monkeypatch.setattr(MaskedRows, "draw", lambda self, i, rng: drawn.append(i) or real_draw(self, i, rng))
+    monkeypatch.setattr(constraint_mod, "coupled_draw_allowed", lambda *a: drawn.append(0) or real_coupled(*a))
     counts = sampled_joint(params, 20_000)
     assert len(drawn) >= 20_000
     assert pvalue(counts, exact_joint(params)) > 1e-4
@@ -275,7 +321,8 @@ class SharedTrigger(TriggeredGrammar):
         return out
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=110_000), SamplingParams(0.8, top_k=3, seed=120_000)],
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=110_000, coupled=False),
+                                    SamplingParams(0.8, top_k=3, seed=120_000, coupled=False)],
                          ids=["T1", "T0.8-topk3"])
 def test_sampled_sequences_under_a_triggered_grammar_follow_the_target(params):
     """A grammar that starts when the output writes its trigger (tool calls under tool_choice auto): the law of
@@ -313,7 +360,7 @@ def test_the_same_test_fails_rows_masked_with_the_state_before_the_pass(monkeypa
             return masked_probs(self.logits[i], self.state, self.params)
 
     monkeypatch.setattr(engine_mod, "MaskedRows", Stale)
-    params = SamplingParams(1.0, seed=60_000)
+    params = SamplingParams(1.0, seed=60_000, coupled=False)
     with pytest.raises(AssertionError):  # it accepts forbidden tokens, or its law is wrong
         assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) > 1e-6
 
@@ -332,6 +379,20 @@ def test_greedy_under_a_constraint_equals_plain_decoding(k):
     lookup = Engine(TableBackend(V, seed=0), LookupDrafter(), draft_max=k)
     assert lookup.generate(PROMPT * 4, max_tokens=60, constraint=Automaton()).tokens == \
         Engine(TableBackend(V, seed=0)).generate(PROMPT * 4, max_tokens=60, constraint=Automaton()).tokens
+
+
+@pytest.mark.parametrize("draw_above", [constraint_mod.DRAW_ABOVE, 0], ids=["written-out", "drawn"])
+def test_a_seeded_sampled_output_under_a_constraint_is_the_same_whatever_is_drafted(draw_above, monkeypatch):
+    monkeypatch.setattr(constraint_mod, "DRAW_ABOVE", draw_above)
+    for seed in range(5):
+        params = SamplingParams(1.0, seed=seed)
+        plain = Engine(TableBackend(V, seed=0)).generate(PROMPT * 4, max_tokens=40, params=params,
+                                                         constraint=Automaton()).tokens
+        for drafter, k in ((ModelDrafter(TableBackend(V, seed=1), V), 1), (ModelDrafter(TableBackend(V, seed=1), V), 4),
+                           (LookupDrafter(), 3)):
+            out = Engine(TableBackend(V, seed=0), drafter, draft_max=k).generate(
+                PROMPT * 4, max_tokens=40, params=params, constraint=Automaton())
+            assert out.tokens == plain and out.stats.drafted > 0
 
 
 def test_lazy_verification_is_the_eager_one():

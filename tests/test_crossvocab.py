@@ -95,8 +95,10 @@ def sampled(params, n_runs, n=3):
     return sequence_counts(Engine(target, CrossVocabDrafter(draft, target), draft_max=3), PROMPT, params, n_runs, n)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=90_000), SamplingParams(0.7, top_k=4, seed=91_000)],
-                         ids=["T1", "T0.7-topk4"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=90_000, coupled=False),
+                                    SamplingParams(0.7, top_k=4, seed=91_000, coupled=False),
+                                    SamplingParams(1.0, seed=92_000)],
+                         ids=["T1", "T0.7-topk4", "coupled-T1"])
 def test_sampled_sequences_follow_the_target(params):
     counts, drafted = sampled(params, 15_000)
     assert drafted >= 15_000
@@ -107,7 +109,7 @@ def test_sampled_sequences_follow_the_target(params):
 
 def test_the_distribution_test_fails_a_wrong_verifier(monkeypatch):
     monkeypatch.setattr(engine_mod, "verify_sampled", sqrt_p_verifier)
-    params = SamplingParams(1.0, seed=90_000)
+    params = SamplingParams(1.0, seed=90_000, coupled=False)
     counts, _ = sampled(params, 15_000)
     assert pvalue(counts, exact_joint(params)) < 1e-6
 

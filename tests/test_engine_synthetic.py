@@ -49,11 +49,15 @@ def sampled_joint(params, n_runs, k=3, n=3):
     return sequence_counts(make_engine(k), PROMPT, params, n_runs, n)[0]
 
 
-SETTINGS = [SamplingParams(1.0, seed=10_000), SamplingParams(0.7, top_k=4, seed=20_000),
-            SamplingParams(1.3, top_p=0.8, seed=30_000), SamplingParams(0.9, min_p=0.05, seed=40_000)]
+# rejection sampling (coupled=False: the seeds only seed the runs); the coupled draws of seeded requests below
+SETTINGS = [SamplingParams(1.0, seed=10_000, coupled=False), SamplingParams(0.7, top_k=4, seed=20_000, coupled=False),
+            SamplingParams(1.3, top_p=0.8, seed=30_000, coupled=False),
+            SamplingParams(0.9, min_p=0.05, seed=40_000, coupled=False),
+            SamplingParams(1.0, seed=50_000), SamplingParams(0.8, top_k=5, seed=60_000)]
 
 
-@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8", "T0.9-minp"])
+@pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8", "T0.9-minp", "coupled-T1",
+                                                  "coupled-T0.8-topk5"])
 def test_sampled_sequences_follow_the_target(params):
     counts = sampled_joint(params, 20_000)
     probs = exact_joint(params)
@@ -70,15 +74,56 @@ def test_the_sequence_test_fails_a_wrong_verifier(monkeypatch):
         return len(draft_tokens), int(rng.choice(V, p=target_probs[-1]))
 
     monkeypatch.setattr(engine_mod, "verify_sampled", wrong)
-    params = SamplingParams(1.0, seed=10_000)
+    params = SamplingParams(1.0, seed=10_000, coupled=False)
     assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) < 1e-6
 
 
-def test_seeded_runs_are_reproducible():
+def test_the_sequence_test_fails_wrong_coupled_draws(monkeypatch):
+    """Coupled draws that favour the likeliest token a little: they take it instead at a quarter of the
+    positions where the next seed would have drawn another token."""
+    right = engine_mod.coupled_draw
+
+    def wrong(probs, seed, position):
+        first = right(probs, seed, position)
+        second = right(probs, seed + 1, position)
+        return int(np.argmax(probs)) if first != second and (seed + position) % 4 == 0 else first
+
+    monkeypatch.setattr(engine_mod, "coupled_draw", wrong)
+    params = SamplingParams(1.0, seed=50_000)
+    assert pvalue(sampled_joint(params, 20_000), exact_joint(params)) < 1e-6
+
+
+@pytest.mark.parametrize("temperature,top_k", [(0.9, 0), (1.2, 3)])
+def test_a_seeded_sampled_output_is_the_same_whatever_is_drafted(temperature, top_k):
+    """Coupled draws: the token at each position is a function of the target's row, the seed and the position,
+    so plain decoding, any draft length, the adaptive policy and prompt lookup all give the same tokens; a draft
+    model that is the target itself is always accepted (it draws with the same noise)."""
+    from speculant.drafters.lookup import LookupDrafter
+
+    prompt = PROMPT * 4
+    for seed in range(6):
+        params = SamplingParams(temperature, top_k=top_k, seed=seed)
+        plain = Engine(TableBackend(V, seed=0)).generate(prompt, max_tokens=40, params=params).tokens
+        runs = [make_engine(k).generate(prompt, max_tokens=40, params=params) for k in (1, 2, 5, 8)]
+        runs.append(Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=4,
+                           adaptive=True).generate(prompt, max_tokens=40, params=params))
+        runs.append(Engine(TableBackend(V, seed=0), LookupDrafter(), draft_max=3).generate(
+            prompt, max_tokens=40, params=params))
+        for r in runs:
+            assert r.tokens == plain and r.stats.drafted > 0
+        assert sum(r.stats.accepted for r in runs) > 0
+        same = make_engine(3, draft_seed=0).generate(prompt, max_tokens=40, params=params)
+        assert same.tokens == plain and same.stats.acceptance_rate == 1.0
+    unseeded = SamplingParams(temperature, top_k=top_k, coupled=True)  # a random seed of its own
+    assert len(make_engine(4).generate(prompt, max_tokens=10, params=unseeded).tokens) == 10
+
+
+@pytest.mark.parametrize("coupled", [False, True])
+def test_seeded_runs_are_reproducible(coupled):
     eng = make_engine(4)
-    a = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5)).tokens
-    b = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5)).tokens
-    c = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=6)).tokens
+    a = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5, coupled=coupled)).tokens
+    b = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=5, coupled=coupled)).tokens
+    c = eng.generate(PROMPT, max_tokens=30, params=SamplingParams(0.8, seed=6, coupled=coupled)).tokens
     assert a == b and a != c
 
 

@@ -1,6 +1,7 @@
 """Real models through llama.cpp: batch invariance, greedy identity, cache consistency, structure."""
 
 import contextlib
+import dataclasses
 
 import numpy as np
 import pytest
@@ -567,13 +568,28 @@ def test_caches_stay_consistent_after_rejections(qwen_target, qwen_draft):
     assert continued.tokens == fresh.tokens
 
 
-def test_sampled_run_is_reproducible_with_a_seed(qwen_target, qwen_draft):
-    spec = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=4)
-    prompt = _chat(spec, PROMPTS["story"])
-    params = SamplingParams(0.8, top_p=0.95, seed=123)
-    a = spec.generate(prompt, max_tokens=24, params=params, is_chat=True)
-    b = spec.generate(prompt, max_tokens=24, params=params, is_chat=True)
-    assert a.tokens == b.tokens and a.stats.drafted > 0
+@pytest.mark.parametrize("params", [SamplingParams(0.8, top_p=0.95, seed=123), SamplingParams(1.0, seed=7)],
+                         ids=["T0.8-topp", "T1-untruncated"])
+def test_a_seeded_sampled_output_is_plain_decodings(params, qwen_target, qwen_draft):
+    """Coupled draws on the real pair: with a seed, a sampled output is plain decoding's with that seed, token for
+    token, whatever drafts (the draft model at fixed and adaptive k, prompt lookup in front); and reproducible."""
+    from speculant.drafters import CompositeDrafter, LookupDrafter
+
+    plain = Engine(qwen_target)
+    prompt = _chat(plain, PROMPTS["story"])
+    reference = plain.generate(prompt, max_tokens=32, params=params, is_chat=True)
+    accepted = 0
+    for spec in (Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=4),
+                 Engine(qwen_target, CompositeDrafter(LookupDrafter(), ModelDrafter(qwen_draft, qwen_target.n_vocab)),
+                        draft_max=6, adaptive=True)):
+        for _ in range(2):
+            out = spec.generate(prompt, max_tokens=32, params=params, is_chat=True)
+            assert out.tokens == reference.tokens
+            accepted += out.stats.accepted
+    assert accepted > 0
+    other = plain.generate(prompt, max_tokens=32, params=dataclasses.replace(params, seed=params.seed + 1),
+                           is_chat=True)
+    assert other.tokens != reference.tokens
 
 
 def test_qwen_pair_vocabularies_are_compatible_and_smollm2_is_refused(qwen_target, qwen_draft, small_target):

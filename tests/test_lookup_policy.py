@@ -1,5 +1,6 @@
 """Prompt lookup, composite drafting and the adaptive draft-length policy."""
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -67,7 +68,8 @@ def test_lookup_settings_are_checked():
 
 
 # -- lossless verification of deterministic drafts ----------------------------------------------------------
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=50_000), SamplingParams(0.7, top_p=0.9, seed=60_000)],
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=50_000, coupled=False),
+                                    SamplingParams(0.7, top_p=0.9, seed=60_000, coupled=False)],
                          ids=["T1", "T0.7-topp"])
 def test_lookup_drafts_keep_the_target_distribution(params):
     eng = Engine(TableBackend(V, seed=0), LookupDrafter(ngram_max=2), draft_max=3)
@@ -75,7 +77,7 @@ def test_lookup_drafts_keep_the_target_distribution(params):
     prompt = [1, 2, 3, 1, 2, 3, 1, 2]  # repetitive, so lookup proposes most steps
     drafted = 0
     for i in range(20_000):
-        p = SamplingParams(params.temperature, params.top_k, params.top_p, params.min_p, seed=params.seed + i)
+        p = dataclasses.replace(params, seed=params.seed + i)
         r = eng.generate(prompt, max_tokens=3, params=p)
         drafted += r.stats.drafted
         counts[np.ravel_multi_index(r.tokens, (V,) * 3)] += 1
@@ -278,13 +280,13 @@ class _EagerPolicy(AdaptivePolicy):
 
 def test_confidence_budget_keeps_the_target_distribution():
     """Drafts cut short by the draft's confidence (different lengths every step) stay exact samples."""
-    params = SamplingParams(1.0, seed=90_000)
+    params = SamplingParams(1.0, seed=90_000, coupled=False)
     eng = Engine(TableBackend(V, seed=0), ModelDrafter(TableBackend(V, seed=1), V), draft_max=3)
     eng.policy = _EagerPolicy(k_max=3)
     counts = np.zeros(V ** 3, dtype=np.int64)
     lengths = set()
     for i in range(20_000):
-        r = eng.generate(PROMPT, max_tokens=3, params=SamplingParams(1.0, seed=params.seed + i))
+        r = eng.generate(PROMPT, max_tokens=3, params=dataclasses.replace(params, seed=params.seed + i))
         lengths.update(r.stats.draft_lengths)
         counts[np.ravel_multi_index(r.tokens, (V,) * 3)] += 1
     assert {0, 1}.issubset(lengths) and max(lengths) >= 2  # the budget really cut drafts at varying points

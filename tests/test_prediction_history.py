@@ -312,8 +312,10 @@ def sampled_with_prediction(params, n_runs, prediction, n=3):
     return sequence_counts(eng, PROMPT, params, n_runs, n, prediction=prediction)
 
 
-@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=70_000), SamplingParams(0.8, top_k=5, seed=80_000)],
-                         ids=["T1", "T0.8-topk5"])
+@pytest.mark.parametrize("params", [SamplingParams(1.0, seed=70_000, coupled=False),
+                                    SamplingParams(0.8, top_k=5, seed=80_000, coupled=False),
+                                    SamplingParams(0.8, top_k=5, seed=85_000)],
+                         ids=["T1", "T0.8-topk5", "coupled-T0.8-topk5"])
 def test_prediction_drafts_keep_the_target_distribution(params):
     greedy = _plain(3)
     counts, drafted = sampled_with_prediction(params, 20_000, greedy)
@@ -325,7 +327,7 @@ def test_prediction_drafts_keep_the_target_distribution(params):
 
 def test_the_distribution_test_fails_a_wrong_verifier_of_predictions(monkeypatch):
     monkeypatch.setattr(engine_mod, "verify_sampled", sqrt_p_verifier)
-    params = SamplingParams(1.0, seed=70_000)
+    params = SamplingParams(1.0, seed=70_000, coupled=False)
     counts, _ = sampled_with_prediction(params, 20_000, _plain(3))
     assert pvalue(counts, exact_joint_from(PROMPT, params)) < 1e-6
 

@@ -8,6 +8,7 @@ verify passes are the very numbers of plain decoding (synthetic models here, the
 
 from collections import Counter
 
+import dataclasses
 import numpy as np
 import pytest
 
@@ -83,8 +84,9 @@ STRONG = SamplingParams(1.0, seed=50_000, presence_penalty=2.0, frequency_penalt
                         logit_bias=((2, 1.5), (5, -3.0)))
 
 
-def test_sampled_sequences_with_penalties_follow_the_target():
-    counts = sampled_joint(STRONG, 20_000)
+@pytest.mark.parametrize("coupled", [False, True], ids=["rejection", "coupled"])
+def test_sampled_sequences_with_penalties_follow_the_target(coupled):
+    counts = sampled_joint(dataclasses.replace(STRONG, coupled=coupled), 20_000)
     probs = exact_joint(STRONG)
     assert pvalue(counts, probs) > 1e-4
     assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
@@ -102,9 +104,10 @@ def test_the_same_test_fails_rows_adjusted_with_the_history_before_the_pass(monk
     assert pvalue(sampled_joint(STRONG, 5_000), exact_joint(STRONG)) < 1e-6  # ~1e-46 at 3,000 runs
 
 
+@pytest.mark.parametrize("temperature", [0.0, 1.0], ids=["greedy", "seeded"])
 @pytest.mark.parametrize("k", [1, 4])
-def test_greedy_with_penalties_equals_plain_decoding(k):
-    params = SamplingParams(0.0, **PENALTIES)
+def test_greedy_with_penalties_equals_plain_decoding(k, temperature):
+    params = SamplingParams(temperature, seed=5, **PENALTIES)
     plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, params=params)
     spec = make_spec(k).generate(PROMPT, max_tokens=60, params=params)
     assert spec.tokens == plain.tokens

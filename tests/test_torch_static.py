@@ -167,6 +167,27 @@ def test_sampled_generation_verifies_on_the_device():
     assert runs[0].stats.accepted >= 0.9 * runs[0].stats.drafted > 0
 
 
+def test_a_seeded_output_on_the_device_is_plain_decodings():
+    """Coupled draws on the device (verify_torch.verify_coupled, and a static draft's draft_steps with the same
+    noise): a seeded sampled output is plain decoding's, drafting or not, and a same-weights draft is accepted."""
+    from speculant.drafters.model import ModelDrafter
+    from speculant.verify import SamplingParams
+
+    from synthetic import near_copy
+
+    target = random_backend("tiny", rows=16, seed=4, std=0.5, device=DEVICE)
+    for seed in (1, 2, 3):
+        params = SamplingParams(1.0, seed=seed)
+        plain = Engine(target).generate(PROMPT, max_tokens=24, params=params)
+        for draft, least in ((random_backend("tiny", seed=4, std=0.5, device=DEVICE), 0.9),
+                             (near_copy(std=0.5, noise=0.05, device=DEVICE), 0.0)):
+            draft_rows = _host_logit_rows(draft)
+            out = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4).generate(
+                PROMPT, max_tokens=24, params=params)
+            assert out.tokens == plain.tokens and out.stats.accepted > least * out.stats.drafted
+            assert not any(draft_rows)  # it drafted on its device: no logits came to the host
+
+
 def _host_logit_rows(backend):
     """Count the draft's passes that bring logits to the host (what draft_steps is there to avoid)."""
     calls = []
@@ -246,7 +267,7 @@ def test_sampled_tokens_drafted_on_the_device_keep_the_target_law():
 
     from speculant.verify import SamplingParams
 
-    params = SamplingParams(1.0, top_k=4, seed=50_000)
+    params = SamplingParams(1.0, top_k=4, seed=50_000, coupled=False)  # seeded coupled draws draft on the host
     target = random_backend("tiny", rows=16, seed=4, std=0.5, device=DEVICE)
     draft = near_copy(std=0.5, noise=0.05, device=DEVICE)
     exact = _top4_joint(target, params)

@@ -6,8 +6,9 @@ from hypothesis import given, settings, strategies as st
 from scipy import stats as sps
 
 from speculant.errors import SettingsError
-from speculant.verify import (SamplingParams, probs_from_logits, reference_verify, residual, verify_greedy,
-                              verify_sampled)
+import speculant.verify as verify_mod
+from speculant.verify import (COUPLED_BLOCK, SamplingParams, coupled_draw, exponentials, probs_from_logits,
+                              reference_coupled_draw, reference_verify, residual, verify_greedy, verify_sampled)
 
 V = 10
 
@@ -101,6 +102,76 @@ def test_matches_reference_implementation_in_distribution():
     table = np.stack([outcomes["fast"], outcomes["ref"]])
     table = table[:, table.sum(0) > 0]
     assert sps.chi2_contingency(table).pvalue > 1e-4
+
+
+# -- coupled draws (seeded requests) ---------------------------------------------------------------------------
+
+def _coupled_counts(p, n_draws, position=7):
+    counts = np.zeros(len(p), dtype=np.int64)
+    for seed in range(n_draws):
+        counts[coupled_draw(p, seed, position)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("v", [12, 3 * COUPLED_BLOCK + 40])  # one race; blocks (the last one partial), then tokens
+def test_coupled_draws_follow_the_distribution(v):
+    rng = np.random.default_rng(v)
+    p = _random_dists(rng, 1, v=v, sharp=2.0)[0]
+    if v > COUPLED_BLOCK:  # a whole block without mass, as where top-k or a mask leaves nothing
+        p[COUPLED_BLOCK:2 * COUPLED_BLOCK] = 0.0
+        p /= p.sum()
+        small = p < np.quantile(p, 0.9)  # pool the small tokens so that the chi-square holds
+        counts = _coupled_counts(p, 60_000)
+        assert counts[COUPLED_BLOCK:2 * COUPLED_BLOCK].sum() == 0
+        counts, p = np.append(counts[~small], counts[small].sum()), np.append(p[~small], p[small].sum())
+    else:
+        counts = _coupled_counts(p, 60_000)
+    assert _chi2_pvalue(counts, p) > 1e-4
+    assert 0.5 * np.abs(counts / counts.sum() - p).sum() < 0.02
+
+
+def test_the_coupled_test_fails_blocks_that_race_by_their_likeliest_token(monkeypatch):
+    """A block race weighted by each block's largest probability instead of its mass."""
+    rng = np.random.default_rng(3)
+    v = 3 * COUPLED_BLOCK
+    p = _random_dists(rng, 1, v=v, sharp=2.0)[0]
+    monkeypatch.setattr(verify_mod, "block_masses", lambda probs: probs.reshape(-1, COUPLED_BLOCK).max(axis=1))
+    counts = _coupled_counts(p, 60_000)
+    blocks = counts.reshape(3, COUPLED_BLOCK).sum(axis=1)
+    assert _chi2_pvalue(blocks, p.reshape(3, COUPLED_BLOCK).sum(axis=1)) < 1e-6
+
+
+def test_coupled_draws_match_the_reference_and_are_independent_across_positions():
+    rng = np.random.default_rng(8)
+    for v in (9, COUPLED_BLOCK, 2 * COUPLED_BLOCK + 1, 151_936):
+        p = _random_dists(rng, 1, v=v, sharp=3.0)[0]
+        topk = probs_from_logits(np.log(p), SamplingParams(1.0, top_k=5))  # a truncated row
+        for seed in range(20):
+            assert coupled_draw(p, seed, 3) == reference_coupled_draw(p, seed, 3)
+            assert coupled_draw(topk, seed, 3) == reference_coupled_draw(topk, seed, 3)
+            assert topk[coupled_draw(topk, seed, 3)] > 0
+    # the pair of draws at positions 5 and 6 of one seed: independent
+    p = np.array([0.5, 0.3, 0.2])
+    pairs = np.zeros((3, 3))
+    for seed in range(30_000):
+        pairs[coupled_draw(p, seed, 5), coupled_draw(p, seed, 6)] += 1
+    assert _chi2_pvalue(pairs.ravel(), np.outer(p, p).ravel()) > 1e-4
+    e = exponentials(1, 2, np.arange(200_000))  # Exp(1)
+    assert sps.kstest(e, "expon").pvalue > 1e-4
+
+
+def test_a_coupled_draft_is_accepted_at_least_as_the_coupling_bound():
+    """A draft drawn with the target's noise from q equals the target's draw from p with probability at least
+    (1 - TV) / (1 + TV) (Daliri et al. 2024); rejection sampling's is 1 - TV. And q = p always agrees."""
+    rng = np.random.default_rng(9)
+    for v in (10, 4 * COUPLED_BLOCK):
+        p, q = _random_dists(rng, 2, v=v, sharp=2.0)
+        q = 0.7 * p + 0.3 * q
+        tv = 0.5 * np.abs(p - q).sum()
+        n = 20_000
+        same = sum(coupled_draw(p, s, 11) == coupled_draw(q, s, 11) for s in range(n)) / n
+        assert same > (1 - tv) / (1 + tv) - 3 * np.sqrt(0.25 / n)
+        assert all(coupled_draw(p, s, 11) == coupled_draw(p.copy(), s, 11) for s in range(200))
 
 
 def test_greedy_verification():

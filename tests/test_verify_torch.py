@@ -116,3 +116,30 @@ def test_impossible_draft_is_always_rejected():
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     outcomes = {vt.verify_sampled(torch.tensor([2], device=DEVICE), None, p, gen) for _ in range(50)}
     assert outcomes == {(0, 0), (0, 1)}
+
+
+# -- coupled draws (seeded requests) on the device ---------------------------------------------------------
+
+def test_coupled_noise_and_draws_are_the_numpy_ones():
+    """The keyed noise bit for bit (int64 arithmetic wrapping as uint64's); the draws token for token on random
+    rows (a 152k one, a truncated one, one under a block); verify_coupled keeps drafts while they equal them."""
+    rng = np.random.default_rng(4)
+    ids = np.concatenate([np.arange(300), rng.integers(0, 2**40, 300)])
+    for seed, pos in ((0, 0), (2**64 - 1, 12345), (77, 2**40)):
+        got = vt.exponentials(seed, [pos], torch.from_numpy(ids).to(DEVICE).view(1, -1)).cpu().numpy()[0]
+        assert np.array_equal(got, ref.exponentials(seed, pos, ids))
+    for v in (200, 1000, 151_936):
+        rows = _random_dists(rng, 3, v=v, sharp=3.0)
+        rows[2] = ref.probs_from_logits(np.log(rows[2]), SamplingParams(1.0, top_k=7))
+        probs = torch.from_numpy(rows).to(DEVICE)
+        for seed in range(30):
+            got = vt.coupled_draws(probs, seed, [5, 6, 7]).tolist()
+            assert got == [ref.coupled_draw(rows[i], seed, 5 + i) for i in range(3)]
+    p = _random_dists(rng, 4, v=50)
+    p_t = torch.from_numpy(p).to(DEVICE)
+    for seed in range(40):
+        drawn = [ref.coupled_draw(p[i], seed, 9 + i) for i in range(4)]
+        for drafts in (drawn[:3], drawn[:1] + [(drawn[1] + 1) % 50, drawn[2]], []):
+            want = ref.verify_greedy_lazy(drafts, lambda i: drawn[i])
+            t = torch.tensor(drafts, dtype=torch.long, device=DEVICE)
+            assert vt.verify_coupled(t, p_t[:len(drafts) + 1], seed, 9) == want

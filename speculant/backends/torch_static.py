@@ -353,18 +353,22 @@ class StaticTorchBackend(TorchBackend):
                     k: int, read_each: bool = True) -> Iterator[tuple[int, float, Optional[torch.Tensor]]]:
         """A draft model's steps with each token chosen on the device and fed to the next pass there, so no
         logits cross to the host. Yields (token, confidence, q) per step: the argmax (greedy) or a draw from q
-        (the draft's probabilities over n_vocab ids [n_vocab] float64, left on the device; None when greedy), and
-        the draft's max probability. Resuming the generator runs the next step's pass; at most k steps.
+        (a seeded request's coupled draw, with the target's noise at the token's position; else from the seeded
+        generator), q being the draft's probabilities over n_vocab ids [n_vocab] float64, left on the device (None
+        when greedy), and the draft's max probability. Resuming the generator runs the next step's pass; at most k
+        steps.
         read_each: the caller decides step by step, so each step's token and confidence cross (one small
         transfer a step); False: all k passes run back to back and one transfer brings every token (a draft of
         fixed length, whose decisions do not depend on the values)."""
         gen = None
-        if not params.greedy:
+        if not params.greedy and not params.couples:
             if self._gen is None:
                 self._gen = torch.Generator(device=self.device)
             gen = self._gen.manual_seed(seed)
 
-        def choose(logits: torch.Tensor):  # [1, V] -> token [1] long, confidence [1] float64, q [n_vocab] | None
+        def choose(logits: torch.Tensor, at: int):
+            """logits [1, V] of the step whose token goes to position `at` -> token [1] long, confidence [1]
+            float64, q [n_vocab] (None when greedy)."""
             v = logits.shape[-1]
             if v > n_vocab:
                 logits = logits[:, :n_vocab]
@@ -373,13 +377,15 @@ class StaticTorchBackend(TorchBackend):
             if params.greedy:
                 return logits.argmax(-1), torch.softmax(logits.double(), -1).amax(-1), None
             q = verify_torch.probs_from_logits(logits, params)[0]  # [n_vocab]
+            if params.couples:  # the target's noise at the token's position (verify.coupled_draw)
+                return verify_torch.coupled_draws(q.view(1, -1), params.seed, [at]), q.amax().view(1), q
             return verify_torch.sample(q, gen).view(1), q.amax().view(1), q
 
         logits = self.sync_device(context, 1)  # [1, V]
         start = len(self.tokens)  # where the first drafted token goes
         if read_each:
             for i in range(k):
-                token, confidence, q = choose(logits)
+                token, confidence, q = choose(logits, start + i)
                 t, c = torch.cat([token.double(), confidence]).tolist()
                 yield int(t), c, q
                 if i + 1 < k:
@@ -388,7 +394,7 @@ class StaticTorchBackend(TorchBackend):
             return
         picks = []
         for i in range(k):
-            picks.append(choose(logits))
+            picks.append(choose(logits, start + i))
             if i + 1 < k:
                 logits = self.decode_device(picks[-1][0], start + i, 1)
         values = torch.stack([torch.cat([t.double(), c]) for t, c, _ in picks]).tolist()  # [k, 2]: one transfer
@@ -404,6 +410,9 @@ class StaticTorchBackend(TorchBackend):
         drafts = torch.tensor(list(context[len(context) - k:]), dtype=torch.long).to(self.device)  # [k]
         if params.greedy:
             return verify_torch.verify_greedy(drafts, logits)
+        if params.couples:  # a seeded request: drafts kept while they equal the target's coupled draws
+            return verify_torch.verify_coupled(drafts, verify_torch.probs_from_logits(logits, params), params.seed,
+                                               len(context) - k)
         if self._gen is None:
             self._gen = torch.Generator(device=self.device)
         self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too

@@ -11,7 +11,7 @@ from ..backends.base import Backend
 from ..errors import SettingsError
 from ..constraint import DRAFT_CHECK, constrain_row, masked_probs
 from ..policy import DraftBudget, confidence_key
-from ..verify import SamplingParams, adjust_logits, probs_from_logits, sample
+from ..verify import SamplingParams, adjust_logits, coupled_draw, probs_from_logits, sample
 from .base import Draft, Drafter
 
 
@@ -95,8 +95,8 @@ class ModelDrafter(Drafter):
             key = confidence_key(confidence)
             if not budget.take(self.name, key):
                 break
-            if token is None:
-                token = sample(q, rng)
+            if token is None:  # a seeded request: the target's own noise at this position (verify.coupled_draw)
+                token = coupled_draw(q, params.seed, len(context) + i) if params.couples else sample(q, rng)
             if q is not None:
                 probs.append(q)
             tokens.append(token)
@@ -120,7 +120,8 @@ class ModelDrafter(Drafter):
         device_steps = getattr(self.backend, "draft_steps", None)
         if device_steps is not None and state is None and not params.adjusts and self.keep is None:
             fixed = budget.policy is None and self.p_min <= 0.0 and not timed  # every step is taken up to k
-            seed = 0 if params.greedy else int(rng.integers(2**63))  # the request's seed decides the draws
+            # the request's seed decides the draws (a seeded request's are coupled: params.seed)
+            seed = 0 if params.greedy or params.couples else int(rng.integers(2**63))
             yield from device_steps(context, params, self.n_vocab_target, seed, k, read_each=not fixed)
             return
         # the request's logit bias and penalties, as the target's (verify.adjust_logits): q then follows p
