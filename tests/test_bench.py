@@ -224,7 +224,9 @@ def test_cli_missing_draft_is_a_clear_error(capsys):
     if not models.cached_path(SMALL).exists():
         pytest.skip(f"{SMALL} not pulled")
     assert main(["bench", "-m", SMALL, "--methods", "draft", "--limit", "1", "--no-progress"]) == 1
-    assert "method draft needs a draft model: pass -md, or --methods without it" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "method draft needs a draft model: pass -md, or --methods without it" in err
+    assert "prompts x" not in err  # said before the bench's banner, as the error it is
     assert main(["bench", "-m", SMALL, "--methods", "draft,adaptive", "--limit", "1", "--no-progress"]) == 1
     assert "methods adaptive, draft need a draft model" in capsys.readouterr().err
 

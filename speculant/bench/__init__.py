@@ -159,7 +159,7 @@ def _rpc_kwargs(args) -> dict:
 
 def cmd_bench(args) -> int:
     from . import report
-    from .runner import run
+    from .runner import check_draft, run
 
     if args.costs:
         from . import costs
@@ -167,6 +167,7 @@ def cmd_bench(args) -> int:
         return costs.run_cli(args)
 
     cfg = config_from_args(args)
+    check_draft(cfg)
     categories = parse_list(args.categories, str, "--categories") if args.categories else None
     suites = parse_list(args.suite, str, "--suite") if args.suite else [None]
     prompts = select([p for name in suites for p in read_suite(name)], categories, args.limit)
@@ -196,6 +197,6 @@ def cmd_bench(args) -> int:
     print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
     bad = [r for r in result["rows"] if r.get("greedy_equal") is False]
     if bad:
-        print(f"speculant bench: {len(bad)} greedy run(s) differ from plain output (see greedy_equal in "
+        print(f"speculant bench: {len(bad)} run(s) differ from plain output (see greedy_equal in "
               f"{files['json']})", file=sys.stderr)
     return 0

@@ -51,11 +51,12 @@ def markdown(result: dict) -> str:
         "",
         "Speedup = mean tokens/s of the method / mean tokens/s of plain over the same prompts (Spec-Bench); "
         "q1/median/q3 are quartiles of the per-prompt ratios; τ = tokens per target pass; predicted = "
-        "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs.",
+        "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs; equal = runs whose tokens are plain "
+        "decoding's (at T > 0 too: seeded requests draw with coupled noise, the same tokens whatever is drafted).",
     ]
     if own:
         lines.append("Rows on the torch target (baseline plain-torch): speedup is against plain on llama.cpp, "
-                     "'vs baseline' against plain on the torch backend, and greedy equal compares their tokens with "
+                     "'vs baseline' against plain on the torch backend, and equal compares their tokens with "
                      "plain-torch's (bf16 numerics differ from llama.cpp's); the other rows' baseline is plain.")
     if mem:
         lines.append("Peak RSS: each method's models loaded alone in a child process that generates a few tokens "
@@ -63,7 +64,7 @@ def markdown(result: dict) -> str:
     lines += [
         "",
         "| T | method | category | prompts | tok/s | speedup |" + (" baseline | vs baseline |" if own else "")
-        + " ratio q1 / med / q3 | acceptance | τ | predicted | greedy equal |" + (" peak RSS MB |" if mem else "")
+        + " ratio q1 / med / q3 | acceptance | τ | predicted | equal |" + (" peak RSS MB |" if mem else "")
         + (" accepted by source |" if sources else ""),
         "|---|---|---|---:|---:|---:|" + ("---|---:|" if own else "") + "---|---:|---:|---:|---|"
         + ("---:|" if mem else "") + ("---|" if sources else ""),

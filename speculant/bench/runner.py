@@ -34,6 +34,15 @@ from .methods import Method, MethodContext, Variant
 from .suite import Prompt
 
 
+def check_draft(cfg: "BenchConfig") -> None:
+    """Methods that need a draft model have one (checked before anything is printed or loaded)."""
+    names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
+    if names and not cfg.draft_model:
+        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} "
+                            f"need{'' if len(names) > 1 else 's'} a draft model: pass -md, or --methods without "
+                            f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,lookup; the default is plain,draft)")
+
+
 @dataclass
 class BenchConfig:
     model: str
@@ -170,12 +179,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         raise SettingsError(f"--cost-repeats must be >= 1, got {cfg.cost_repeats}")
     if cfg.n_predict < 1:
         raise SettingsError(f"-n must be >= 1, got {cfg.n_predict}")
-    need_draft = any(v.method.needs_draft for v in cfg.variants)
-    if need_draft and not cfg.draft_model:
-        names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
-        raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} "
-                            f"need{'' if len(names) > 1 else 's'} a draft model: pass -md, or --methods without "
-                            f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,lookup; the default is plain,draft)")
+    check_draft(cfg)
     params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
     methods = list({v.method.name: v.method for v in cfg.variants}.values())
     check_torch(methods)

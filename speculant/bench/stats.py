@@ -164,13 +164,14 @@ def summarize(rows: list[dict], costs: Optional[dict] = None,
 
 
 def mark_greedy_equal(rows: list[dict], tokens: dict) -> None:
-    """Set row['greedy_equal'] on temperature-0 rows other than their baseline: same tokens as the baseline
-    (row['baseline'], default plain) for that prompt and repeat. `tokens` maps (prompt_id, temp, repeat,
-    variant) -> generated token ids."""
+    """Set row['greedy_equal'] on rows other than their baseline: same tokens as the baseline (row['baseline'],
+    default plain) for that prompt, temperature and repeat. Sampled rows too: the bench's requests are seeded, so
+    they draw with coupled noise (verify.coupled_draw) and are then equal as greedy ones are. `tokens` maps
+    (prompt_id, temp, repeat, variant) -> generated token ids."""
     for r in rows:
         r["greedy_equal"] = None
         baseline = r.get("baseline") or BASELINE
-        if r["temp"] != 0 or r["variant"] == baseline:
+        if r["variant"] == baseline:
             continue
         ref = tokens.get((r["prompt_id"], r["temp"], r["repeat"], baseline))
         if ref is not None:
