@@ -211,14 +211,19 @@ def _padded(n_ctx: int) -> int:
     return -(-n_ctx // 256) * 256  # llama.cpp pads the KV cache to 256 cells
 
 
+def _pulled(model: str) -> Path:
+    """The model's GGUF, checked as every command checks it (a truncated one is refused)."""
+    if models.spec_of(model) is not None and not models.cached_path(model).exists():
+        raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
+    return models.resolve(model)
+
+
 def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
                as_type: Optional[str] = None, parallel: int = 1) -> ModelMemory:
     """One model's plan. as_type: the same model quantized to that type (what `speculant quantize` would make,
     tensor by tensor: quantized_facts) instead of the file as it is. parallel: request slots, each with a KV stream of
     n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64)."""
-    if models.spec_of(model) is not None and not models.cached_path(model).exists():
-        raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
-    path = models.resolve(model)  # a file is checked as every command checks it (a truncated one is refused)
+    path = _pulled(model)
     f = gguf_facts(path)
     n_ctx = n_ctx or f["n_ctx_train"]
     if f["n_ctx_train"]:
@@ -264,8 +269,10 @@ def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_m
     prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed.
     parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache."""
     api.check_parallel(parallel)
+    if n_ctx == 0:  # the target's training context, as generate's -c 0
+        n_ctx = gguf_facts(_pulled(target))["n_ctx_train"] or 4096
     if not isinstance(n_ctx, int) or n_ctx < 16:
-        raise SettingsError(f"--ctx-size must be an integer >= 16, got {n_ctx!r}")
+        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
     if n_prompt is not None and not (isinstance(n_prompt, int) and 1 <= n_prompt <= n_ctx):
         raise SettingsError(f"--prompt-tokens must be an integer in [1, --ctx-size], got {n_prompt!r}")
     out = [plan_model(target, "target", n_ctx, verify_positions=draft_max + 1, n_prompt=n_prompt,
@@ -404,7 +411,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
                    help="draft model (name or GGUF path)")
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=None,
-                   help="context size (default 4096; with --mem: the largest that fits)")
+                   help="context size (default 4096; 0: the model's training context, as generate; with --mem: "
+                        "the largest that fits)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="plan the peak after a prompt this long (default: one that fills the context)")
     p.add_argument("--mem", default=None, help="memory budget, e.g. 4G or 1500M: what fits in it")
@@ -426,7 +434,7 @@ def cmd_plan(args) -> int:
     if args.draft_max < 0:
         raise SettingsError(f"--draft-max must be >= 0, got {args.draft_max}")
     mem = parse_size(args.mem) if args.mem is not None else None
-    p = plan(args.model, args.model_draft, n_ctx=args.ctx or 4096, draft_max=args.draft_max,
+    p = plan(args.model, args.model_draft, n_ctx=4096 if args.ctx is None else args.ctx, draft_max=args.draft_max,
              n_prompt=args.prompt_tokens, parallel=args.parallel)
     out = p.to_dict()
     if mem is not None:

@@ -97,6 +97,7 @@ class ServerConfig:
     max_queue: int = 64
     parallel: int = 1  # requests decoded at once (slots), each on its own sequence of the shared models
     spm_infill: bool = False  # /infill's prompt: suffix, prefix, middle (llama-server's --spm-infill)
+    allowed_origins: list[str] = field(default_factory=lambda: ["*"])  # CORS: web pages that may call the API
     # defaults for fields a request leaves out (from the serve flags)
     max_tokens: int = 128
     temperature: float = 0.0
@@ -1071,6 +1072,11 @@ def create_app(engine, cfg: ServerConfig):
         await asyncio.get_running_loop().run_in_executor(None, worker.shutdown)
 
     app = FastAPI(title="speculant", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    if cfg.allowed_origins:  # a chat page served from elsewhere calls the API from the browser (as vLLM's default)
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=cfg.allowed_origins, allow_methods=["*"],
+                           allow_headers=["*"])
     app.state.worker = worker
     app.state.metrics = metrics
 
@@ -1583,6 +1589,10 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                    help="/infill's prompt puts the suffix before the prefix (suffix/prefix/middle), as some code "
                         "models are trained (llama-server's flag); then while the user types only the cursor's "
                         "line is evaluated again. Default: prefix/suffix/middle (Qwen2.5-Coder's order)")
+    p.add_argument("--allowed-origins", default="*",
+                   help="web pages (origins, comma separated, e.g. http://localhost:3000) whose scripts may call the "
+                        "API from a browser (CORS; default *: any, as vLLM and llama-server; '' allows none; the API "
+                        "key is checked either way)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a free slot; more get 503 (default 64)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
@@ -1685,6 +1695,7 @@ def cmd_serve(args) -> int:
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
+        allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop), presence_penalty=defaults.presence_penalty,

@@ -221,6 +221,12 @@ def test_ctx_size_zero_is_the_models_context(small):
         backend.close()
     proc = run("generate", "-m", small, "-c", "0", "-n", "2", "-p", "hi")
     assert proc.returncode == 0, proc.stderr
+    assert "warning" not in proc.stderr
+    # more than the training context: said, and the training context used
+    proc = run("generate", "-m", small, "-c", "20000", "-n", "2", "-p", "hi", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert "--ctx-size 20000 is more than smollm2-135m-instruct-q4_1.gguf's training context (8192 tokens); " \
+           "using 8192" in proc.stderr
 
 
 def test_flags_without_effect_are_warned_about(small):

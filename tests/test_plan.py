@@ -151,6 +151,12 @@ def test_cli_bad_input(args, needle):
     assert len(lines) == 1 and needle in lines[0], proc.stderr
 
 
+def test_ctx_zero_is_the_training_context_as_for_generate():
+    need(SMALL)
+    out = json.loads(run("plan", "-m", SMALL, "-c", "0", "--json").stdout)
+    assert out["n_ctx"] == plan.gguf_facts(models.cached_path(SMALL))["n_ctx_train"] == 8192
+
+
 def test_a_truncated_file_is_refused_as_by_every_command(tmp_path):
     need(SMALL)
     src = models.cached_path(SMALL)

@@ -102,6 +102,24 @@ def test_models_and_health(server, client):
     assert httpx.head(server + "/health").status_code == 200
 
 
+def _preflight(url, origin):
+    return httpx.options(url + "/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST",
+        "Access-Control-Request-Headers": "authorization,content-type"})
+
+
+def test_web_pages_may_call_the_api_from_a_browser(server):
+    """CORS (as vLLM and llama-server by default): a browser's preflight gets its yes without the API key, and
+    answers carry Access-Control-Allow-Origin; the key is still needed for the request itself."""
+    pre = _preflight(server, "http://chat.example:3000")
+    assert pre.status_code == 200 and pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    r = httpx.get(server + "/v1/models", headers={"Origin": "http://chat.example:3000",
+                                                 "Authorization": f"Bearer {KEY}"})
+    assert r.status_code == 200 and r.headers["access-control-allow-origin"] == "*"
+    assert httpx.get(server + "/v1/models", headers={"Origin": "http://chat.example:3000"}).status_code == 401
+
+
 def test_greedy_completion_equals_cli(client):
     cli = _cli("-p", PROMPT, "-n", "32")
     r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0)
@@ -869,8 +887,13 @@ def _swallow(fn):
 def test_a_full_queue_is_a_503_that_says_when_to_retry():
     """-np 1 --max-queue 0: while one request generates, the next is refused at once (503 server_overloaded),
     with Retry-After as HTTP clients and proxies read it."""
-    proc, url = _start("-np", "1", "--max-queue", "0")
+    proc, url = _start("-np", "1", "--max-queue", "0", "--allowed-origins", "http://chat.example:3000")
     try:
+        # (and --allowed-origins: only the page named may call the API from a browser)
+        assert _preflight(url, "http://chat.example:3000").headers["access-control-allow-origin"] == \
+            "http://chat.example:3000"
+        other = _preflight(url, "http://elsewhere.example")
+        assert other.status_code == 400 and "access-control-allow-origin" not in other.headers
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
                           json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480,
                                 "stream": True}) as r:

@@ -25,6 +25,7 @@ import collections
 import copy
 import ctypes
 import os
+import sys
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -124,7 +125,10 @@ class LlamaCppBackend(Backend):
         threads = n_threads or os.cpu_count() or 1
         cparams = ll.llama_context_default_params()
         n_ctx = n_ctx or self.n_ctx_train  # 0: the model's training context
-        n_ctx = min(n_ctx, self.n_ctx_train) if self.n_ctx_train > 0 else n_ctx
+        if 0 < self.n_ctx_train < n_ctx:  # positions past it are ones the model never saw
+            print(f"speculant: warning: --ctx-size {n_ctx} is more than {self.name}'s training context "
+                  f"({self.n_ctx_train} tokens); using {self.n_ctx_train}", file=sys.stderr)
+            n_ctx = self.n_ctx_train
         cparams.n_ctx = n_ctx * n_seq
         cparams.n_batch = cparams.n_ubatch = n_batch
         cparams.n_seq_max = n_seq
