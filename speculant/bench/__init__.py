@@ -167,7 +167,6 @@ def cmd_bench(args) -> int:
         return costs.run_cli(args)
 
     cfg = config_from_args(args)
-    check_draft(cfg)
     categories = parse_list(args.categories, str, "--categories") if args.categories else None
     suites = parse_list(args.suite, str, "--suite") if args.suite else [None]
     prompts = select([p for name in suites for p in read_suite(name)], categories, args.limit)
@@ -179,6 +178,7 @@ def cmd_bench(args) -> int:
     out = writable_dir(args.out, "--out")  # before hours of benchmarking, not after
     if args.trace:
         writable_file(args.trace, "--trace")
+    check_draft(cfg)  # before the banner: an error is all that is printed
     print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
           f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
           f"repeat(s), -n {cfg.n_predict}", file=sys.stderr)
