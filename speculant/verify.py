@@ -300,7 +300,7 @@ _BLOCK_KEY = 0xB10C  # the block race's noise: another seed's
 def coupled_draw(probs: np.ndarray, seed: int, position: int) -> int:
     """The token at `position` of a seeded request: a draw from probs [V] (any non-negative weights) that is a
     fixed function of (probs, seed, position). Gumbel-max in its exponential form, in two races, so that a
-    152k row costs ~0.2 ms instead of ~3 ms of noise for every token: blocks of COUPLED_BLOCK ids race with their
+    152k row costs ~0.1 ms instead of ~3 ms of noise for every token: blocks of COUPLED_BLOCK ids race with their
     masses P_b (argmax P_b / E'(b): block b wins with probability P_b), then the winner's tokens (argmax
     p(i) / E(i)). Ties, of probability ~0, go to the lowest id."""
     v = len(probs)
