@@ -68,11 +68,7 @@ def verify_coupled(draft_tokens: torch.Tensor, target_probs: torch.Tensor, seed:
     """A seeded request's verification: the target's coupled draw at each row (positions position.. position+k),
     drafts kept while they equal it, then its draw. draft_tokens [k] long, target_probs [k+1, V]; one transfer."""
     k = draft_tokens.shape[0]
-    drawn = coupled_draws(target_probs, seed, range(position, position + k + 1))  # [k+1]
-    match = (drawn[:k] == draft_tokens).to(torch.long)
-    n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=drawn.device)
-    n_accepted, token = torch.stack([n, drawn.gather(0, n.view(1))[0]]).tolist()
-    return n_accepted, token
+    return _kept_while_equal(draft_tokens, coupled_draws(target_probs, seed, range(position, position + k + 1)))
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -106,11 +102,16 @@ def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> 
 
 def verify_greedy(draft_tokens: torch.Tensor, target_logits: torch.Tensor) -> tuple[int, int]:
     """draft_tokens [k] long, target_logits [k+1, V] -> (n_accepted, next_token); one transfer to the host."""
+    return _kept_while_equal(draft_tokens, target_logits.argmax(-1))
+
+
+def _kept_while_equal(draft_tokens: torch.Tensor, chosen: torch.Tensor) -> tuple[int, int]:
+    """The drafts [k] kept while they equal the target's chosen tokens [k+1], then its token there:
+    (n_accepted, next_token), one transfer to the host."""
     k = draft_tokens.shape[0]
-    best = target_logits.argmax(-1)  # [k+1]
-    match = (best[:k] == draft_tokens).to(torch.long)  # [k]
-    n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=best.device)
-    n_accepted, token = torch.stack([n, best.gather(0, n.view(1))[0]]).tolist()  # no 0-d index: it syncs
+    match = (chosen[:k] == draft_tokens).to(torch.long)  # [k]
+    n = torch.cumprod(match, 0).sum() if k else torch.zeros((), dtype=torch.long, device=chosen.device)
+    n_accepted, token = torch.stack([n, chosen.gather(0, n.view(1))[0]]).tolist()  # no 0-d index: it syncs
     return n_accepted, token
 
 
