@@ -386,7 +386,7 @@ class Engine:
                     max_tokens=min(max_tokens, target.n_ctx - n_prompt),
                     target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self.draft_share):
                 t = time.perf_counter()
-                drafter.prepare(context)  # the draft model's prompt processing is prefill too
+                drafter.prepare(context, should_stop)  # the draft model's prompt processing is prefill too
                 policy.observe_draft_prefill(behind, time.perf_counter() - t)
         stats.prefill_time = time.perf_counter() - t0
         t_decode = time.perf_counter()

@@ -8,7 +8,8 @@ Concurrency: an Engine holds one KV cache and is not thread-safe, so every call 
 thread (a single-thread executor), and a request holds the engine (an asyncio lock, FIFO) from its first
 decode step to its last. Waiting requests form the queue whose depth /metrics and /health report. The decode
 loop is driven one step at a time from the event loop, so a client that disconnects is noticed between two
-tokens and its generator is closed at once, freeing the engine for the next request.
+tokens and its generator is closed at once, freeing the engine for the next request; during its prompt, between
+two passes of the target's or the draft model's prompt processing.
 
 Errors a client can cause are answered with a 4xx and an OpenAI-style body
 `{"error": {"message", "type", "param", "code"}}`; the server keeps serving.

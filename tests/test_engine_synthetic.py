@@ -171,6 +171,27 @@ def test_context_full_stops_with_a_message():
     assert plain.tokens == r.tokens
 
 
+def test_a_cancelled_request_stops_the_draft_models_prompt_between_passes():
+    """A server sets should_stop when the client leaves: the draft model's prompt processing (seconds for a long
+    prompt) stops at its next pass too, not only the target's; what it evaluated stays, and the next request on
+    the same engine decodes as ever."""
+    from speculant.backends.base import CATCH_UP_TOKENS
+    from speculant.errors import Cancelled
+
+    prompt = [int(t) for t in np.random.default_rng(5).integers(0, V, 3 * CATCH_UP_TOKENS + 40)]
+    eng = make_engine(4, n_ctx=2048)
+    target, draft = eng.target, eng.drafter.backend
+    target.should_stop = lambda: draft.calls > 0  # the client leaves during the draft's first pass
+    with pytest.raises(Cancelled):
+        eng.generate(prompt, max_tokens=20)
+    assert len(target.tokens) == len(prompt) - 1  # the target's prompt was done before the draft's began
+    assert draft.tokens == prompt[:CATCH_UP_TOKENS]  # one pass of the draft's, then it stopped
+    target.should_stop = None
+    again = eng.generate(prompt, max_tokens=20)
+    assert again.tokens == Engine(TableBackend(V, seed=0, n_ctx=2048)).generate(prompt, max_tokens=20).tokens
+    assert again.stats.drafted > 0
+
+
 def test_bad_settings():
     eng = make_engine(4, n_ctx=10)
     with pytest.raises(SettingsError):

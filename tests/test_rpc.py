@@ -116,6 +116,36 @@ def test_greedy_output_equals_local_decoding(workers):
             assert results[1].stats.accepted > 0  # verify passes over several tokens ran on the workers
 
 
+def test_a_cancelled_request_stops_the_prompt_on_the_workers(workers):
+    """A server's request whose client leaves during a long prompt: the target's process (which drives the
+    workers) stops it between two passes, as a local target does; what it evaluated stays cached, and the next
+    request decodes the local model's tokens."""
+    from speculant.api import load_engine
+    from speculant.errors import Cancelled
+    from speculant.verify import SamplingParams
+
+    greedy = SamplingParams(0.0, 0, 1.0, 0.0, 0)
+    prompt = "Numbers: " + " ".join(str(i) for i in range(300))
+    local = load_engine(MODEL, n_ctx=4096, threads=1)
+    try:
+        expected = local.generate(prompt, max_tokens=8, params=greedy)
+    finally:
+        local.close()
+    split = load_engine(MODEL, n_ctx=4096, threads=1, rpc=_endpoints(workers))
+    try:
+        asked = []
+        split.target.should_stop = lambda: asked.append(1) or len(asked) > 2  # the client leaves ~0.4 s in
+        with pytest.raises(Cancelled):
+            split.generate(prompt, max_tokens=8, params=greedy)
+        split.target.should_stop = None
+        again = split.generate(prompt, max_tokens=8, params=greedy)
+    finally:
+        split.close()
+    assert again.tokens == expected.tokens
+    n_prompt = expected.stats.prompt_tokens
+    assert 0 < again.stats.cached_prompt_tokens < n_prompt - 64, (again.stats.cached_prompt_tokens, n_prompt)
+
+
 # -- faults ---------------------------------------------------------------------------------------------------
 
 def test_worker_killed_mid_request_server_answers_503_and_recovers(workers):

@@ -12,6 +12,12 @@ from typing import Callable, Optional, Sequence
 
 import numpy as np
 
+from ..errors import Cancelled
+
+# a draft model's prompt is processed this many tokens at a time, so that a request whose client left stops it
+# between two (the default 0.5B draft, 2 cores: 0.18-0.4 s each over a 2k-token prompt, 4.5 s in all, as in one go)
+CATCH_UP_TOKENS = 128
+
 
 @dataclass
 class VocabInfo:
@@ -83,6 +89,16 @@ class Backend(ABC):
         common = common_prefix(self.tokens[:limit], context)
         self.rewind(common)
         return self.eval(context[common:], n_logits)
+
+    def catch_up(self, context: Sequence[int], should_stop: Optional[Callable[[], bool]] = None) -> None:
+        """sync(context, n_logits=0) for a draft model's prompt, in syncs of CATCH_UP_TOKENS more tokens each;
+        should_stop() is asked before each, and True stops it (errors.Cancelled), keeping what was evaluated."""
+        start = len(context) - self.behind(context)
+        for end in [*range(start + CATCH_UP_TOKENS, len(context), CATCH_UP_TOKENS), len(context)]:
+            if should_stop is not None and should_stop():
+                raise Cancelled(f"{self.name}: prompt processing stopped at {len(self.tokens)} of {len(context)} "
+                                f"tokens")
+            self.sync(context[:end], n_logits=0)
 
     def prefill(self, context: Sequence[int]) -> int:
         """Prompt processing: make the cache hold `context` as "the model alone" would have computed it

@@ -24,7 +24,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from ..errors import ModelError, SpeculantError
+from ..errors import Cancelled, ModelError, SpeculantError
 from ..rpc import WorkerError, connections, probe, reachable
 from .base import Backend, VocabInfo
 
@@ -32,8 +32,10 @@ WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
 
 
-def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str) -> None:
-    """The child: load the target with its layers on the workers, then answer the parent's calls."""
+def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str,
+                stop) -> None:
+    """The child: load the target with its layers on the workers, then answer the parent's calls. stop: an
+    event the parent sets to stop the prompt in progress between two passes (its request was cancelled)."""
     import resource
 
     os.environ["GGML_NO_BACKTRACE"] = "1"  # an abort must end the child at once, not attach a debugger
@@ -50,6 +52,7 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
         n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
         backend = LlamaCppBackend(path, devices=rpc.rpc_devices(endpoints), n_device_layers=n_device_layers,
                                   device_split=split, **kwargs)
+        backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
         info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,
                 "n_batch": backend.n_batch, "n_threads": backend.n_threads, "n_ctx_train": backend.n_ctx_train,
@@ -119,9 +122,10 @@ class SupervisedBackend(Backend):
         self.down = {}
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
+        self._stop_prompt = ctx.Event()
         self._proc = ctx.Process(target=_child_main, name="speculant-target", daemon=True,
                                  args=(child, str(self.path), self.endpoints, self._weights, self._kwargs,
-                                       self._log_path))
+                                       self._log_path, self._stop_prompt))
         self._proc.start()
         child.close()
         self._conn = parent
@@ -158,11 +162,14 @@ class SupervisedBackend(Backend):
         return WorkerError(f"the target's process ended while {what} ({why}); workers "
                            f"{', '.join(self.endpoints)} answer: the next request retries")
 
-    def _wait(self, timeout: float = float("inf"), what: str = "decoding"):
-        """The child's answer to the call in flight, watching the child and the workers while waiting."""
+    def _wait(self, timeout: float = float("inf"), what: str = "decoding", should_stop=None):
+        """The child's answer to the call in flight, watching the child and the workers while waiting (and
+        should_stop: when it says True, the child is asked to stop the prompt in progress)."""
         t0 = checked = time.monotonic()
         try:
             while not self._conn.poll(WATCH_S):
+                if should_stop is not None and should_stop():
+                    self._stop_prompt.set()
                 now = time.monotonic()
                 if not self._proc.is_alive():
                     raise self._failed(what)
@@ -182,14 +189,15 @@ class SupervisedBackend(Backend):
             raise value
         return value
 
-    def _call(self, op: str, *args, what: str = "decoding"):
+    def _call(self, op: str, *args, what: str = "decoding", should_stop=None):
         if self._proc is None:
             self._start()  # after a failure: the workers are checked first (WorkerError while one is down)
+        self._stop_prompt.clear()
         try:
             self._conn.send((op, *args))
         except OSError:
             raise self._failed(what) from None
-        return self._wait(what=what)
+        return self._wait(what=what, should_stop=should_stop)
 
     def health(self) -> dict[str, str]:
         """endpoint -> "up" | why it is down. While the target runs, from the state of its connections (a
@@ -211,7 +219,12 @@ class SupervisedBackend(Backend):
         proc = self._proc
         if proc is not None and "close_wait" in connections(proc.pid, self.endpoints).values():
             self._stop()  # a worker went away since the last request (and may be back): start afresh
-        kept = self._call("prefill", list(map(int, context)), what="processing the prompt")
+        try:
+            kept = self._call("prefill", list(map(int, context)), what="processing the prompt",
+                              should_stop=self.should_stop)
+        except Cancelled:
+            self.tokens = []  # the child holds part of the prompt; its own prefill reconciles the next one
+            raise
         self.tokens = list(map(int, context))
         return kept
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import copy
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Optional, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Sequence
 
 import numpy as np
 
@@ -63,8 +63,9 @@ class Drafter(ABC):
         """Up to k tokens continuing `context` (may return fewer, or none). With a budget, the budget decides
         token by token how far to go (see policy.DraftBudget)."""
 
-    def prepare(self, context: Sequence[int]) -> None:
-        """Process the prompt before decoding starts (a draft model's prefill); optional."""
+    def prepare(self, context: Sequence[int], should_stop: Optional[Callable[[], bool]] = None) -> None:
+        """Process the prompt before decoding starts (a draft model's prefill); optional. should_stop: asked
+        between its passes; True stops it with errors.Cancelled (the request was cancelled)."""
 
     def prepare_cost(self, context: Sequence[int]) -> int:
         """How many tokens `prepare(context)` would evaluate with a model (0 for a free drafter)."""

@@ -57,9 +57,9 @@ class CompositeDrafter(Drafter):
     def for_slot(self, i: int) -> "CompositeDrafter":
         return self if i == 0 else CompositeDrafter(*(d.for_slot(i) for d in self.drafters))
 
-    def prepare(self, context: Sequence[int]) -> None:
+    def prepare(self, context: Sequence[int], should_stop=None) -> None:
         for d in self.drafters:
-            d.prepare(context)
+            d.prepare(context, should_stop)
 
     def prepare_cost(self, context: Sequence[int]) -> int:
         return sum(d.prepare_cost(context) for d in self.drafters)

@@ -155,10 +155,10 @@ class CrossVocabDrafter(Drafter):
         return Draft(proposed[:n], None, self.name, catchup_time, catchup_tokens=behind if catchup_time else 0,
                      keys=keys[:n], steps=len(proposed) or steps, paid=self.name)
 
-    def prepare(self, context: Sequence[int]) -> None:
+    def prepare(self, context: Sequence[int], should_stop=None) -> None:
         draft_context = self._draft_context(context)
         if draft_context and len(draft_context) > 1:
-            self.backend.sync(draft_context[:-1], n_logits=0)
+            self.backend.catch_up(draft_context[:-1], should_stop)
 
     def prepare_cost(self, context: Sequence[int]) -> int:
         draft_context = self._draft_context(context)

@@ -162,8 +162,8 @@ class ModelDrafter(Drafter):
         if copy_prefix is not None and isinstance(source, ModelDrafter) and source.backend is not self.backend:
             copy_prefix(source.backend, self._ids(context))
 
-    def prepare(self, context: Sequence[int]) -> None:
-        self.backend.sync(self._ids(context[:-1]), n_logits=0)  # the prompt, as for the target: part of the prefill
+    def prepare(self, context: Sequence[int], should_stop=None) -> None:
+        self.backend.catch_up(self._ids(context[:-1]), should_stop)  # the prompt, as for the target: prefill too
 
     def prepare_cost(self, context: Sequence[int]) -> int:
         return self.backend.behind(self._ids(context[:-1]))
