@@ -492,6 +492,8 @@ def _get_prompts(prompt, empty_ok: bool = False) -> list:
     if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise _bad(f"'prompt' batches at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
+        if len({type(p) for p in prompt}) > 1:  # OpenAI's types: an array of strings or of token-id arrays
+            raise _bad("a 'prompt' batch holds strings or token-id arrays, not both", "prompt", "invalid_type")
         return [one(p, f"prompt[{i}]") for i, p in enumerate(prompt)]
     if prompt is None:
         raise _bad("'prompt' is required", "prompt", "invalid_type")

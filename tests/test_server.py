@@ -738,6 +738,7 @@ BAD = [
     ("/completion", {"prompt": "hi", "n_probs": 21}, 400, "n_probs"),
     ("/completion", {"prompt": "hi", "input_extra": 5, "n_predict": "x"}, 400, "n_predict"),
     ("/completions", {"prompt": "word " * 2000}, 400, "prompt"),
+    ("/v1/completions", {"prompt": [[1, 2], "x"]}, 400, "prompt"),  # OpenAI's batches are of one kind
 ]
 
 
