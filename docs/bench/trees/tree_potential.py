@@ -12,7 +12,8 @@ and the best tree of B nodes is the B most frequent rank paths (a path is never 
 
 Costs per step, in target one-token passes:
 - CPU (this machine, measured here): verify r(1 + B) of the target's pass over 1 + B tokens; the draft runs one
-  pass per tree level over that level's nodes, c * r_d(nodes), c its one-token pass over the target's.
+  pass per tree level over that level's nodes that have children, c * r_d(nodes), c its one-token pass over the
+  target's (a leaf costs its verification only: its candidates come from its parent's pass).
 - GPU (prediction from the H200 run of 2026-12-04, BENCHMARKS.md: 32B-shape target 24.04 ms a pass of its fixed
   16-row width, so 1 + B tokens take ceil((1 + B) / 16) of them; 0.5B-shape draft 1.82 / 2.15 / 2.18 ms at
   n = 1 / 8 / 16, interpolated).
@@ -129,15 +130,42 @@ def tree(counts, budget):
 
 def cost(nodes, where):
     """A step's cost in target one-token passes: the draft's passes (one per level, over its nodes) + verify."""
-    levels = collections.Counter(len(p) for p in nodes)  # depth -> nodes at that depth
-    depth = max(levels) if levels else 0
-    per_level = [1] + [levels[d] for d in range(1, depth)]  # level 0: the root (the last accepted token)
+    # a draft pass per level over that level's nodes with children in the tree (a leaf needs no pass: the
+    # candidates at a level all come from the pass over their parents); level 0 is the root, the last token
+    parents = collections.Counter(len(p) - 1 for p in set(p[:-1] for p in nodes if len(p) > 1))
+    depth = max((len(p) for p in nodes), default=0)
+    per_level = [1] + [parents[d] for d in range(1, depth)]
     if where == "cpu":
         c = d_ms[1] / t_ms[1]
         return sum(c * interp(d_ms, n) / d_ms[1] for n in per_level[:depth]) + interp(t_ms, 1 + len(nodes)) / t_ms[1]
     gpu_draft = {1: 1.82, 8: 2.15, 16: 2.18, 64: 2.18}
     passes = -(-(1 + len(nodes)) // 16)  # the target's fixed 16-row passes
     return sum(interp(gpu_draft, n) for n in per_level[:depth]) / 24.04 + passes
+
+
+def grown(counts, starts, where, limit=32):
+    """A tree grown one node at a time, each time the node (a child of the tree or of the root) that raises
+    tau / cost the most, while one does: the shape that pays most on `where`, chain or not."""
+    nodes, best = [], 1.0 / cost([], where)
+    while len(nodes) < limit:
+        have = set(nodes)
+        frontier = [p for p in counts if p not in have and (len(p) == 1 or p[:-1] in have)]
+        scored = [((1 + sum(counts[q] for q in nodes + [p]) / starts) / cost(nodes + [p], where), p)
+                  for p in frontier]
+        if not scored:
+            break
+        speed, p = max(scored)
+        if speed <= best:
+            break
+        nodes, best = nodes + [p], speed
+    return nodes
+
+
+def shape(nodes):
+    """The tree written as its rank paths, siblings beside the first choice: 0-0-0 +1@1 (a second choice at depth 1)."""
+    chain = max((len(p) for p in nodes if set(p) == {0}), default=0)
+    extra = sorted(p for p in nodes if set(p) != {0})
+    return f"chain {chain}" + "".join(f" +{'-'.join(map(str, p))}" for p in extra)
 
 
 def report(name, seqs):
@@ -152,6 +180,9 @@ def report(name, seqs):
         rows.append((f"chain k={k}", chain))
     for b in map(int, args.budgets.split(",")):
         rows.append((f"best static, {b} nodes", tree(counts, b)))
+    for where in ("cpu", "gpu"):
+        nodes = grown(counts, starts, where)
+        rows.append((f"grown for {where.upper()}: {shape(nodes)}", nodes))
     for label, nodes in rows:
         tau = 1 + sum(counts[p] for p in nodes) / starts
         cc, gc = cost(nodes, "cpu"), cost(nodes, "gpu")
