@@ -155,7 +155,8 @@ def _chain(*drafters: Optional[Drafter]) -> Optional[Drafter]:
     return present[0] if present else None
 
 
-def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = False, draft_p_min: float = 0.0,
+def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optional[bool] = None,
+                 draft_p_min: float = 0.0,
                  ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  self_spec: bool = False, self_spec_exit: Optional[int] = None,
@@ -163,9 +164,10 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
                  history_tokens: int = 16384, parallel: int = 1) -> Optional[Drafter]:
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), history drafting
     (`draft_model="history"`: a suffix trie over the prompt and this process's earlier outputs), or a chain
-    (`lookup=True` / `history=True` with a model: history, then lookup, then the model when neither has
-    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). A draft with
-    another vocabulary (another tokenizer) drafts through text (drafters/crossvocab.py). draft_vocab: a llama.cpp draft with more token ids than this
+    (`lookup` / `history=True` with a model: history, then lookup, then the model when neither has
+    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). lookup: None
+    puts prompt lookup in front of a model (draft or self_spec) as the CLI does; False: the model alone.
+    A draft with another vocabulary (another tokenizer) drafts through text (drafters/crossvocab.py). draft_vocab: a llama.cpp draft with more token ids than this
     runs from a copy whose output layer keeps only the first draft_vocab ids (speculant/vocabcut.py: a
     cheaper draft step, still lossless); 0 keeps them all. A request's prediction (Engine.stream) goes
     before all of them."""
@@ -173,6 +175,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+    if lookup is None:  # free drafts in front of a paid drafter
+        lookup = bool(draft_model and draft_model not in FREE_DRAFTERS) or self_spec or self_spec_exit is not None
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
     history_drafter = HistoryDrafter(max_tokens=history_tokens) if history or draft_model == HISTORY else None
     if draft_model or lookup or history:
@@ -217,7 +221,7 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: bool = 
 
 def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
                 draft_max: int = 4, draft_min: int = 1, draft_p_min: float = 0.0, adaptive: bool = True,
-                lookup: bool = False, ngram_max: int = 4, ngram_min: int = 2, n_ctx: int = 4096,
+                lookup: Optional[bool] = None, ngram_max: int = 4, ngram_min: int = 2, n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
@@ -266,7 +270,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
 
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              draft_model: Optional[str] = None, draft_max: int = 4, draft_min: int = 1,
-             draft_p_min: float = 0.0, adaptive: bool = True, lookup: bool = False,
+             draft_p_min: float = 0.0, adaptive: bool = True, lookup: Optional[bool] = None,
              max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,

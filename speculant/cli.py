@@ -41,8 +41,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
                    help="draft model of the same family (name or GGUF path), 'lookup' for prompt lookup, or "
                         "'history' for history drafting; omit for plain decoding")
-    p.add_argument("--lookup", action="store_true",
-                   help="with a draft model: try prompt lookup first, the draft model when it finds nothing")
+    p.add_argument("--lookup", action=argparse.BooleanOptionalAction, default=None,
+                   help="with a draft model: try prompt lookup first, the draft model when it finds nothing "
+                        "(default on with a draft model or --self-spec; --no-lookup: the model alone)")
     p.add_argument("--history", action="store_true",
                    help="draft from a suffix trie over the prompt and this process's earlier outputs (before "
                         "lookup and the draft model); lossless, proposals only")
@@ -136,6 +137,7 @@ def check_model_flags(args) -> None:
     if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
         raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
                             "the target: add --backend torch")
+    model_drafter = bool(draft and draft not in FREE_DRAFTERS) or self_spec
     if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
         raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
                             "lookup alone pass -md lookup")
@@ -150,8 +152,8 @@ def check_model_flags(args) -> None:
                 draft, "history drafting alone (-md history)")
             idle.update((n, f"with {alone}: it applies to a draft model")
                         for n in given & {"draft_p_min", "draft_vocab", "threads_draft"})
-        elif not args.lookup:
-            idle.update((n, "without --lookup (prompt lookup)") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
+        elif args.lookup is False:
+            idle.update((n, "with --no-lookup") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
         if self_spec:
             idle.update((n, "with --self-spec (the target drafts for itself)")
                         for n in given & {"draft_vocab", "threads_draft"})
@@ -163,6 +165,8 @@ def check_model_flags(args) -> None:
     for name, default in DRAFT_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
+    if args.lookup is None:  # free drafts in front of a paid one (measured: BENCHMARKS.md, 28th session)
+        args.lookup = model_drafter
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -312,7 +312,7 @@ def _child(spec: dict) -> dict:
 
     start = _mb_status()
     engine = load_engine(spec["target"], spec["draft"], n_ctx=spec["n_ctx"], draft_max=4, adaptive=False,
-                         parallel=spec.get("parallel", 1))
+                         lookup=False, parallel=spec.get("parallel", 1))
     try:
         n_prompt = min(spec.get("n_prompt") or engine.target.n_ctx, engine.target.n_ctx - spec["n_tokens"] - 8)
         prompt = engine.target.tokenize(MEASURE_TEXT * (n_prompt // 50 + 1))[:n_prompt]

@@ -52,6 +52,21 @@ def test_generate_json_plain_and_speculative_agree(small):
     assert s["tokens"] == p["tokens"] and s["stats"]["drafted"] > 0 and p["seed"] == s["seed"] == 11
 
 
+def test_prompt_lookup_goes_in_front_of_a_draft_model_unless_turned_off(small):
+    """With a draft model, prompt lookup drafts first by default (free drafts: 1.36x against 1.26x plain decoding
+    on the suite, BENCHMARKS.md); --no-lookup leaves the model alone. The tokens are the same either way."""
+    base = ["generate", "-m", small, "-md", small, "-n", "32", "--json", "-p",
+            "apple, banana, cherry, date, elderberry, fig, grape, honeydew, kiwi, lemon.\napple, banana, cherry, date,"]
+    on, off = run(*base, "--no-adapt"), run(*base, "--no-adapt", "--no-lookup")
+    assert on.returncode == 0 and off.returncode == 0, on.stderr + off.stderr
+    a, b = json.loads(on.stdout), json.loads(off.stdout)
+    assert a["tokens"] == b["tokens"]
+    assert a["stats"]["accepted_by_source"].get("lookup", 0) > 0
+    assert set(b["stats"]["accepted_by_source"]) <= {"draft"} and b["stats"]["accepted"] > 0
+    ngram = run(*base, "--no-lookup", "--lookup-ngram-max", "3")
+    assert ngram.returncode == 0 and "warning: --lookup-ngram-max has no effect with --no-lookup" in ngram.stderr
+
+
 def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     a = run("generate", "-m", small, "-n", "8", "--chat", stdin="Say hello.")
     f = tmp_path / "prompt.txt"

@@ -353,7 +353,8 @@ def test_the_torch_backend_on_cuda_is_the_static_one(monkeypatch):
     if not models.cached_path(name).exists():
         pytest.skip(f"{name} is not pulled")
     monkeypatch.setattr(api, "uses_static_torch", lambda device, self_spec=False: not self_spec)  # as on a GPU
-    engine = api.load_engine(name, name, backend="torch", draft_backend="torch", device="cpu", n_ctx=256)
+    engine = api.load_engine(name, name, backend="torch", draft_backend="torch", device="cpu", n_ctx=256,
+                             lookup=False)
     assert type(engine.target) is StaticTorchBackend and engine.target.rows == api.STATIC_TARGET_ROWS
     assert type(engine.drafter.backend) is StaticTorchBackend and engine.drafter.backend.rows is None
     engine = api.load_engine(name, backend="torch", device="cpu", n_ctx=256, self_spec=True)
