@@ -365,31 +365,9 @@ class Engine:
         """The decode loop of `stream`: prefill, then draft -> verify -> accept -> rewind until done."""
         stats, target = result.stats, self.target
         n_prompt = len(context)
-        lp_given = 0  # result.logprobs handed out with events
         rng = np.random.default_rng(params.seed)
-        t0 = time.perf_counter()
-        # everything but the last token, which each step feeds
-        should_stop = target.should_stop  # this request's
-        stats.cached_prompt_tokens = target.prefill(context[:-1]) or 0
-        if should_stop is not None and should_stop():  # before the draft model's prompt processing
-            raise Cancelled("stopped after prompt processing")
-        if drafter:
-            policy.new_request(params.temperature if not params.greedy else 0.0)
-            drafter.begin(context)  # e.g. history indexes the prompt
-            drafter.constrain(constraint)
-            # not if it will not draft (a one-token request, as a harness's echo scoring, never does), nor where
-            # drafting could not earn back the draft model's prompt processing (a long new prompt, a short answer)
-            behind = drafter.prepare_cost(context) if max_tokens > 1 else 0
-            evaluated = n_prompt - 1 - stats.cached_prompt_tokens  # what the target's prefill just evaluated
-            if max_tokens > 1 and policy.wants_draft_prefill(
-                    drafter.paid, target.sharing(), behind=behind,
-                    max_tokens=min(max_tokens, target.n_ctx - n_prompt),
-                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self.draft_share):
-                t = time.perf_counter()
-                drafter.prepare(context, should_stop)  # the draft model's prompt processing is prefill too
-                policy.observe_draft_prefill(behind, time.perf_counter() - t)
-        stats.prefill_time = time.perf_counter() - t0
-        t_decode = time.perf_counter()
+        self._prefill(context, drafter, policy, params, max_tokens, stats, constraint)
+        out = _Output(result, text, n_top, max_tokens)
         try:
             while True:
                 room = min(max_tokens - stats.generated_tokens, target.n_ctx - len(context))
@@ -419,6 +397,7 @@ class Engine:
                 verify_time = time.perf_counter() - t - masking_time
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
+                new_logprobs = None
                 if n_top is not None:  # rows 0..n_accepted predicted the new tokens
                     new_logprobs = token_logprobs(logits[:n_accepted + 1], new_tokens, n_top)
                 context += new_tokens
@@ -432,53 +411,46 @@ class Engine:
                 if self.trace is not None:  # what `speculant replay` re-runs (speculant/replay.py)
                     self.trace.append([draft.source, len(draft), n_accepted, max(n_pass, len(draft) + 1),
                                        draft.steps, draft.catchup_tokens])
-                if drafter:  # a catch-up prefill is not what one more drafted token costs
-                    policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time,
-                                   verify_time, len(new_tokens), keys=draft.keys, paid=draft.paid,
-                                   draft_steps=draft.steps, catchup_time=draft.catchup_time,
-                                   catchup_tokens=draft.catchup_tokens, timed=sharing == 1)
-                    if n_accepted == len(draft):  # the position after the draft was reached: were they right?
-                        for shadow in draft.shadows:
-                            policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
-                for i, token in enumerate(new_tokens):
-                    if target.is_eog(token):
-                        stats.ended_by_eog = True
-                        result.finish_reason = "stop"
-                        return
-                    stats.generated_tokens += 1
-                    result.tokens.append(token)
-                    result.from_draft.append(i < n_accepted)
-                    source = draft.source if i < n_accepted else ""
-                    result.sources.append(source)
-                    if n_top is not None:
-                        result.logprobs.append(new_logprobs[i])
-                    piece, stopped = text.add(token)
-                    if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
-                        del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
-                            result.sources[text.n_tokens_kept:]
-                        if n_top is not None:
-                            del result.logprobs[text.n_tokens_kept:]
-                    stats.decode_time = time.perf_counter() - t_decode
-                    event = TokenEvent(token, piece, i < n_accepted, source)
-                    if n_top is not None:
-                        n_out = text.n_tokens_out()
-                        event.logprobs = result.logprobs[lp_given:n_out]
-                        lp_given = max(lp_given, n_out)
-                    yield event
-                    if stopped:
-                        result.finish_reason, result.stop_string = "stop", text.matched
-                        return
-                    if stats.generated_tokens >= max_tokens:
-                        result.finish_reason = "length"
-                        return
+                if drafter:
+                    _observe(policy, draft, n_accepted, next_token, draft_time, verify_time, sharing)
+                if (yield from out.emit(new_tokens, n_accepted, draft.source, new_logprobs)):
+                    return
         finally:
-            stats.decode_time = time.perf_counter() - t_decode
+            stats.decode_time = time.perf_counter() - out.t_decode
             if drafter:
                 drafter.end(context)  # e.g. history keeps the output for later requests
                 drafter.constrain(None)
             result.text = text.finish()
             stats.peak_rss_mb = memory.peak_rss_mb()
             stats.model_memory_mb = memory.engine_models(self)
+
+    def _prefill(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,
+                 max_tokens: int, stats: SpecStats, constraint: Optional[Constraint]) -> None:
+        """The target's prompt processing, then the drafter's where the policy expects drafting to earn it."""
+        target = self.target
+        n_prompt = len(context)
+        t0 = time.perf_counter()
+        # everything but the last token, which each step feeds
+        should_stop = target.should_stop  # this request's
+        stats.cached_prompt_tokens = target.prefill(context[:-1]) or 0
+        if should_stop is not None and should_stop():  # before the draft model's prompt processing
+            raise Cancelled("stopped after prompt processing")
+        if drafter:
+            policy.new_request(params.temperature if not params.greedy else 0.0)
+            drafter.begin(context)  # e.g. history indexes the prompt
+            drafter.constrain(constraint)
+            # not if it will not draft (a one-token request, as a harness's echo scoring, never does), nor where
+            # drafting could not earn back the draft model's prompt processing (a long new prompt, a short answer)
+            behind = drafter.prepare_cost(context) if max_tokens > 1 else 0
+            evaluated = n_prompt - 1 - stats.cached_prompt_tokens  # what the target's prefill just evaluated
+            if max_tokens > 1 and policy.wants_draft_prefill(
+                    drafter.paid, target.sharing(), behind=behind,
+                    max_tokens=min(max_tokens, target.n_ctx - n_prompt),
+                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self.draft_share):
+                t = time.perf_counter()
+                drafter.prepare(context, should_stop)  # the draft model's prompt processing is prefill too
+                policy.observe_draft_prefill(behind, time.perf_counter() - t)
+        stats.prefill_time = time.perf_counter() - t0
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
         result = Result("", [], SpecStats())
@@ -495,6 +467,67 @@ class Engine:
         if self.drafter:
             self.drafter.close()
         self.target.close()
+
+
+def _observe(policy, draft, n_accepted: int, next_token: int, draft_time: float, verify_time: float,
+             sharing: int) -> None:
+    """What the adaptive policy learns from a step: its costs and acceptance (a catch-up prefill is not what one
+    more drafted token costs; a merged pass's time is not this request's), and whether shadow proposals at the
+    position after a wholly accepted draft were right."""
+    policy.observe(draft.source, len(draft), n_accepted, draft_time - draft.catchup_time, verify_time,
+                   n_accepted + 1, keys=draft.keys, paid=draft.paid, draft_steps=draft.steps,
+                   catchup_time=draft.catchup_time, catchup_tokens=draft.catchup_tokens, timed=sharing == 1)
+    if n_accepted == len(draft):  # the position after the draft was reached: were they right?
+        for shadow in draft.shadows:
+            policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
+
+
+class _Output:
+    """A request's output as the decode loop hands it out: tokens into the result, text through the stop
+    strings, events with their logprobs; says when the generation has ended (end of generation, a stop string,
+    max_tokens)."""
+
+    def __init__(self, result: Result, text: "_TextTracker", n_top: Optional[int], max_tokens: int):
+        self.result, self.text, self.n_top, self.max_tokens = result, text, n_top, max_tokens
+        self.lp_given = 0  # result.logprobs handed out with events
+        self.t_decode = time.perf_counter()
+
+    def emit(self, new_tokens: list[int], n_accepted: int, source: str,
+             new_logprobs: Optional[list]) -> Iterator[TokenEvent]:
+        """Yield one event per new token (the first n_accepted were drafted by `source`); returns True when the
+        generation ended with them."""
+        result, stats, text, n_top = self.result, self.result.stats, self.text, self.n_top
+        for i, token in enumerate(new_tokens):
+            if text.backend.is_eog(token):
+                stats.ended_by_eog = True
+                result.finish_reason = "stop"
+                return True
+            stats.generated_tokens += 1
+            result.tokens.append(token)
+            result.from_draft.append(i < n_accepted)
+            result.sources.append(source if i < n_accepted else "")
+            if n_top is not None:
+                result.logprobs.append(new_logprobs[i])
+            piece, stopped = text.add(token)
+            if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
+                del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
+                    result.sources[text.n_tokens_kept:]
+                if n_top is not None:
+                    del result.logprobs[text.n_tokens_kept:]
+            stats.decode_time = time.perf_counter() - self.t_decode
+            event = TokenEvent(token, piece, i < n_accepted, source if i < n_accepted else "")
+            if n_top is not None:
+                n_out = text.n_tokens_out()
+                event.logprobs = result.logprobs[self.lp_given:n_out]
+                self.lp_given = max(self.lp_given, n_out)
+            yield event
+            if stopped:
+                result.finish_reason, result.stop_string = "stop", text.matched
+                return True
+            if stats.generated_tokens >= self.max_tokens:
+                result.finish_reason = "length"
+                return True
+        return False
 
 
 def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Generator, candidate: list[int],
