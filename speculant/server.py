@@ -1720,8 +1720,10 @@ def cmd_serve(args) -> int:
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                print(f"speculant: serving {cfg.model_id}" + (f" with draft {cfg.draft_id}" if cfg.draft_id else "")
-                      + f" on {where}", file=sys.stderr, flush=True)
+                drafts = f" with draft {cfg.draft_id}" if cfg.draft_id else ""
+                if drafts and getattr(args, "lookup", False):
+                    drafts += " (prompt lookup first)"
+                print(f"speculant: serving {cfg.model_id}{drafts} on {where}", file=sys.stderr, flush=True)
 
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: refuse new work, give in-flight work `grace` s
             worker.begin_shutdown(grace)

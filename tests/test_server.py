@@ -1014,6 +1014,7 @@ def test_one_log_line_per_request_and_the_context_full_message():
     assert lines[0].startswith("speculant: POST /v1/completions 200 ") and "completion=3/3" in lines[0]
     assert "tau=" in lines[0] and "400 invalid_type" in lines[1]
     assert out.count("serving") == 1 and "Uvicorn running" not in out
+    assert f"serving {MODEL} with draft {MODEL} (prompt lookup first) on {url}/v1" in out  # the default chain
 
 
 def test_serve_help_says_what_n_means():
