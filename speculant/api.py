@@ -11,7 +11,7 @@ from . import models
 from .backends.base import Backend
 from .drafters import CompositeDrafter, Drafter, HistoryDrafter, LookupDrafter, ModelDrafter
 from .drafters.crossvocab import CrossVocabDrafter, same_vocabulary
-from .engine import Engine, Result
+from .engine import MAX_DRAFT, Engine, Result
 from .errors import SettingsError
 from .verify import SamplingParams
 
@@ -220,7 +220,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
 
 
 def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
-                draft_max: int = 4, draft_min: int = 1, draft_p_min: float = 0.0, adaptive: bool = True,
+                draft_max: Optional[int] = None, draft_min: int = 1, draft_p_min: float = 0.0,
+                adaptive: bool = True,
                 lookup: Optional[bool] = None, ngram_max: int = 4, ngram_min: int = 2, n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
@@ -232,15 +233,17 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
 
     adaptive: choose the draft length per step (draft_max is then an upper bound, draft_min a lower one)
     and fall back to plain decoding when speculation does not pay; adaptive=False drafts draft_max always.
+    draft_max None: 4, or 8 where the target's passes cost the same up to 8 tokens (engine.default_draft_max).
     long_max: the bound on free drafters that may go long (a request's prediction, history) when adaptive
     (default: 16, or 32 where long passes are cheap: engine.default_long_max).
     draft_threads: CPU threads of the draft model (default: threads). rpc, tensor_split: the target's
     layers spread over RPC workers (see load_backend); the draft stays local. parallel: concurrent requests
     (engine.for_slot(i) for i < parallel: one engine each, sharing the models; speculant/batching.py).
     Names, paths and a registered draft's tokenizer are checked before anything is loaded or downloaded."""
-    if not isinstance(draft_max, int) or draft_max < 0:
+    if draft_max is not None and (not isinstance(draft_max, int) or draft_max < 0):
         raise SettingsError(f"--draft-max must be a non-negative integer, got {draft_max!r}")
-    if not isinstance(draft_min, int) or not (0 <= draft_min <= max(draft_max, 1)):
+    bound = MAX_DRAFT if draft_max is None else draft_max  # None: the engine's default, at least draft_min
+    if not isinstance(draft_min, int) or not (0 <= draft_min <= max(bound, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
     if draft_threads is not None and draft_threads < 1:
         raise SettingsError(f"--threads-draft must be >= 1, got {draft_threads}")
@@ -269,7 +272,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
 
 
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
-             draft_model: Optional[str] = None, draft_max: int = 4, draft_min: int = 1,
+             draft_model: Optional[str] = None, draft_max: Optional[int] = None, draft_min: int = 1,
              draft_p_min: float = 0.0, adaptive: bool = True, lookup: Optional[bool] = None,
              max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,

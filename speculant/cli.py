@@ -28,7 +28,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 # flags that only act with a drafter: None means "not given" (warned about when they would do nothing)
-DRAFT_DEFAULTS = {"draft_max": 4, "draft_min": 1, "draft_p_min": 0.0, "adapt": True, "draft_vocab": 0,
+DRAFT_DEFAULTS = {"draft_max": None, "draft_min": 1, "draft_p_min": 0.0, "adapt": True, "draft_vocab": 0,
                   "lookup_ngram_max": 4, "lookup_ngram_min": 2, "threads_draft": None, "ctx_size_draft": None}
 NO_GPU_OFFLOAD = ("no GPU offload in the llama.cpp backend: speculant builds it for the CPU, where batched "
                   "and one-token logits are bit-identical; pass -ngl 0 or leave it out (a GPU: --backend torch "
@@ -48,7 +48,8 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                    help="draft from a suffix trie over the prompt and this process's earlier outputs (before "
                         "lookup and the draft model); lossless, proposals only")
     p.add_argument("--draft-max", "--draft", type=int, default=None,
-                   help="tokens drafted per step; an upper bound when adapting (default 4)")
+                   help="tokens drafted per step; an upper bound when adapting (default 4, or 8 where the "
+                        "target's passes cost the same up to 8 tokens: a GPU)")
     p.add_argument("--draft-min", type=int, default=None,
                    help="lower bound of the planned draft length when adapting (the per-token confidence rule "
                         "may still stop earlier; default 1)")
@@ -489,7 +490,7 @@ def cmd_demo(args) -> int:
     p, s = runs["plain"].stats, runs["speculative"].stats
     same = runs["plain"].tokens == runs["speculative"].tokens
     print(f"plain:       {p.tokens_per_s:6.2f} tokens/s")
-    print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {args.draft_max}"
+    print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {spec.draft_max}"
           f"{', adaptive' if args.adapt else ''}: {s.summary(True, speed=False)})")
     print(f"speedup:     {s.tokens_per_s / p.tokens_per_s:.2f}x   identical output: {'yes' if same else 'NO'}")
     spec.close()

@@ -35,6 +35,10 @@ LONG_MAX = 16  # default bound of long free drafts (a tracking prediction, a his
 # a GPU). The built-in code edit with its file as prediction, Sapphire Rapids with AMX: 3.99x / 4.59x plain
 # decoding with 16, 4.65x / 5.24x with 32 (two rounds); without AMX (r(16) ~3.4) 32 read alike or worse.
 LONG_MAX_CHEAP, CHEAP_R16 = 32, 3.0
+# the default bound of a paid drafter's k: DRAFT_MAX, or DRAFT_MAX_FLAT where an 8-token pass costs at most FLAT_R8
+# one-token passes (a GPU's fixed-width passes), as longer drafts then pay (docs/bench/trees/: summarization 3.09x at
+# k = 4, 3.81x at 8 predicted for the H200); on this CPU (r(8) 1.7) k <= 8 read 1.46x against k <= 4's 1.49x
+DRAFT_MAX, DRAFT_MAX_FLAT, FLAT_R8 = 4, 8, 1.3
 MAX_TOP_LOGPROBS = 20  # alternatives per token with logprobs (OpenAI's bound)
 
 
@@ -73,6 +77,12 @@ class Result:
         return out
 
 
+def default_draft_max(cost_profile: Optional[dict[int, float]]) -> int:
+    """The bound of a paid drafter's k for a target with this cost profile (r(n), or None): DRAFT_MAX_FLAT where
+    it prices an 8-token pass at most FLAT_R8 one-token passes, else DRAFT_MAX. The adaptive policy still picks k."""
+    return DRAFT_MAX_FLAT if (cost_profile or {}).get(8, FLAT_R8 + 1) <= FLAT_R8 else DRAFT_MAX
+
+
 def default_long_max(cost_profile: Optional[dict[int, float]]) -> int:
     """The bound of long free drafts for a target with this measured cost profile (r(n), or None):
     LONG_MAX_CHEAP where it prices a 16-token pass under CHEAP_R16 one-token passes, else LONG_MAX. The adaptive
@@ -83,19 +93,18 @@ def default_long_max(cost_profile: Optional[dict[int, float]]) -> int:
 class Engine:
     """A target model, optionally with a drafter, and the speculative decode loop."""
 
-    def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: int = 4,
+    def __init__(self, target: Backend, drafter: Optional[Drafter] = None, *, draft_max: Optional[int] = DRAFT_MAX,
                  adaptive: bool = False, draft_min: int = 1, long_max: Optional[int] = None):
-        """draft_max: tokens drafted per step (the upper bound when adaptive); adaptive: choose k per step
-        from measured costs and acceptance, and fall back to plain decoding when speculation does not pay;
-        long_max: the bound for free drafters that may go long (prediction, history) when adaptive (default:
-        default_long_max)."""
-        if not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT):
+        """draft_max: tokens drafted per step (the upper bound when adaptive; None: default_draft_max of the
+        target's costs when adaptive, else DRAFT_MAX); adaptive: choose k per step from measured costs and
+        acceptance, and fall back to plain decoding when speculation does not pay; long_max: the bound for free
+        drafters that may go long (prediction, history) when adaptive (default: default_long_max)."""
+        if draft_max is not None and (not isinstance(draft_max, int) or not (0 <= draft_max <= MAX_DRAFT)):
             raise SettingsError(f"--draft-max must be an integer in [0, {MAX_DRAFT}], got {draft_max!r}")
         if long_max is not None and (not isinstance(long_max, int) or not (1 <= long_max <= MAX_DRAFT)):
             raise SettingsError(f"long_max must be an integer in [1, {MAX_DRAFT}], got {long_max!r}")
         self.target = target
         self.drafter = drafter
-        self.draft_max = draft_max
         self.draft_min = draft_min
         self.adaptive = adaptive
         self.long_max = LONG_MAX if long_max is None else long_max
@@ -104,14 +113,14 @@ class Engine:
         self.prediction_policy = None  # the policy of an engine without a drafter, given a prediction
         self._scored: tuple[list[int], int, list[TokenLogprob]] = ([], 0, [])  # prompt_logprobs: tokens, n_top, entries
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
-        if drafter is None or draft_max == 0:
-            self.policy = FixedPolicy(0)
-        elif adaptive:
+        if drafter is not None and adaptive and draft_max != 0:
             self._load_costs()
-            self.policy = AdaptivePolicy(k_max=draft_max, k_min=min(draft_min, draft_max),
+            self.draft_max = default_draft_max(self.cost_profile) if draft_max is None else draft_max
+            self.policy = AdaptivePolicy(k_max=self.draft_max, k_min=min(draft_min, self.draft_max),
                                          cost_prior=self.cost_profile, t1_prior=target.one_pass_seconds())
         else:
-            self.policy = FixedPolicy(draft_max)
+            self.draft_max = DRAFT_MAX if draft_max is None else draft_max
+            self.policy = FixedPolicy(self.draft_max if drafter is not None else 0)
 
     def _load_costs(self) -> None:
         """Read the target's cost profile (measured once per machine where none is cached); the adaptive

@@ -192,6 +192,24 @@ def test_a_cancelled_request_stops_the_draft_models_prompt_between_passes():
     assert again.stats.drafted > 0
 
 
+@pytest.mark.parametrize("profile,adaptive,expected", [
+    ({1: 1.0, 2: 1.0, 4: 1.0, 8: 1.05, 16: 1.1}, True, 8),  # a GPU's passes: flat
+    ({1: 1.0, 2: 1.08, 4: 1.23, 8: 1.72, 16: 2.12}, True, 4),  # Sapphire Rapids, 2 cores (measured)
+    (None, True, 4),  # unknown
+    ({1: 1.0, 8: 1.0}, False, 4),  # a fixed k is the user's, or 4
+])
+def test_the_default_draft_bound_follows_the_targets_pass_costs(profile, adaptive, expected):
+    """Without --draft-max the adaptive policy may draft up to 8 where an 8-token pass costs at most 1.3 one-token
+    passes (longer drafts pay there), else 4; the outputs stay plain decoding's."""
+    target = _Priced(profile)  # (below)
+    eng = Engine(target, ModelDrafter(TableBackend(V, seed=0), V), draft_max=None, adaptive=adaptive)
+    assert eng.draft_max == expected
+    if adaptive:
+        assert eng.policy.k_max == expected
+    assert eng.generate(PROMPT, max_tokens=30).tokens == Engine(TableBackend(V, seed=0)).generate(
+        PROMPT, max_tokens=30).tokens
+
+
 def test_bad_settings():
     eng = make_engine(4, n_ctx=10)
     with pytest.raises(SettingsError):

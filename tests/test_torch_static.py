@@ -93,6 +93,23 @@ def test_speculative_greedy_equals_plain(draft_shape):
         assert r.stats.accepted > r.stats.drafted // 2
 
 
+def test_a_fixed_width_target_prices_its_passes_by_construction_and_drafts_longer():
+    """A static target's passes up to its width cost the same (ceil(n / rows) passes of one shape): its cost
+    profile says so, so the adaptive policy's default bound on k is 8 (engine.default_draft_max) and long free
+    drafts 32; a draft in shape classes has no such profile."""
+    from speculant.drafters.model import ModelDrafter
+    from speculant.engine import DRAFT_MAX_FLAT, LONG_MAX_CHEAP
+
+    target = random_backend("tiny", rows=16, seed=4)
+    profile = target.cost_profile()
+    assert profile[1] == profile[16] == 1.0 and profile[17] == profile[32] == 2.0 and profile[64] == 4.0
+    draft = random_backend("tiny", seed=4)
+    assert draft.cost_profile() is None
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=None, adaptive=True)
+    assert engine.draft_max == DRAFT_MAX_FLAT and engine.long_max == LONG_MAX_CHEAP
+    assert Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=3, adaptive=True).draft_max == 3
+
+
 @pytest.mark.parametrize("rows", [16, None])
 def test_the_triton_kernels_compute_what_torch_does(rows):
     """kernels='triton' (here in Triton's interpreter) gives the torch kernels' logits, rounding aside, for a

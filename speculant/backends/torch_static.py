@@ -423,6 +423,13 @@ class StaticTorchBackend(TorchBackend):
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
         return self.decode_device(tokens, start, n_logits).cpu().numpy()
 
+    def cost_profile(self) -> Optional[dict[int, float]]:
+        """r(n) by construction for a target of fixed width: n tokens take ceil(n / rows) passes of the same shape
+        (the adaptive policy then times them itself); None for a draft (shape classes)."""
+        if self.rows is None:
+            return None
+        return {n: float(-(-n // self.rows)) for n in range(1, 65)}  # a verify pass: at most 64 tokens
+
     def forward(self, *args, **kwargs):
         raise ModelError(f"{self.name}: the static backend runs whole models only (no layer subsets)")
 
