@@ -1,6 +1,6 @@
 """`speculant bench`: every method on every prompt in one sitting, interleaved; speedups as ratios.
 
-    speculant bench                                   # built-in suite, default Qwen pair, plain vs draft-k4
+    speculant bench                                   # built-in suite, default Qwen pair, plain vs adaptive+lookup
     speculant bench -m smollm2-135m-instruct -md smollm2-135m-instruct --methods plain,draft \
         --draft-max 4,8 --temp 0,0.8 --suite question.jsonl --categories qa,rag --limit 5 --out bench-out
     speculant bench --methods draft,plain-torch,self-spec,mixed    # llama.cpp vs torch runtimes, peak memory
@@ -32,14 +32,14 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p = sub.add_parser("bench", help="benchmark methods against plain decoding (speedup, acceptance, τ)",
                        description="Run every prompt under every method, interleaved, and report speedups over "
                                    f"plain decoding as ratios. The default is long: the built-in suite's "
-                                   f"{n_builtin} prompts x 128 tokens x plain and draft-k4 on the Qwen pair "
+                                   f"{n_builtin} prompts x 128 tokens x plain and adaptive+lookup (what `generate -md` runs) on the Qwen pair "
                                    "(tens of minutes on a CPU); `--limit 1` runs one prompt per category. Methods: " +
                                    "; ".join(f"{m.name}: {m.help}" for m in METHODS.values()))
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET,
                    help="target model: registered name or GGUF path (default %(default)s)")
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
                    help=f"draft model (default {models.DEFAULT_DRAFT} when -m is the default target)")
-    p.add_argument("--methods", default="plain,draft",
+    p.add_argument("--methods", default="plain,adaptive+lookup",
                    help=f"comma list of methods (plain is always run, plain-torch too with a torch-target method; "
                         f"known: {', '.join(METHODS)})")
     p.add_argument("--draft-max", "--draft", default="4", help="comma list of draft lengths k (default 4)")
