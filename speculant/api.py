@@ -156,8 +156,7 @@ def _chain(*drafters: Optional[Drafter]) -> Optional[Drafter]:
 
 
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optional[bool] = None,
-                 draft_p_min: float = 0.0,
-                 ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
+                 draft_p_min: float = 0.0, ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  self_spec: bool = False, self_spec_exit: Optional[int] = None,
                  draft_vocab: int = DRAFT_VOCAB, history: bool = False,
@@ -221,8 +220,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
 
 def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] = None, *,
                 draft_max: Optional[int] = None, draft_min: int = 1, draft_p_min: float = 0.0,
-                adaptive: bool = True,
-                lookup: Optional[bool] = None, ngram_max: int = 4, ngram_min: int = 2, n_ctx: int = 4096,
+                adaptive: bool = True, lookup: Optional[bool] = None, ngram_max: int = 4, ngram_min: int = 2,
+                n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
                 self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
