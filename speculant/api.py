@@ -155,6 +155,12 @@ def _chain(*drafters: Optional[Drafter]) -> Optional[Drafter]:
     return present[0] if present else None
 
 
+def lookup_by_default(draft_model: Optional[str], self_spec: bool) -> bool:
+    """Whether prompt lookup drafts in front when not asked either way: in front of a model drafter (a draft
+    model or self_spec), whose steps it saves where the text repeats (BENCHMARKS.md, 28th session)."""
+    return bool(draft_model and draft_model not in FREE_DRAFTERS) or self_spec
+
+
 def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optional[bool] = None,
                  draft_p_min: float = 0.0, ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
@@ -174,8 +180,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
-    if lookup is None:  # free drafts in front of a paid drafter
-        lookup = bool(draft_model and draft_model not in FREE_DRAFTERS) or self_spec or self_spec_exit is not None
+    if lookup is None:
+        lookup = lookup_by_default(draft_model, self_spec or self_spec_exit is not None)
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
     history_drafter = HistoryDrafter(max_tokens=history_tokens) if history or draft_model == HISTORY else None
     if draft_model or lookup or history:

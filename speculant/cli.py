@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import models
-from .api import FREE_DRAFTERS, LOOKUP
+from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
@@ -138,7 +138,6 @@ def check_model_flags(args) -> None:
     if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
         raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
                             "the target: add --backend torch")
-    model_drafter = bool(draft and draft not in FREE_DRAFTERS) or self_spec
     if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
         raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
                             "lookup alone pass -md lookup")
@@ -166,8 +165,8 @@ def check_model_flags(args) -> None:
     for name, default in DRAFT_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
-    if args.lookup is None:  # free drafts in front of a paid one (measured: BENCHMARKS.md, 28th session)
-        args.lookup = model_drafter
+    if args.lookup is None:
+        args.lookup = lookup_by_default(draft, self_spec)
 
 
 def build_parser() -> argparse.ArgumentParser:

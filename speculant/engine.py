@@ -513,8 +513,10 @@ class _Output:
                 return True
             stats.generated_tokens += 1
             result.tokens.append(token)
-            result.from_draft.append(i < n_accepted)
-            result.sources.append(source if i < n_accepted else "")
+            drafted = i < n_accepted
+            by = source if drafted else ""  # the drafter that supplied the token, "" for the target's own
+            result.from_draft.append(drafted)
+            result.sources.append(by)
             if n_top is not None:
                 result.logprobs.append(new_logprobs[i])
             piece, stopped = text.add(token)
@@ -524,7 +526,7 @@ class _Output:
                 if n_top is not None:
                     del result.logprobs[text.n_tokens_kept:]
             stats.decode_time = time.perf_counter() - self.t_decode
-            event = TokenEvent(token, piece, i < n_accepted, source if i < n_accepted else "")
+            event = TokenEvent(token, piece, drafted, by)
             if n_top is not None:
                 n_out = text.n_tokens_out()
                 event.logprobs = result.logprobs[self.lp_given:n_out]
