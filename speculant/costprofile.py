@@ -118,6 +118,62 @@ def one_pass_seconds(backend) -> Optional[float]:
     return ms / 1000 if ms > 0 else None
 
 
+# -- the draft model's prompt processing against the target's -------------------------------------------------
+# A draft's prompt costs more per token, relative to the target's, than its decode step does (prompt passes are
+# compute-bound and a narrow model uses its tiles less well: Qwen 0.5B/1.5B here, 0.45-0.54 against a step ratio
+# of 0.30), so a process's first request would under-price it. Each request that prefills both models measures
+# the ratio; it is kept per (draft, target) pair and machine for the next process.
+PROMPT_RATIO_MIN_TOKENS = 64  # shorter prompts are dominated by a pass's fixed costs
+PROMPT_RATIO_RATE = 0.3  # weight of a new measurement against the stored value
+
+
+def prompt_ratio_path(draft, target) -> Optional[Path]:
+    """Where the pair's prompt-cost ratio is kept; None where either model has no file (no key to keep it by)."""
+    from . import models
+
+    if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0":
+        return None
+    try:
+        return models.home() / "costs" / f"prompt-{profile_key(draft)}-over-{profile_key(target)}.json"
+    except (AttributeError, TypeError, OSError):
+        return None
+
+
+def prompt_ratio(draft, target) -> Optional[float]:
+    """The draft's prompt seconds per token over the target's, as earlier requests on this machine measured
+    it; None where none did."""
+    path = prompt_ratio_path(draft, target)
+    try:
+        value = float(json.loads(path.read_text())["ratio"]) if path else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    return value if value and value > 0 else None
+
+
+def observe_prompt_ratio(draft, target, draft_pass: tuple[float, int], target_pass: tuple[float, int]) -> None:
+    """Fold one request's (seconds, tokens) of both models' prompt processing into the stored ratio (atomic
+    write). Ignored for short prompts, or spans too different to compare (a cached prefix on one side)."""
+    (draft_s, draft_n), (target_s, target_n) = draft_pass, target_pass
+    if min(draft_n, target_n) < PROMPT_RATIO_MIN_TOKENS or draft_s <= 0 or target_s <= 0:
+        return
+    if abs(draft_n - target_n) > 0.25 * target_n:
+        return
+    path = prompt_ratio_path(draft, target)
+    if path is None:
+        return
+    ratio = (draft_s / draft_n) / (target_s / target_n)
+    old = prompt_ratio(draft, target)
+    if old is not None:
+        ratio = old + PROMPT_RATIO_RATE * (ratio - old)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+        tmp.write_text(json.dumps({"draft": str(draft.path), "target": str(target.path), "ratio": round(ratio, 4)}))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only loses the prior
+
+
 def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, float]]:
     """r(n) for a llama.cpp backend: cached, else measured now (quick) and cached; None where it cannot be
     measured (another runtime) or SPECULANT_COST_PROFILE=0. Measuring empties the backend's cache."""

@@ -17,7 +17,7 @@ from typing import Iterator, Optional, Sequence
 
 import numpy as np
 
-from . import chat, memory
+from . import chat, costprofile, memory
 from .backends.base import Backend, common_prefix
 from .constraint import Constraint, MaskedRows
 from .drafters.base import EMPTY, Drafter
@@ -442,6 +442,7 @@ class Engine:
         # everything but the last token, which each step feeds
         should_stop = target.should_stop  # this request's
         stats.cached_prompt_tokens = target.prefill(context[:-1]) or 0
+        target_seconds = time.perf_counter() - t0
         if should_stop is not None and should_stop():  # before the draft model's prompt processing
             raise Cancelled("stopped after prompt processing")
         if drafter:
@@ -455,10 +456,15 @@ class Engine:
             if max_tokens > 1 and policy.wants_draft_prefill(
                     drafter.paid, target.sharing(), behind=behind,
                     max_tokens=min(max_tokens, target.n_ctx - n_prompt),
-                    target_prefill=(time.perf_counter() - t0, evaluated), draft_share=self.draft_share):
+                    target_prefill=(target_seconds, evaluated), draft_share=self.draft_share,
+                    prompt_ratio=self.draft_prompt_ratio):
                 t = time.perf_counter()
                 drafter.prepare(context, should_stop)  # the draft model's prompt processing is prefill too
-                policy.observe_draft_prefill(behind, time.perf_counter() - t)
+                draft_seconds = time.perf_counter() - t
+                policy.observe_draft_prefill(behind, draft_seconds)
+                if self.draft_backend is not None:
+                    costprofile.observe_prompt_ratio(self.draft_backend, target, (draft_seconds, behind),
+                                                     (target_seconds, evaluated))
         stats.prefill_time = time.perf_counter() - t0
 
     def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
@@ -471,6 +477,17 @@ class Engine:
     def draft_share(self) -> Optional[float]:
         """The draft models' weights over the target's (memory.draft_share), read once."""
         return memory.draft_share(self)
+
+    @functools.cached_property
+    def draft_backend(self) -> Optional[Backend]:
+        """The one draft model's backend (whose prompt processing the policy prices), else None."""
+        backends = memory.draft_backends(self.drafter)
+        return backends[0] if len(backends) == 1 else None
+
+    @functools.cached_property
+    def draft_prompt_ratio(self) -> Optional[float]:
+        """The draft model's prompt cost per token over the target's, as earlier processes measured it."""
+        return costprofile.prompt_ratio(self.draft_backend, self.target) if self.draft_backend else None
 
     def close(self) -> None:
         if self.drafter:

@@ -55,12 +55,13 @@ def _planned(path: str, role: str, n_ctx: int, verify_positions: int) -> Optiona
             "kv_mb": round(m.kv / 2 ** 20, 1), "compute_mb": round(m.compute / 2 ** 20, 1)}
 
 
-def _draft_backends(drafter) -> list:
+def draft_backends(drafter) -> list:
+    """The backends of the draft models in a drafter (a composite's, recursively); [] for free drafters."""
     if drafter is None:
         return []
     inner = getattr(drafter, "drafters", None)
     if inner:
-        return [b for d in inner for b in _draft_backends(d)]
+        return [b for d in inner for b in draft_backends(d)]
     backend = getattr(drafter, "backend", None)
     return [backend] if backend is not None else []
 
@@ -69,7 +70,7 @@ def draft_share(engine) -> Optional[float]:
     """The draft models' weights over the target's (file sizes): about what their prompt processing costs
     beside the target's, before it was timed. None where a model has no file (torch from a checkpoint)."""
     sizes = []
-    for backend in [engine.target] + _draft_backends(engine.drafter):
+    for backend in [engine.target] + draft_backends(engine.drafter):
         path = getattr(backend, "path", None)
         try:
             sizes.append(os.path.getsize(path))
@@ -87,7 +88,7 @@ def engine_models(engine, draft_max: Optional[int] = None) -> dict:
 
     out = {}
     k = (engine.draft_max if engine.drafter is not None else 0) if draft_max is None else draft_max
-    roles = [("target", engine.target)] + [("draft", b) for b in _draft_backends(engine.drafter)]
+    roles = [("target", engine.target)] + [("draft", b) for b in draft_backends(engine.drafter)]
     for role, backend in roles:
         if isinstance(backend, LlamaCppBackend) and role not in out:
             planned = _planned(str(backend.path), role, backend.n_ctx, k + 1 if role == "target" else 1)

@@ -421,7 +421,7 @@ class AdaptivePolicy:
     def wants_draft_prefill(self, source: Optional[str], sharing: int = 1, *, behind: int = 0,
                             max_tokens: Optional[int] = None,
                             target_prefill: Optional[tuple[float, int]] = None,
-                            draft_share: Optional[float] = None) -> bool:
+                            draft_share: Optional[float] = None, prompt_ratio: Optional[float] = None) -> bool:
         """Should the paid drafter process the new prompt? Only if this request may draft: it starts with a
         probe, or the model says drafting pays, and no other request decodes beside it (sharing: see budget).
         Otherwise the prompt's prefill costs the draft model's share of time to first token for nothing (and
@@ -429,7 +429,8 @@ class AdaptivePolicy:
         cost more than drafting could save over the request's `max_tokens`: at the expected acceptance, and
         when probing even with every draft accepted (an editor's code completion: ~500 new prompt tokens for
         a 30-token answer). target_prefill: (seconds, tokens) of the target's prefill of this prompt, and
-        draft_share (the draft's weights over the target's), to price the draft model's before it was timed."""
+        draft_share (the draft's weights over the target's), to price the draft model's before it was timed;
+        prompt_ratio: its prompt cost per token over the target's as earlier processes measured it (better)."""
         if sharing > 1:
             return False
         if source is None:
@@ -438,7 +439,7 @@ class AdaptivePolicy:
         if not timed and not (self.t1_prior and draft_share):
             return True  # nothing to price the savings with
         if behind > 0 and max_tokens is not None:
-            cost = behind * self._draft_prefill_per_token(source, target_prefill, draft_share)
+            cost = behind * self._draft_prefill_per_token(source, target_prefill, draft_share, prompt_ratio)
             alpha = 1.0 if self.probing else self.acceptance(source)
             if timed:
                 gain = self._gain(source, alpha)
@@ -458,15 +459,19 @@ class AdaptivePolicy:
             self.catchup_per_token.update(seconds / n_tokens, self.rate)
 
     def _draft_prefill_per_token(self, source: str, target_prefill: Optional[tuple[float, int]],
-                                 draft_share: Optional[float] = None) -> float:
+                                 draft_share: Optional[float] = None,
+                                 prompt_ratio: Optional[float] = None) -> float:
         """Seconds per token of the draft model's prompt processing: measured (prefills and catch-ups), else
-        the target's just now scaled by the step costs' ratio (or the weights', before a draft step was timed),
-        else 0 (unknown: no reason to skip)."""
+        the target's just now scaled by the prompt costs' ratio an earlier process measured, or else by the step
+        costs' ratio (or the weights', before a draft step was timed), which under-prices it; else 0 (unknown:
+        no reason to skip)."""
         if self.catchup_per_token.weight:
             return self.catchup_per_token.value
         if target_prefill is None or target_prefill[1] < 16:
             return 0.0
         seconds, n = target_prefill
+        if prompt_ratio:
+            return seconds / n * prompt_ratio
         c = self.draft_step_cost(source)
         share = c / self.target_time(1) if c > 0 and self.target_time(1) > 0 else draft_share or 0.0
         return seconds / n * share

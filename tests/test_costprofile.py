@@ -92,5 +92,40 @@ def test_profile_can_be_switched_off(home, monkeypatch):
     assert costprofile.get(Fake()) is None and costprofile.one_pass_seconds(Fake()) is None
 
 
+class _Model:
+    """What keys a cost file: a model file, a thread count."""
+
+    def __init__(self, path, n_threads=2):
+        self.path, self.n_threads = str(path), n_threads
+
+
+def test_prompt_ratio_is_kept_per_pair_and_folded(home):
+    draft_file, target_file = home / "draft.gguf", home / "target.gguf"
+    draft_file.write_bytes(b"d" * 10)
+    target_file.write_bytes(b"t" * 30)
+    draft, target = _Model(draft_file), _Model(target_file)
+    assert costprofile.prompt_ratio(draft, target) is None
+    costprofile.observe_prompt_ratio(draft, target, (1.0, 500), (2.0, 500))  # 2 ms against 4 ms a token
+    assert costprofile.prompt_ratio(draft, target) == pytest.approx(0.5)
+    costprofile.observe_prompt_ratio(draft, target, (0.6, 500), (2.0, 500))  # 0.3: folded in, not replacing
+    assert costprofile.prompt_ratio(draft, target) == pytest.approx(0.5 + costprofile.PROMPT_RATIO_RATE * -0.2)
+    folded = costprofile.prompt_ratio(draft, target)
+    costprofile.observe_prompt_ratio(draft, target, (0.1, 20), (2.0, 20))  # too short to say
+    costprofile.observe_prompt_ratio(draft, target, (1.0, 500), (2.0, 100))  # the target had most of it cached
+    assert costprofile.prompt_ratio(draft, target) == pytest.approx(folded)
+    assert costprofile.prompt_ratio(target, draft) is None  # the pair, in order
+    assert costprofile.prompt_ratio(_Model(draft_file, n_threads=1), target) is None  # another thread count
+    assert costprofile.prompt_ratio(_Model(home / "gone.gguf"), target) is None  # no file: no key
+    assert costprofile.prompt_ratio(object(), target) is None  # no file at all (a torch checkpoint)
+    costprofile.observe_prompt_ratio(object(), target, (1.0, 500), (2.0, 500))  # nothing to keep it by: ignored
+
+
+def test_prompt_ratio_can_be_switched_off(home, monkeypatch):
+    (home / "a.gguf").write_bytes(b"a")
+    costprofile.observe_prompt_ratio(_Model(home / "a.gguf"), _Model(home / "a.gguf"), (1.0, 500), (2.0, 500))
+    monkeypatch.setenv("SPECULANT_COST_PROFILE", "0")
+    assert costprofile.prompt_ratio(_Model(home / "a.gguf"), _Model(home / "a.gguf")) is None
+
+
 class _NullDrafter:
     paid = True

@@ -555,6 +555,27 @@ def test_draft_share_is_the_weights_ratio(qwen_target, qwen_draft):
     assert draft_share(Engine(qwen_target)) is None
 
 
+def test_the_draft_models_prompt_cost_is_kept_for_the_next_process(qwen_target, qwen_draft, tmp_path, monkeypatch):
+    """A request that prefills both models measures the draft's prompt cost per token over the target's; the next
+    process's engine on the same pair reads it (it prices that process's first draft prefill)."""
+    from speculant import costprofile
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))  # a machine that has measured nothing yet
+    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
+    first = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=4, adaptive=False)
+    assert first.draft_backend is qwen_draft and first.draft_prompt_ratio is None
+    prompt = "Prompt-cost check. " + " ".join(f"item {i}: the value {i * i}." for i in range(60))
+    assert len(qwen_target.tokenize(prompt)) > 2 * costprofile.PROMPT_RATIO_MIN_TOKENS
+    first.generate(prompt, max_tokens=4)
+    ratio = costprofile.prompt_ratio(qwen_draft, qwen_target)
+    assert ratio is not None and 0.1 < ratio < 1.0  # a third of the weights: cheaper, but not a third
+    second = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=4, adaptive=False)
+    assert second.draft_prompt_ratio == ratio
+    from speculant.drafters import LookupDrafter
+
+    assert Engine(qwen_target, LookupDrafter(), draft_max=4, adaptive=False).draft_prompt_ratio is None
+
+
 def test_caches_stay_consistent_after_rejections(qwen_target, qwen_draft):
     """Continuing a speculative run (caches full of rejected drafts) equals a fresh run on the same text."""
     spec = Engine(qwen_target, ModelDrafter(qwen_draft, qwen_target.n_vocab), draft_max=6)

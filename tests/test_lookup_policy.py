@@ -735,3 +735,27 @@ def test_a_first_slow_timing_does_not_set_a_cost():
     for t in (0.040, 0.030, 0.030):  # likewise a first 2-token verify pass
         policy.observe("lookup", 1, 1, 0.0, t, 2, keys=["n3"])
     assert policy.target_time(2) == pytest.approx(0.030)
+
+
+def test_an_earlier_processs_prompt_ratio_prices_the_first_draft_prefill():
+    """A draft's prompt costs more per token, against the target's, than its step does (0.45-0.54 for the Qwen
+    pair against a 0.3 step share), so the first request of a process prices it by the ratio an earlier
+    process measured when there is one; this process's own measurement still comes first."""
+    profile = {n: 1.0 + 0.5 * (n - 1) for n in range(1, 17)}
+    fresh = AdaptivePolicy(k_max=4, cost_prior=profile, t1_prior=0.04)
+    fresh.new_request(0.0)
+    per_token = fresh.t1_prior * fresh._gain("draft", 1.0, draft_step=0.3)
+    prefill = (1600 * 0.014, 1600)
+    n_share = int(1600 * 0.014 * 0.3 / per_token)  # pays from here, priced by the weights' share
+    n_ratio = int(1600 * 0.014 * 0.5 / per_token)  # and from here, priced by a measured prompt ratio of 0.5
+    assert n_share + 10 < n_ratio
+    answer = (n_share + n_ratio) // 2
+    assert fresh.wants_draft_prefill("draft", behind=1600, max_tokens=answer, target_prefill=prefill,
+                                     draft_share=0.3)
+    assert not fresh.wants_draft_prefill("draft", behind=1600, max_tokens=answer, target_prefill=prefill,
+                                         draft_share=0.3, prompt_ratio=0.5)
+    assert fresh.wants_draft_prefill("draft", behind=1600, max_tokens=n_ratio + 2, target_prefill=prefill,
+                                     draft_share=0.3, prompt_ratio=0.5)
+    fresh.observe_draft_prefill(1000, 1000 * 0.014 * 0.3)  # measured in this process: 0.3 after all
+    assert fresh.wants_draft_prefill("draft", behind=1600, max_tokens=answer, target_prefill=prefill,
+                                     draft_share=0.3, prompt_ratio=0.5)
