@@ -662,6 +662,21 @@ class LogprobsFormat:
 # metrics
 
 
+class _BatchedPasses:
+    """The pass gatherer's running counts (batching.GATHERER), read at each scrape: counters, so that rate() and
+    increase() see them as such."""
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        from .batching import GATHERER
+
+        yield CounterMetricFamily("speculant_batched_passes", "forward passes run for concurrent request slots "
+                                  "(--parallel > 1), merged or alone", value=GATHERER.passes)
+        yield CounterMetricFamily("speculant_batched_pass_sequences", "sequences those passes computed (divided "
+                                  "by speculant_batched_passes_total: requests per pass)", value=GATHERER.jobs)
+
+
 class Metrics:
     def __init__(self):
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
@@ -687,12 +702,7 @@ class Metrics:
         self.queue_depth = Gauge("speculant_queue_depth", "requests waiting for a free slot", registry=r)
         self.in_progress = Gauge("speculant_requests_in_progress", "requests generating now (at most --parallel)",
                                  registry=r)
-        from .batching import GATHERER
-
-        Gauge("speculant_batched_passes", "forward passes run for concurrent request slots (--parallel > 1), "
-              "merged or alone", registry=r).set_function(lambda: GATHERER.passes)
-        Gauge("speculant_batched_pass_sequences", "sequences those passes computed (divided by "
-              "speculant_batched_passes: requests per pass)", registry=r).set_function(lambda: GATHERER.jobs)
+        r.register(_BatchedPasses())
         self.tps = Histogram("speculant_tokens_per_second", "decode speed per request", registry=r,
                              buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000))
         self.latency = Histogram("speculant_request_duration_seconds", "request latency, queueing included",

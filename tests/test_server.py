@@ -600,8 +600,8 @@ def test_concurrent_clients_get_their_own_answers(server, client):
     # two slots (the default --parallel): requests decoded together, in passes that computed both. How many of
     # ~150 passes merge depends on how the two slots' phases (prompt, decode) happen to line up: 7 to 30 in runs of
     # the same code here (a bound of 10 failed 1 run in 5); without merging, sequences == passes
-    passes = after["speculant_batched_passes"] - before["speculant_batched_passes"]
-    sequences = after["speculant_batched_pass_sequences"] - before["speculant_batched_pass_sequences"]
+    passes = after["speculant_batched_passes_total"] - before["speculant_batched_passes_total"]
+    sequences = after["speculant_batched_pass_sequences_total"] - before["speculant_batched_pass_sequences_total"]
     assert passes > 0 and sequences >= passes + 2, (passes, sequences)
     assert httpx.get(server + "/health").json()["slots"] == 2
 
