@@ -144,6 +144,8 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
 HISTORY = "history"  # -md history: the suffix structure over the prompt and earlier outputs, no draft model
 FREE_DRAFTERS = (LOOKUP, HISTORY)
+NO_LOOKUP_WITH_LOOKUP = ("--no-lookup turns off prompt lookup in front of a draft model, but -md lookup makes prompt "
+                         "lookup the drafter; leave -md out to decode plainly")
 DRAFT_VOCAB = 0  # default --draft-vocab: 0 keeps the full vocabulary (a cut did not pay for the Qwen pair)
 
 
@@ -180,6 +182,8 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+    if lookup is False and draft_model == LOOKUP:
+        raise SettingsError(NO_LOOKUP_WITH_LOOKUP)
     if lookup is None:
         lookup = lookup_by_default(draft_model, self_spec or self_spec_exit is not None)
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None

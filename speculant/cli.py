@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import models
-from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default
+from .api import FREE_DRAFTERS, LOOKUP, NO_LOOKUP_WITH_LOOKUP, lookup_by_default
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
@@ -141,8 +141,12 @@ def check_model_flags(args) -> None:
     if args.lookup and (not draft or draft == LOOKUP) and not self_spec:
         raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
                             "lookup alone pass -md lookup")
+    if args.lookup is False and draft == LOOKUP:
+        raise SettingsError(NO_LOOKUP_WITH_LOOKUP)
     given = {name for name in DRAFT_DEFAULTS if getattr(args, name) is not None}
     idle: dict[str, str] = {}  # flag -> why it does nothing here
+    if args.lookup is False and not self_spec and (not draft or draft in FREE_DRAFTERS):
+        idle["no_lookup"] = "without a draft model (-md MODEL or --self-spec): prompt lookup goes in front of one"
     if not draft and not self_spec and not getattr(args, "prediction", None) and not getattr(args, "history", False):
         idle.update((n, "without a drafter (-md MODEL, -md lookup or --self-spec): this run decodes plainly")
                     for n in given)
