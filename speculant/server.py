@@ -279,6 +279,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
                     texts.append(part["text"])
                 content = "".join(texts)
             if content is None:
+                if m["role"] != "assistant":  # only an assistant turn (one that calls tools) may leave it out
+                    raise _bad(f"messages[{i}] ({m['role']}) has no 'content'", "messages", "invalid_type")
                 content = ""
             if not isinstance(content, str):
                 raise _bad(f"messages[{i}].content must be a string or an array of text parts", "messages",
