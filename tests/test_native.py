@@ -256,6 +256,17 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+def test_q8_0_q5_0_and_q4_0_rows_take_8_tokens_per_pass_with_avx512_vnni():
+    """Where the variant has AVX-512 VNNI (icelake, zen4), plain Q8_0, Q5_0 and Q4_0 rows take up to 8 tokens per
+    pass over the weights (two per 512-bit register; a 5-token verify pass of a Q8_0 target read its weights twice);
+    the bits are checked above. Q4_1 and Q5_1 keep 4."""
+    fn = _kernel_lib()
+    wide = native.loaded_variant() in ("icelake", "zen4")
+    for qtype in (Q8_0, Q5_0, Q4_0):
+        assert fn.max_group(qtype, 0) == (8 if wide else 4), NAMES[qtype]
+    assert fn.max_group(Q4_1, 0) == fn.max_group(Q5_1, 0) == 4
+
+
 def test_the_batched_types_named_in_python_are_the_builds():
     """native.BATCHED_TYPES (what the warning about one-token-at-a-time targets trusts) is exactly the set of
     quantized types the build's plain-layout kernels take: every other type id gets -1 from the test entry."""

@@ -40,7 +40,8 @@ def check_draft(cfg: "BenchConfig") -> None:
     if names and not cfg.draft_model:
         raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} "
                             f"need{'' if len(names) > 1 else 's'} a draft model: pass -md, or --methods without "
-                            f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,lookup; the default is plain,draft)")
+                            f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,adaptive-lookup; the default, "
+                            "plain,adaptive+lookup, needs one)")
 
 
 @dataclass
