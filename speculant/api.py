@@ -182,8 +182,6 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
-    if lookup is False and draft_model == LOOKUP:
-        raise SettingsError(NO_LOOKUP_WITH_LOOKUP)
     if lookup is None:
         lookup = lookup_by_default(draft_model, self_spec or self_spec_exit is not None)
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
