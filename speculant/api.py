@@ -144,8 +144,6 @@ def warn_unbatched_weights(target: Backend) -> Optional[str]:
 LOOKUP = "lookup"  # -md lookup: prompt lookup instead of a draft model
 HISTORY = "history"  # -md history: the suffix structure over the prompt and earlier outputs, no draft model
 FREE_DRAFTERS = (LOOKUP, HISTORY)
-NO_LOOKUP_WITH_LOOKUP = ("--no-lookup turns off prompt lookup in front of a draft model, but -md lookup makes prompt "
-                         "lookup the drafter; leave -md out to decode plainly")
 DRAFT_VOCAB = 0  # default --draft-vocab: 0 keeps the full vocabulary (a cut did not pay for the Qwen pair)
 
 

@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import models
-from .api import FREE_DRAFTERS, LOOKUP, NO_LOOKUP_WITH_LOOKUP, lookup_by_default
+from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
@@ -142,7 +142,8 @@ def check_model_flags(args) -> None:
         raise SettingsError("--lookup adds prompt lookup in front of a draft model (-md MODEL); for prompt "
                             "lookup alone pass -md lookup")
     if args.lookup is False and draft == LOOKUP:
-        raise SettingsError(NO_LOOKUP_WITH_LOOKUP)
+        raise SettingsError("--no-lookup turns off prompt lookup in front of a draft model, but -md lookup makes "
+                            "prompt lookup the drafter; leave -md out to decode plainly")
     given = {name for name in DRAFT_DEFAULTS if getattr(args, name) is not None}
     idle: dict[str, str] = {}  # flag -> why it does nothing here
     if args.lookup is False and not self_spec and (not draft or draft in FREE_DRAFTERS):

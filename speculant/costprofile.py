@@ -139,15 +139,18 @@ def prompt_ratio_path(draft, target) -> Optional[Path]:
         return None
 
 
-def prompt_ratio(draft, target) -> Optional[float]:
-    """The draft's prompt seconds per token over the target's, as earlier requests on this machine measured
-    it; None where none did."""
-    path = prompt_ratio_path(draft, target)
+def _read_ratio(path: Optional[Path]) -> Optional[float]:
     try:
         value = float(json.loads(path.read_text())["ratio"]) if path else None
     except (OSError, ValueError, KeyError, TypeError):
         return None
     return value if value and value > 0 else None
+
+
+def prompt_ratio(draft, target) -> Optional[float]:
+    """The draft's prompt seconds per token over the target's, as earlier requests on this machine measured
+    it; None where none did."""
+    return _read_ratio(prompt_ratio_path(draft, target))
 
 
 def observe_prompt_ratio(draft, target, draft_pass: tuple[float, int], target_pass: tuple[float, int]) -> None:
@@ -162,7 +165,7 @@ def observe_prompt_ratio(draft, target, draft_pass: tuple[float, int], target_pa
     if path is None:
         return
     ratio = (draft_s / draft_n) / (target_s / target_n)
-    old = prompt_ratio(draft, target)
+    old = _read_ratio(path)
     if old is not None:
         ratio = old + PROMPT_RATIO_RATE * (ratio - old)
     try:
