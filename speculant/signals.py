@@ -29,7 +29,8 @@ class deferred_signals:
     def __enter__(self) -> "deferred_signals":
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
-                self.previous[s] = signal.signal(s, self._record)
+                if signal.getsignal(s) is not signal.SIG_IGN:  # an ignored signal stays ignored (`cmd &`, nohup)
+                    self.previous[s] = signal.signal(s, self._record)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -65,6 +65,20 @@ def test_signal_while_loading_stops_at_once(target, sig, code):
     assert "tokens/s" not in err  # no generation ran after the signal
 
 
+def test_an_ignored_sigint_stays_ignored_while_loading(target):
+    # a command started with SIGINT ignored (`cmd &` in a script, nohup) must not take a Ctrl-C meant for the
+    # shell's foreground job as a cancel of its model load
+    proc = subprocess.Popen([sys.executable, "-m", "speculant", "generate", "-m", target, "-p", "Hi", "-n", "4"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "SPECULANT_VERBOSE": "1"},
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    wait_for_line(proc.stdout, "llama_model_loader")
+    proc.send_signal(signal.SIGINT)
+    out, err = finish(proc)
+    assert proc.returncode == 0, err
+    assert "tokens/s" in err
+
+
 def test_ctrl_c_while_generating(target):
     proc = start("generate", "-m", target, "-p", "Write a long story about a dragon.", "-n", "2000", "--chat")
     wait_for_line_chars(proc.stdout, 10)
