@@ -265,8 +265,32 @@ def _read_prompt(args) -> str:
         except UnicodeDecodeError:
             raise SpeculantError(f"prompt file {args.file} is not UTF-8 text") from None
     if args.file == "-" or not sys.stdin.isatty():
-        return sys.stdin.read()
+        return _read_stdin("the prompt")
     raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
+
+
+def _read_stdin(what: str) -> str:
+    try:
+        return sys.stdin.buffer.read().decode("utf-8")
+    except UnicodeDecodeError:
+        raise SpeculantError(f"{what} on stdin is not UTF-8 text") from None
+
+
+# flags that carry text (not paths): text that is not UTF-8 reaches Python as surrogate escapes, which the
+# tokenizer cannot encode; such a flag is refused before anything loads
+TEXT_FLAGS = {"prompt": "-p", "stop": "--stop", "grammar": "--grammar", "json_schema": "-j", "api_key": "--api-key",
+              "served_model_name": "--served-model-name"}
+
+
+def check_text_flags(args) -> None:
+    for dest, flag in TEXT_FLAGS.items():
+        value = getattr(args, dest, None)
+        for text in value if isinstance(value, list) else [value]:
+            if isinstance(text, str):
+                try:
+                    text.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise SettingsError(f"{flag} is not UTF-8 text") from None
 
 
 def engine_from_args(args):
@@ -354,7 +378,7 @@ def _read_prediction(path: Optional[str], what: str = "prediction") -> Optional[
     if path is None:
         return None
     if path == "-":
-        return sys.stdin.read()
+        return _read_stdin(f"the {what}")
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
@@ -379,6 +403,12 @@ def cmd_generate(args) -> int:
         raise SettingsError("--logprobs prints with --json: add --json")
     seed = sampling_seed(args.seed)
     params = sampling_params(args, seed)
+    prompt_on_stdin = args.prompt is None and args.file in (None, "-")
+    readers = [flag for flag, on_stdin in (("the prompt", prompt_on_stdin), ("--prediction", args.prediction == "-"),
+                                           ("--suffix", args.suffix == "-")) if on_stdin]
+    if len(readers) > 1:
+        raise SettingsError(f"{' and '.join(readers)} would both read stdin: give all but one a file (-p TEXT or "
+                            f"-f FILE for the prompt)")
     prediction = _read_prediction(args.prediction)
     suffix = _read_prediction(args.suffix, "suffix")
     if suffix is not None and args.chat:
@@ -524,6 +554,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         if args.command is None:
             parser.print_help(sys.stderr)
             return 2
+        check_text_flags(args)
         if args.command in MODEL_COMMANDS:
             check_model_flags(args)
         handlers = {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}

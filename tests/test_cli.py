@@ -109,6 +109,37 @@ def test_bad_settings_get_a_clear_error(small, args, fragment):
     assert_clean_error(run("generate", "-m", small, "-p", "hi", *args), fragment)
 
 
+def test_text_that_is_not_utf8_is_refused_before_loading(small, tmp_path):
+    latin1 = "café au lait".encode("latin-1")
+
+    def run_bytes(*args, stdin=None):  # argv and stdin as raw bytes
+        proc = subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, input=stdin,
+                              env={**os.environ, "SPECULANT_VERBOSE": "1"}, timeout=300)
+        proc.stderr = proc.stderr.decode("utf-8", "replace")
+        return proc
+
+    suite = tmp_path / "latin1.jsonl"
+    suite.write_bytes(b'{"turns": ["' + latin1 + b'"]}\n')
+    for proc, fragment in [
+        (run_bytes("generate", "-m", small, stdin=latin1), "the prompt on stdin is not UTF-8"),
+        (run_bytes("generate", "-m", small, "-p", latin1), "-p is not UTF-8"),
+        (run_bytes("generate", "-m", small, "-p", "hi", "--stop", latin1), "--stop is not UTF-8"),
+        (run_bytes("generate", "-m", small, "-p", "hi", "--grammar", b'root ::= "' + latin1 + b'"'),
+         "--grammar is not UTF-8"),
+        (run_bytes("generate", "-m", small, "-p", "hi", "--prediction", "-", stdin=latin1),
+         "the prediction on stdin is not UTF-8"),
+        (run_bytes("bench", "-m", small, "--suite", str(suite), "--methods", "plain"), "is not UTF-8"),
+    ]:
+        assert_clean_error(proc, fragment)
+        assert "llama_model_loader" not in proc.stdout.decode(), fragment  # refused before loading
+
+
+def test_two_readers_of_stdin_are_refused(small):
+    for args in (["-f", "-", "--prediction", "-"], ["--prediction", "-"], ["-p", "hi", "--prediction", "-",
+                                                                        "--suffix", "-"]):
+        assert_clean_error(run("generate", "-m", small, *args, stdin="hi"), "would both read stdin")
+
+
 def test_grammar_json_schema_and_logprobs(small, tmp_path):
     schema = '{"type": "object", "properties": {"color": {"enum": ["red", "green", "blue"]}}, "required": ["color"]}'
     base = ["generate", "-m", small, "--chat", "-p", "Name a primary color as JSON.", "-n", "20", "--json"]

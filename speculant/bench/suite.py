@@ -55,6 +55,8 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as e:
         raise SettingsError(f"cannot read suite {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise SettingsError(f"suite {path} is not UTF-8 text") from None
     prompts: list[Prompt] = []
     seen: set[str] = set()
     for no, line in enumerate(lines, 1):
@@ -82,6 +84,8 @@ def read_suite(path: str | Path | None = None) -> list[Prompt]:
                 prediction = pfile.read_text(encoding="utf-8")
             except OSError as e:
                 raise SettingsError(f"{path}:{no}: cannot read prediction_file {pfile}: {e.strerror}") from None
+            except UnicodeDecodeError:
+                raise SettingsError(f"{path}:{no}: prediction_file {pfile} is not UTF-8 text") from None
         if prediction is not None and not isinstance(prediction, str):
             raise SettingsError(f"{path}:{no}: 'prediction' must be a string")
         text = turns[0].replace("{prediction}", prediction) if prediction is not None else turns[0]
