@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 from typing import Optional, Sequence
 
+from .errors import SettingsError, SpeculantError
+
 DEFAULT_PROMPTS = (
     "Write a Python function `is_prime(n)` that checks whether n is prime.",
     "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
@@ -57,7 +59,7 @@ def save_config(target, cfg: dict, path: Optional[str | os.PathLike] = None) -> 
             return p
         except OSError as e:
             errors.append(f"{p}: {e.strerror}")
-    raise OSError("cannot save the calibration: " + "; ".join(errors))
+    raise SpeculantError("cannot save the calibration: " + "; ".join(errors))
 
 
 def candidates(n_layers: int) -> list[list[int]]:
@@ -148,6 +150,12 @@ def _describe(layers: Sequence[int], n: int) -> str:
 def cmd_calibrate(args) -> int:
     from .backends.torch import load_torch_backend
 
+    if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
+        raise SettingsError(f"--prompts must be 1..{len(DEFAULT_PROMPTS)} (the built-in prompts), got {args.prompts}")
+    if args.draft_max < 1:
+        raise SettingsError(f"--draft-max must be >= 1, got {args.draft_max}")
+    if args.n_predict < 1:
+        raise SettingsError(f"-n must be >= 1, got {args.n_predict}")
     target = load_torch_backend(args.model, dtype=args.dtype, device=args.device, n_ctx=args.ctx_size,
                                 threads=args.threads)
     prompts = DEFAULT_PROMPTS[: args.prompts]

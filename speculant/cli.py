@@ -570,6 +570,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         # killed by SIGPIPE does; stdout now points at /dev/null so that Python's flush at exit stays quiet
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 141
+    except OSError as e:  # a file or stream the command could not read or write: one line, not a traceback
+        where = f": {e.filename}" if e.filename else ""
+        print(f"speculant: error: {e.strerror or e}{where}", file=sys.stderr)
+        return 1
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

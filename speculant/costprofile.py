@@ -190,5 +190,10 @@ def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, fl
     pass_times_ms(backend, QUICK_SIZES[:2])  # warm-up
     rounds_ms = [pass_times_ms(backend, QUICK_SIZES) for _ in range(rounds)]
     times = {n: statistics.median(r[n] for r in rounds_ms) for n in QUICK_SIZES}
-    save(backend, times, source=f"quick: median of {rounds} rounds at load")
+    try:
+        save(backend, times, source=f"quick: median of {rounds} rounds at load")
+    except OSError as e:  # a read-only cache: this process uses what it measured, the next measures again
+        print(f"speculant: warning: cannot cache the pass costs in {profile_path(backend).parent}: "
+              f"{e.strerror or e}", file=sys.stderr)
+        return from_times(times)
     return load(backend)

@@ -7,6 +7,7 @@ and moved into the cache with an atomic rename, so an interrupted pull never lea
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import hashlib
 import json
@@ -266,7 +267,13 @@ def pull(name: str, *, quiet: bool = False) -> Path:
         raise ModelError(f"unknown model {name!r}; registered models: {known}")
     spec = REGISTRY[name]
     final = cached_path(name)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        if not os.access(final.parent, os.W_OK) and not final.exists():
+            raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+    except OSError as e:
+        raise ModelError(f"cannot write models into {final.parent} ({e.strerror or e}); set SPECULANT_HOME to a "
+                         f"writable directory") from None
     sweep_stale_pulls(final.parent)
     if final.exists() and (final.stat().st_size == spec.size or spec.derived_from):
         return final

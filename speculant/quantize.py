@@ -154,11 +154,15 @@ def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, 
          token_embedding_type: int = -1, threads: Optional[int] = None, imatrix: Optional[str] = None,
          progress: bool = True, desc: str = "quantizing") -> None:
     """Quantize src into final through a staging file beside it: final appears whole or not at all."""
-    final.parent.mkdir(parents=True, exist_ok=True)
     spec = {"input": str(src), "ftype": ftype, "threads": threads or os.cpu_count() or 1,
             "allow_requantize": allow_requantize, "output_tensor_type": output_tensor_type,
             "token_embedding_type": token_embedding_type, "imatrix": str(imatrix) if imatrix else None}
-    with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent) as tmp:
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        staging = tempfile.TemporaryDirectory(prefix=STAGING_PREFIX, dir=final.parent)
+    except OSError as e:
+        raise SettingsError(f"cannot write {final}: {e.strerror or e}") from None
+    with staging as tmp:
         staged = Path(tmp) / final.name
         _run_child({**spec, "output": str(staged)}, desc, progress)
         models.check_gguf(staged)

@@ -369,6 +369,21 @@ def test_output_cut_short_or_unwritable_is_not_a_traceback(small):
         assert_clean_error(proc, "cannot write the output")
 
 
+def test_places_that_cannot_be_written_are_one_line_errors(small, tmp_path):
+    blocker = tmp_path / "a-file"  # nothing can be made below a file, whoever runs the test (root included)
+    blocker.write_text("")
+    assert_clean_error(run("pull", "gemma-3-270m", env={"SPECULANT_HOME": str(blocker / "home")}),
+                       "cannot write models into", "SPECULANT_HOME")
+    assert_clean_error(run("quantize", small, "--type", "Q8_0", "--allow-requantize", "-o", str(blocker / "q.gguf")),
+                       "cannot write", "q.gguf")
+    if os.path.exists("/dev/full"):
+        for command in ("models", "doctor"):
+            with open("/dev/full", "w") as full:
+                proc = subprocess.run([sys.executable, "-m", "speculant", command], stdout=full,
+                                      stderr=subprocess.PIPE, text=True, timeout=300)
+            assert_clean_error(proc, "No space left")
+
+
 def test_a_corrupt_local_index_is_reported_and_never_overwritten(tmp_path, monkeypatch):
     home = tmp_path / "home"
     (home / "models").mkdir(parents=True)

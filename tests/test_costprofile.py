@@ -83,6 +83,26 @@ def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys
         b.close()
 
 
+@pytest.mark.models
+def test_a_cache_that_cannot_be_written_keeps_the_measured_profile(tmp_path, monkeypatch, capsys):
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    path = models.cached_path(SMALL)
+    if not path.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    monkeypatch.setenv("SPECULANT_HOME", str(blocker / "home"))  # no directory can be made there
+    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
+    b = LlamaCppBackend(path, n_ctx=512, n_threads=1)
+    try:
+        prof = b.cost_profile()
+        assert "cannot cache the pass costs" in capsys.readouterr().err
+        assert sorted(prof) == costprofile.QUICK_SIZES and prof[1] == 1.0
+    finally:
+        b.close()
+
+
 def test_profile_can_be_switched_off(home, monkeypatch):
     monkeypatch.setenv("SPECULANT_COST_PROFILE", "0")
 
