@@ -31,6 +31,16 @@ def uses_static_torch(device: Optional[str], self_spec: bool = False) -> bool:
     return resolve_device(device).startswith("cuda") and not self_spec
 
 
+MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashes inside its thread pool
+
+
+def check_threads(threads: Optional[int], flag: str) -> None:
+    """None (all cores) or 1..MAX_THREADS."""
+    if threads is not None and not 1 <= threads <= MAX_THREADS:
+        raise SettingsError(f"{flag} must be 1..{MAX_THREADS}, got {threads} (this machine has {os.cpu_count()} "
+                            f"cores)")
+
+
 def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None, role: str = "target",
                  backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  rpc: Sequence[str] = (), tensor_split: Optional[str] = None, parallel: int = 1,
@@ -46,8 +56,7 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
     uses_static_torch)."""
     if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
-    if threads is not None and threads < 1:
-        raise SettingsError(f"--threads must be >= 1, got {threads}")
+    check_threads(threads, "--threads")
     if backend not in BACKENDS:
         raise SettingsError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
     check_parallel(parallel)
@@ -250,8 +259,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     bound = MAX_DRAFT if draft_max is None else draft_max  # None: the engine's default, at least draft_min
     if not isinstance(draft_min, int) or not (0 <= draft_min <= max(bound, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
-    if draft_threads is not None and draft_threads < 1:
-        raise SettingsError(f"--threads-draft must be >= 1, got {draft_threads}")
+    check_threads(draft_threads, "--threads-draft")
     check_parallel(parallel)
     if parallel > 1 and (self_spec or self_spec_exit is not None):
         raise SettingsError("--self-spec runs on the torch backend, which serves one request at a time (--parallel 1)")

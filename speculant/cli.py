@@ -129,8 +129,10 @@ def check_model_flags(args) -> None:
     if args.ctx_size_draft not in (None, 0, args.ctx_size):
         raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
                             f"{args.ctx_size}), as it holds the same tokens; leave -cd out")
-    if args.threads_draft is not None and args.threads_draft < 1:
-        raise SettingsError(f"--threads-draft must be >= 1, got {args.threads_draft}")
+    from .api import check_threads
+
+    check_threads(args.threads, "--threads")
+    check_threads(args.threads_draft, "--threads-draft")
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
     draft = args.model_draft

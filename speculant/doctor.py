@@ -131,6 +131,9 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
 
 
 def run(args) -> int:
+    from .api import check_threads
+
+    check_threads(args.threads, "--threads")
     facts = collect(args.threads)
     print(json.dumps(facts, indent=2) if args.json else render(facts))
     return 0 if "error" not in facts["llama.cpp"] else 1

@@ -113,8 +113,9 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
                             f"output for this model, .gguf or .dat); IQ3_S, IQ3_M and Q2_K do not need one")
     out_type = tensor_type(output_tensor_type, "--output-tensor-type") if output_tensor_type else -1
     embd_type = tensor_type(token_embedding_type, "--token-embedding-type") if token_embedding_type else -1
-    if threads is not None and threads < 1:
-        raise SettingsError(f"--threads must be >= 1, got {threads}")
+    from .api import check_threads
+
+    check_threads(threads, "--threads")
     src = models.resolve(model)  # missing or corrupt input: a clear ModelError
     already = quantized_types(src)
     if already and not allow_requantize:

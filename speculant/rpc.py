@@ -282,8 +282,9 @@ def cmd_worker(args) -> int:
 
     if not (0 < args.port < 65536):
         raise SettingsError(f"--port must be in 1..65535, got {args.port}")
-    if args.threads is not None and args.threads < 1:
-        raise SettingsError(f"--threads must be >= 1, got {args.threads}")
+    from .api import check_threads
+
+    check_threads(args.threads, "--threads")
     if args.host not in LOOPBACK:
         print(f"speculant: warning: binding the worker to {args.host}: {INSECURE}", file=sys.stderr, flush=True)
     serve_worker(args.host, args.port, args.threads or os.cpu_count() or 1)
