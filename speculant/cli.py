@@ -442,7 +442,7 @@ def cmd_generate(args) -> int:
             if not args.json and event.text:
                 _write(event.text)
                 printed += len(event.text)
-        speculative = engine.drafter is not None
+        speculative = engine.drafter is not None or prediction is not None
     finally:
         engine.close()
     if args.json:

@@ -294,6 +294,12 @@ def test_stats_line_tells_plain_from_speculative(small):
     spec = run("generate", "-m", small, "-md", small, "--no-adapt", "-p", "The capital of France is", "-n", "8")
     assert spec.returncode == 0 and "drafted " in spec.stderr and "accepted " in spec.stderr
     assert "τ " in spec.stderr
+    # a predicted output drafts without a drafter (here: the plain answer itself)
+    answer = run("generate", "-m", small, "-p", "The capital of France is", "-n", "12")
+    predicted = run("generate", "-m", small, "-p", "The capital of France is", "-n", "12", "--prediction", "-",
+                    stdin=answer.stdout.rstrip("\n"))
+    assert predicted.returncode == 0 and "plain decoding" not in predicted.stderr, predicted.stderr
+    assert "drafted " in predicted.stderr and "'prediction'" in predicted.stderr
 
 
 def test_stop_string_is_in_neither_text_nor_tokens(small, small_target):
