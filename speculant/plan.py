@@ -269,10 +269,15 @@ def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_m
     prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed.
     parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache."""
     api.check_parallel(parallel)
-    if n_ctx == 0:  # the target's training context, as generate's -c 0
-        n_ctx = gguf_facts(_pulled(target))["n_ctx_train"] or 4096
-    if not isinstance(n_ctx, int) or n_ctx < 16:
+    if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
+    n_ctx_train = gguf_facts(_pulled(target))["n_ctx_train"]
+    if n_ctx == 0:  # the target's training context, as generate's -c 0
+        n_ctx = n_ctx_train or 4096
+    elif n_ctx_train and n_ctx > n_ctx_train:  # lowered as the backend lowers it when it loads
+        print(f"speculant: warning: --ctx-size {n_ctx} is more than {target}'s training context "
+              f"({n_ctx_train} tokens); using {n_ctx_train}", file=sys.stderr)
+        n_ctx = n_ctx_train
     if n_prompt is not None and not (isinstance(n_prompt, int) and 1 <= n_prompt <= n_ctx):
         raise SettingsError(f"--prompt-tokens must be an integer in [1, --ctx-size], got {n_prompt!r}")
     out = [plan_model(target, "target", n_ctx, verify_positions=draft_max + 1, n_prompt=n_prompt,

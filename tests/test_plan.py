@@ -157,6 +157,14 @@ def test_ctx_zero_is_the_training_context_as_for_generate():
     assert out["n_ctx"] == plan.gguf_facts(models.cached_path(SMALL))["n_ctx_train"] == 8192
 
 
+def test_a_context_beyond_training_is_lowered_and_said_as_for_generate():
+    need(SMALL)
+    proc = run("plan", "-m", SMALL, "-c", "1000000", "--json")
+    assert proc.returncode == 0 and "training context (8192 tokens); using 8192" in proc.stderr
+    assert json.loads(proc.stdout)["n_ctx"] == 8192
+    assert run("plan", "-m", SMALL, "-c", "1000000", "--prompt-tokens", "9000").returncode != 0  # against 8192
+
+
 def test_a_truncated_file_is_refused_as_by_every_command(tmp_path):
     need(SMALL)
     src = models.cached_path(SMALL)
