@@ -474,14 +474,15 @@ def cmd_models(args) -> int:
     return 0
 
 
-def demo_draft(model: str) -> Optional[str]:
+def demo_draft(model: str, predicted: bool = True) -> Optional[str]:
     """The demo's draft model when -md is not given: the default draft, unless the target is a registered or local
     model of another tokenizer family (SmolLM2: the 0.5B Qwen would out-cost the 135M target it drafts for, through
     text); then none, and the prediction drafts alone."""
     target, draft = models.spec_of(model), models.spec_of(models.DEFAULT_DRAFT)
     if target is not None and target.tokenizer and target.tokenizer != draft.tokenizer:
-        print(f"speculant: no registered draft model shares {model}'s tokenizer ({target.tokenizer}): the predicted "
-              f"output drafts alone (-md NAME chooses one)", file=sys.stderr)
+        alone = "the predicted output drafts alone" if predicted else "the speculative run has no drafter"
+        print(f"speculant: no registered draft model shares {model}'s tokenizer ({target.tokenizer}): {alone} "
+              f"(-md NAME chooses one)", file=sys.stderr)
         return None
     return models.DEFAULT_DRAFT
 
@@ -494,7 +495,7 @@ def cmd_demo(args) -> int:
 
     one_request_pages()
     if args.model_draft is None and not args.self_spec:
-        args.model_draft = demo_draft(args.model)
+        args.model_draft = demo_draft(args.model, predicted=args.prompt is None)
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
                           dtype=args.dtype, device=args.device,
                           self_spec=args.self_spec or args.self_spec_exit is not None, **rpc_kwargs(args))
@@ -502,7 +503,7 @@ def cmd_demo(args) -> int:
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,
                            threads=args.threads_draft or args.threads, draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
                            self_spec=args.self_spec, self_spec_exit=args.self_spec_exit,
-                           draft_vocab=args.draft_vocab)
+                           draft_vocab=args.draft_vocab, history=args.history)
     plain = Engine(target)
     spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)
@@ -517,8 +518,10 @@ def cmd_demo(args) -> int:
     runs = {}
     for label, engine in (("plain", plain), ("speculative", spec)):
         drafters = ([f"the file as predicted output ({DEMO_FILE.split('/')[-1]})"] if prediction else []) + \
-                   ([args.model_draft] if engine.drafter else [])
-        print(f"--- {label} ({target.name}{' + ' + ', then '.join(drafters) if label == 'speculative' else ''}) ---")
+                   ([args.model_draft] if engine.drafter and args.model_draft else []) + \
+                   (["history drafting"] if engine.drafter and args.history else []) + \
+                   (["its own first layers"] if engine.drafter and args.self_spec else [])
+        print(f"--- {label} ({target.name}{' + ' + ', then '.join(drafters) if label == 'speculative' and drafters else ''}) ---")
         runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True,
                                           prediction=prediction if label == "speculative" else None)
         print(r.text)

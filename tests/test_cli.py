@@ -178,6 +178,12 @@ def test_bad_models_get_a_clear_error(small, tmp_path):
     with open(models.cached_path(small), "rb") as src:
         truncated.write_bytes(src.read(20_000_000))
     assert_clean_error(run("generate", "-m", str(truncated), "-p", "hi"), "truncated")
+    pytest.importorskip("transformers")
+    foreign = tmp_path / "foreign"  # a directory goes to transformers: a config it cannot read is one line too
+    foreign.mkdir()
+    for config in ("{}", "{"):
+        (foreign / "config.json").write_text(config)
+        assert_clean_error(run("generate", "-m", str(foreign), "-p", "hi"), "transformers cannot load")
 
 
 def test_draft_with_another_vocabulary_drafts_through_text(small):
@@ -360,6 +366,11 @@ def test_demo_drafts_with_the_default_draft_only_for_its_tokenizer(small, capsys
     assert proc.returncode == 0, proc.stderr
     assert "identical output: yes" in proc.stdout and "then qwen" not in proc.stdout
     assert "the file as predicted output" in proc.stdout
+    assert demo_draft(SMALL, predicted=False) is None  # `demo -p TEXT` has no prediction to draft alone
+    assert "the speculative run has no drafter" in capsys.readouterr().err
+    # --history reaches the demo's drafter (it was accepted and dropped)
+    proc = run("demo", "-m", SMALL, "-n", "8", "-t", "1", "--history", "-p", "Say hi.")
+    assert proc.returncode == 0 and "history" in proc.stdout, proc.stdout + proc.stderr
 
 
 def test_output_cut_short_or_unwritable_is_not_a_traceback(small):

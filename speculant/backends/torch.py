@@ -541,7 +541,11 @@ def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device
     except Exception:
         tok = None
     _register_attention()  # fixed-shape attention: see the module docstring
-    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTENTION)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, attn_implementation=ATTENTION)
+    except (OSError, ValueError, KeyError) as e:  # a broken or foreign config.json, missing weights
+        raise ModelError(f"transformers cannot load {path}: {str(e).splitlines()[0] if str(e) else type(e).__name__}") \
+            from None
     model.to(device)
     specials_file = path / "gguf_specials.json"
     specials = json.loads(specials_file.read_text()) if specials_file.exists() else {}
