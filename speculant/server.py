@@ -27,6 +27,7 @@ non-text modalities, or presence/frequency penalties > 0 (400, param naming the 
 """
 
 import asyncio
+import codecs
 import dataclasses
 import errno
 import hmac
@@ -625,7 +626,17 @@ class LogprobsFormat:
 
     def __init__(self, backend, chat: bool):
         self.backend, self.chat = backend, chat
-        self.offset = 0  # completions' text_offset of the next token
+        self.offset = 0  # completions' text_offset of the next token: characters of the text completed before it
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")  # a character may span tokens
+
+    def _name(self, token: int) -> str:
+        """Completions' name of a token: its text, or where its bytes are not whole UTF-8 characters OpenAI's
+        "bytes:\\xe3\\x81" form (distinct tokens keep distinct names, so top_logprobs keys never collide)."""
+        raw = self.backend.token_bytes(token)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
 
     def _token(self, token: int) -> tuple[str, list[int]]:
         raw = self.backend.token_bytes(token)
@@ -646,17 +657,17 @@ class LogprobsFormat:
             return {"content": content, "refusal": None}
         out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
         for e in entries:
-            text, _ = self._token(e.token)
-            out["tokens"].append(text)
+            name = self._name(e.token)
+            out["tokens"].append(name)
             out["token_logprobs"].append(e.logprob)
             # as OpenAI's: the top alternatives, and the chosen token's own logprob beside them (none for an
             # echoed prompt's first token)
-            top = {self._token(t)[0]: lp for t, lp in e.top}
+            top = {self._name(t): lp for t, lp in e.top}
             if e.logprob is not None:
-                top.setdefault(text, e.logprob)
+                top[name] = e.logprob
             out["top_logprobs"].append(top if e.logprob is not None else None)
             out["text_offset"].append(self.offset)
-            self.offset += len(text)
+            self.offset += len(self.decoder.decode(self.backend.token_bytes(e.token)))
         return out
 
 

@@ -190,7 +190,10 @@ def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
         kept.append(text[pos:m.start()])
         pos = m.end()
         calls.append(call)
-    kept.append(text[pos:])
+    rest = text[pos:]
+    if calls and OPEN in rest:  # a further call the token limit cut off: not text the model meant to say
+        rest = rest[:rest.index(OPEN)]
+    kept.append(rest)
     if not calls:
         bare = _bare(text, names) if names else []
         return Parsed(None, bare) if bare else Parsed(text or None, [])

@@ -1024,3 +1024,31 @@ def test_serve_help_says_what_n_means():
     out = subprocess.run([SPECULANT, "serve", "--help"], capture_output=True, text=True).stdout
     assert "max_tokens of requests that do not set it" in " ".join(out.split())
     assert "8080" in out
+
+
+def test_completions_logprobs_name_partial_characters_by_their_bytes():
+    """Tokens that hold part of a UTF-8 character: OpenAI's "bytes:\\x.." names (distinct, so top_logprobs keys do
+    not collide and the chosen token's entry is its own), and text_offset counts the characters completed before
+    each token, never past the text."""
+    from speculant.server import LogprobsFormat
+    from speculant.verify import TokenLogprob
+
+    vocab = {0: " \xe3".encode("latin-1"), 1: b"\x81", 2: b"\x8a", 3: b"\x8f", 4: b"!"}  # " お" split, then "!"
+
+    class Vocab:
+        def token_bytes(self, token):
+            return vocab[token]
+
+    fmt = LogprobsFormat(Vocab(), chat=False)
+    entries = [TokenLogprob(0, -0.5, ((0, -0.5), (4, -1.0))), TokenLogprob(1, -0.1, ((2, -0.05), (1, -0.1))),
+               TokenLogprob(2, -0.2, ((3, -0.3), (1, -2.0)))]
+    first = fmt(entries)
+    later = fmt([TokenLogprob(4, -0.7, ((4, -0.7),))])  # the next stream chunk keeps counting
+    text = " " + "\u304a" + "!"
+    assert first["tokens"] == ["bytes:\\x20\\xe3", "bytes:\\x81", "bytes:\\x8a"] and later["tokens"] == ["!"]
+    assert first["top_logprobs"][1] == {"bytes:\\x8a": -0.05, "bytes:\\x81": -0.1}
+    assert all(top[name] == lp for top, name, lp in zip(first["top_logprobs"], first["tokens"],
+                                                        first["token_logprobs"]))
+    offsets = first["text_offset"] + later["text_offset"]
+    assert offsets == [0, 1, 1, 2] and all(o <= len(text) for o in offsets)
+    assert text[offsets[3]:] == "!"

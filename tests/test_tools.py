@@ -56,6 +56,9 @@ def test_parse_calls():
     assert len({c["id"] for c in p.calls}) == 2
     only = parse_calls(f'{OPEN}{{"name": "add", "arguments": {{}}}}{CLOSE}')
     assert only.content is None and len(only.calls) == 1
+    # a second call cut off by the token limit is dropped, not shown as content (it was: '<tool_call>\n{"')
+    cut = parse_calls(f'{OPEN}\n{{"name": "add", "arguments": {{}}}}\n{CLOSE}\n{OPEN}\n{{"')
+    assert cut.content is None and len(cut.calls) == 1
     # not a call: kept as the text the model wrote
     for text in ["no tools here", f"{OPEN} not json {CLOSE}", f'{OPEN}{{"arguments": {{}}}}{CLOSE}',
                  f'{OPEN}{{"name": "add"']:
