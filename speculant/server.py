@@ -146,6 +146,7 @@ class Job:
     # and take its cache (Worker.run)
     started: Any = None  # asyncio.Event
     after: Any = None  # asyncio.Event
+    rides_along: bool = False  # a further choice or prompt of an admitted request: not checked against the queue
 
 
 def _is_int(v) -> bool:
@@ -904,7 +905,7 @@ class Worker:
     async def _run(self, job: Job, result, is_disconnected) -> AsyncIterator:
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        if self.waiting >= self.max_queue and self.slots.locked():
+        if not job.rides_along and self.waiting >= self.max_queue and self.slots.locked():
             raise APIError(503, f"the server is busy ({self.waiting} request{'s' if self.waiting != 1 else ''} "
                                 f"queued); retry later",
                            type="server_error", code="server_overloaded")
@@ -1277,9 +1278,10 @@ def create_app(engine, cfg: ServerConfig):
                 pending[0] = False
         return on_token
 
-    def check_stream_room(n_jobs: int) -> None:
-        """A stream fails here, before its 200 starts, when the queue is full or the server is closing."""
-        if worker.closing or worker.waiting + n_jobs > worker.max_queue + len(worker.free):
+    def check_stream_room() -> None:
+        """A stream fails here, before its 200 starts, when the queue is full or the server is closing (a request
+        counts once, whatever its n or prompts: the first job is admitted, the others ride along)."""
+        if worker.closing or worker.waiting + 1 > worker.max_queue + len(worker.free):
             raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
                            code="server_overloaded")
 
@@ -1375,7 +1377,7 @@ def create_app(engine, cfg: ServerConfig):
             log_request(request, status, t0, result.stats, job.max_tokens)
 
         if job.stream:
-            check_stream_room(1)
+            check_stream_room()
 
             async def sse():
                 async with aclosing(worker.run(job, result)) as events:
@@ -1440,6 +1442,8 @@ def create_app(engine, cfg: ServerConfig):
             for other in jobs[a + 1:a + job.n]:
                 other.after = jobs[a].started
         _wait_for_shared_prefixes(jobs[::job.n])
+        for other in jobs[1:]:  # --max-queue admits requests: the first job decides for all of them
+            other.rides_along = True
         results = [Result("", [], SpecStats()) for _ in jobs]
         formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
         echoed = [_echo_text(j, engine) if j.echo else "" for j in jobs]
@@ -1474,7 +1478,7 @@ def create_app(engine, cfg: ServerConfig):
                             code="shutting_down")
 
         if job.stream:
-            check_stream_room(len(jobs))
+            check_stream_room()
 
             async def sse():
                 sent = [0] * len(jobs)  # characters of each choice's text sent

@@ -908,6 +908,13 @@ def test_a_full_queue_is_a_503_that_says_when_to_retry():
                               timeout=60)
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_overloaded"
         assert busy.headers["retry-after"] == "1" and "(0 requests queued)" in busy.json()["error"]["message"]
+        # an idle server admits a request whatever its n or prompts, streamed or not (a streamed n = 2 was
+        # refused: each choice counted as a queued request)
+        for stream in (False, True):
+            for extra in ({"prompt": "Hi", "n": 2}, {"prompt": ["Hi", "Bye"]}):
+                r = httpx.post(url + "/v1/completions", json={"model": MODEL, "max_tokens": 2, "stream": stream,
+                                                                **extra}, timeout=60)
+                assert r.status_code == 200, (stream, extra, r.text)
     finally:
         _stop(proc)
 
