@@ -219,7 +219,11 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         same_vocab = same_vocabulary(target, draft)
         from .backends.llamacpp import LlamaCppBackend
 
-        if same_vocab and draft_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab:
+        if draft_vocab and not (same_vocab and isinstance(draft, LlamaCppBackend) and draft.n_vocab > draft_vocab):
+            why = (f"the draft has only {draft.n_vocab} token ids" if same_vocab and isinstance(draft, LlamaCppBackend)
+                   else "it cuts a llama.cpp draft of the target's vocabulary")
+            print(f"speculant: warning: --draft-vocab {draft_vocab} has no effect: {why}", file=sys.stderr)
+        elif draft_vocab:
             from .vocabcut import load_cut_draft
 
             draft.close()

@@ -85,6 +85,8 @@ def collect(threads: Optional[int] = None) -> dict:
         "gpu": _gpu(),
         "home": str(models.home()),
         "models": {name: (path.stat().st_size if path.exists() else None) for name, path in cached},
+        "local_models": {name: (Path(e["path"]).stat().st_size if Path(e["path"]).exists() else None)
+                         for name, e in models.local_entries().items()},  # made by `speculant quantize`
     }
 
 
@@ -120,6 +122,8 @@ def render(facts: dict) -> str:
     ]
     for name, size in facts["models"].items():
         lines.append(f"  {name:<30} {f'{size / 2**20:,.0f} MiB' if size else 'not pulled (speculant pull ' + name + ')'}")
+    for name, size in facts.get("local_models", {}).items():
+        lines.append(f"  {name:<30} {f'{size / 2**20:,.0f} MiB' if size else 'file gone'} (local: speculant quantize)")
     return "\n".join(lines)
 
 

@@ -210,8 +210,10 @@ def check_gguf(path: Path) -> None:
             header = f.read(24)
     except OSError as e:
         raise ModelError(f"cannot read model file {path}: {e.strerror}") from None
-    if len(header) < 24 or header[:4] != GGUF_MAGIC:
+    if header[:4] != GGUF_MAGIC:
         raise ModelError(f"{path} is not a GGUF file (bad magic {header[:4]!r})")
+    if len(header) < 24:
+        raise ModelError(f"{path} is truncated: {len(header)} bytes, less than a GGUF header")
     version, n_tensors, n_kv = struct.unpack("<IQQ", header[4:24])
     if version not in (2, 3) or n_tensors > 1_000_000 or n_kv > 1_000_000:
         raise ModelError(f"{path} has a corrupt GGUF header (version {version}, {n_tensors} tensors)")

@@ -213,7 +213,7 @@ def _padded(n_ctx: int) -> int:
 
 def _pulled(model: str) -> Path:
     """The model's GGUF, checked as every command checks it (a truncated one is refused)."""
-    if models.spec_of(model) is not None and not models.cached_path(model).exists():
+    if model in models.REGISTRY and not models.cached_path(model).exists():  # a local model: resolve says it
         raise ModelError(f"{model} is not pulled: the plan reads its GGUF header; run `speculant pull {model}`")
     return models.resolve(model)
 

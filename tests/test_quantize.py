@@ -67,6 +67,7 @@ def test_requantized_model_loads_generates_and_is_registered(home, qtype):
     assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-")]  # nothing staged left
     listed = run("models", env=env)
     assert name in listed.stdout
+    assert f"{name}" in run("doctor", env=env).stdout  # doctor lists what quantize made too
     gen = run("generate", "-m", name, "-md", name, "-p", "The capital of France is", "-n", "8", "--json",
               "-t", "1", env=env)
     assert gen.returncode == 0, gen.stderr
