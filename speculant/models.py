@@ -221,8 +221,9 @@ def check_gguf(path: Path) -> None:
 
     try:
         end = max((t.data_end for t in gguf_tensors(path)), default=0)
-    except ModelError:
-        raise ModelError(f"{path} is a corrupt or truncated GGUF file (ggml cannot parse its metadata)") from None
+    except ModelError as e:  # ggml's reason is in it
+        why = str(e).split("metadata: ", 1)[1].rstrip(")") if "metadata: " in str(e) else "ggml cannot parse it"
+        raise ModelError(f"{path} is a corrupt or truncated GGUF file ({why})") from None
     if end > size:
         raise ModelError(f"{path} is truncated: tensor data ends at byte {end:,} but the file has {size:,}")
 

@@ -178,6 +178,8 @@ def _ggml_base() -> ctypes.CDLL:
         getattr(lib, fn).argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.ggml_type_name.restype = ctypes.c_char_p
     lib.ggml_type_name.argtypes = [ctypes.c_int]
+    lib.ggml_log_get.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_void_p)]
+    lib.ggml_log_set.argtypes = [ctypes.c_void_p, ctypes.c_void_p]
     lib.gguf_find_key.restype = ctypes.c_int64
     lib.gguf_find_key.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
     for fn, restype in (("gguf_get_kv_type", ctypes.c_int), ("gguf_get_val_str", ctypes.c_char_p),
@@ -241,14 +243,33 @@ class GGUFHeader:
         return arch
 
 
+_GGML_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+
+
+@contextmanager
+def _ggml_log_kept(g: ctypes.CDLL):
+    """ggml's log lines while the block runs, kept in a list instead of printed; the logger before is put back."""
+    before_cb, before_data = ctypes.c_void_p(), ctypes.c_void_p()
+    g.ggml_log_get(ctypes.byref(before_cb), ctypes.byref(before_data))
+    lines: list[str] = []
+    keep = _GGML_LOG_CALLBACK(lambda level, text, data: lines.append((text or b"").decode("utf-8", "replace")))
+    g.ggml_log_set(ctypes.cast(keep, ctypes.c_void_p), None)
+    try:
+        yield lines
+    finally:
+        g.ggml_log_set(before_cb, before_data)
+
+
 @contextmanager
 def gguf_header(path):
     """The GGUFHeader of a file, for one or more reads; ModelError when ggml cannot parse it (it says why on
     stderr)."""
     g = _ggml_base()
-    ctx = g.gguf_init_from_file(str(path).encode(), _GGUFInitParams(True, None))
+    with _ggml_log_kept(g) as log:  # the parser's complaint goes into the error, not raw onto stderr
+        ctx = g.gguf_init_from_file(str(path).encode(), _GGUFInitParams(True, None))
     if not ctx:
-        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated metadata)")
+        why = "; ".join(line.strip() for line in log if line.strip())[-300:]
+        raise ModelError(f"{path} is not a readable GGUF file (corrupt or truncated metadata{': ' + why if why else ''})")
     try:
         yield GGUFHeader(g, ctx)
     finally:

@@ -178,6 +178,21 @@ def test_bad_models_get_a_clear_error(small, tmp_path):
     with open(models.cached_path(small), "rb") as src:
         truncated.write_bytes(src.read(20_000_000))
     assert_clean_error(run("generate", "-m", str(truncated), "-p", "hi"), "truncated")
+    cut = tmp_path / "cut-metadata.gguf"  # ends inside the metadata: ggml's reason in the line, nothing raw
+    with open(models.cached_path(small), "rb") as src:
+        cut.write_bytes(src.read(100_000))
+    proc = run("generate", "-m", str(cut), "-p", "hi")
+    assert_clean_error(proc, "corrupt or truncated", "failed to read")
+    assert proc.stderr.strip().count("\n") == 0, proc.stderr
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(tmp_path / "fooarch.gguf"), "fooarch")  # well formed, unknown architecture
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    assert_clean_error(run("generate", "-m", str(tmp_path / "fooarch.gguf"), "-p", "hi"),
+                       "unknown model architecture: 'fooarch'")
     pytest.importorskip("transformers")
     foreign = tmp_path / "foreign"  # a directory goes to transformers: a config it cannot read is one line too
     foreign.mkdir()

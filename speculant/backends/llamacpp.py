@@ -64,8 +64,9 @@ load_backends()  # our wheel picks its CPU kernels (ISA level) at run time: see 
 
 def _last_errors() -> str:
     lines = [line.strip() for line in _LOG if line.strip()]
-    errors = [line for line in lines if "error" in line.lower() or "failed" in line.lower()]
-    return (errors or lines or ["no details"])[-1]
+    errors = [line for line in lines if "error" in line.lower()]  # the cause ("unknown model architecture")
+    failed = [line for line in lines if "failed" in line.lower()]  # before llama.cpp's "failed to load model"
+    return (errors or failed or lines or ["no details"])[-1]
 
 
 class LlamaCppBackend(Backend):
