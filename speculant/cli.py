@@ -518,8 +518,8 @@ def cmd_demo(args) -> int:
     runs = {}
     for label, engine in (("plain", plain), ("speculative", spec)):
         drafters = ([f"the file as predicted output ({DEMO_FILE.split('/')[-1]})"] if prediction else []) + \
-                   ([args.model_draft] if engine.drafter and args.model_draft else []) + \
                    (["history drafting"] if engine.drafter and args.history else []) + \
+                   ([args.model_draft] if engine.drafter and args.model_draft else []) + \
                    (["its own first layers"] if engine.drafter and args.self_spec else [])
         print(f"--- {label} ({target.name}{' + ' + ', then '.join(drafters) if label == 'speculative' and drafters else ''}) ---")
         runs[label] = r = engine.generate(prompt, max_tokens=args.n_predict, params=params, is_chat=True,
