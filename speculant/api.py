@@ -297,16 +297,20 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
              logprobs: Optional[int] = None, suffix: Optional[str] = None) -> Result:
-    """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`.
+    """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`, except that
+    sampling is untruncated unless asked (top_k 0, top_p 1, min_p 0, as OpenAI's API and our server; the CLI takes
+    llama-cli's 40 / 0.95 / 0.05).
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
     logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N
     fills result.logprobs with each token's log-probability and N alternatives. suffix: fill in the middle
     between prompt and suffix (a code model with FIM tokens; Engine.fim_prompt)."""
     params = SamplingParams(temperature, top_k, top_p, min_p, seed,
-                            logit_bias=tuple((int(t), float(b)) for t, b in (logit_bias or {}).items()),
+                            logit_bias=logit_bias or (),
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             repetition_penalty=repetition_penalty)
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:  # before anything loads
+        raise SettingsError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
                          adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history)
     try:

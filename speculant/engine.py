@@ -113,6 +113,8 @@ class Engine:
         self.prediction_policy = None  # the policy of an engine without a drafter, given a prediction
         self._scored: tuple[list[int], int, list[TokenLogprob]] = ([], 0, [])  # prompt_logprobs: tokens, n_top, entries
         self.trace: Optional[list] = None  # a list: each step appends [source, k, accepted, pass, draft steps, catch-up]
+        self.closed = False
+        self._stepping = threading.Lock()  # held while a generation computes a step (released at each yield)
         if drafter is not None and adaptive and draft_max != 0:
             self._load_costs()
             self.draft_max = default_draft_max(self.cost_profile) if draft_max is None else draft_max
@@ -168,6 +170,8 @@ class Engine:
         if suffix is not None:
             tokens = self.fim_prompt(prompt, suffix)
         elif isinstance(prompt, str):
+            if self.closed:
+                raise SettingsError("this engine is closed: load another one")
             if not prompt.strip() and not is_chat:
                 raise SettingsError("the prompt is empty")
             bos = self.target.bos_token
@@ -261,6 +265,13 @@ class Engine:
 
     def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:
         """Token ids as ints, each checked to be in the target's vocabulary (`what` names them in the error)."""
+        try:
+            integral = not isinstance(ids, (bytes, bytearray)) and all(
+                isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)
+        except TypeError:  # not a sequence at all
+            integral = False
+        if not integral:
+            raise SettingsError(f"{what}s must be integers: give text or a list of token ids, got {str(ids)[:60]!r}")
         tokens = [int(t) for t in ids]
         bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
         if bad:
@@ -336,13 +347,21 @@ class Engine:
         (0..MAX_TOP_LOGPROBS) in result.logprobs and the events; they are the same bits as plain decoding's.
         constraint: a grammar the output must follow (constraint.py; e.g. target.grammar(gbnf)); it is
         advanced as tokens are emitted, so it serves one generation."""
-        if not isinstance(max_tokens, int) or max_tokens < 1:
+        if self.closed:
+            raise SettingsError("this engine is closed: load another one")
+        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
+        if not isinstance(params, SamplingParams):
+            raise SettingsError(f"params must be a SamplingParams, got {type(params).__name__} (speculant.generate "
+                                f"takes temperature, top_k, ... as keywords)")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
         bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
         if bad:
             raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
+        if not all(isinstance(s, str) for s in stop):
+            raise SettingsError(f"stop must be a string or a list of strings, got {stop!r}")
         stop = [s for s in stop if s]
         if params.couples and params.seed is None:  # coupled draws asked for without a seed: a random one
             params = dataclasses.replace(params, seed=int(np.random.SeedSequence().generate_state(1, np.uint64)[0]))
@@ -363,8 +382,22 @@ class Engine:
         thread = threading.get_ident()
         target.busy(True)  # concurrent requests' passes wait for this one's (batching.py)
         try:
-            yield from self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs,
-                                  constraint)
+            steps = self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs,
+                               constraint)
+            while True:
+                # one engine computes one step at a time: generations may interleave (a suspended stream), but two
+                # threads stepping at once would share its KV cache (llama.cpp crashes, or answers go wrong)
+                if not self._stepping.acquire(blocking=False):
+                    steps.close()
+                    raise SettingsError("this engine is generating in another thread: give each thread its own "
+                                        "engine (load_engine(..., parallel=N) and engine.for_slot(i))")
+                try:
+                    event = next(steps)
+                except StopIteration:
+                    return
+                finally:
+                    self._stepping.release()
+                yield event
         finally:
             target.busy(False, thread)
 
@@ -490,6 +523,7 @@ class Engine:
         return costprofile.prompt_ratio(self.draft_backend, self.target) if self.draft_backend else None
 
     def close(self) -> None:
+        self.closed = True
         if self.drafter:
             self.drafter.close()
         self.target.close()

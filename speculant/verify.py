@@ -52,6 +52,24 @@ class SamplingParams:
     coupled: Optional[bool] = None
 
     def __post_init__(self):
+        if isinstance(self.logit_bias, dict):  # {token id: bias}, as OpenAI's field, is taken as its pairs
+            object.__setattr__(self, "logit_bias", tuple(self.logit_bias.items()))
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float, np.integer, np.floating)) or isinstance(v, bool):
+                shown = name.replace("_", "-") if name in ("top_p", "min_p") else name.replace("_", " ")
+                raise SettingsError(f"{shown} must be a number, got {v!r}")
+        for name in ("top_k", "seed"):
+            v = getattr(self, name)
+            if not (v is None and name == "seed") and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
+                raise SettingsError(f"{name.replace('_', '-')} must be an integer, got {v!r}")
+        try:
+            pairs = [(t, b) for t, b in self.logit_bias]
+        except (TypeError, ValueError):
+            raise SettingsError(f"logit bias must be {{token id: bias}} or (token id, bias) pairs, got "
+                                f"{self.logit_bias!r}") from None
+        if not all(isinstance(b, (int, float, np.integer, np.floating)) and not isinstance(b, bool) for _, b in pairs):
+            raise SettingsError(f"logit bias values must be numbers, got {self.logit_bias!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
             raise SettingsError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if self.top_k < 0:

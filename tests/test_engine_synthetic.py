@@ -1,6 +1,8 @@
 """The decode loop on tiny synthetic models: exactness (greedy identity, distribution of whole sequences),
 bookkeeping (acceptance when target == draft, call counts) and stopping rules."""
 
+import threading
+
 import numpy as np
 import pytest
 
@@ -312,3 +314,65 @@ def test_long_free_drafts_go_to_32_where_long_passes_are_cheap(r16, want):
     plain._with_prediction([1, 2, 3], 0)
     slot._with_prediction([1, 2, 3], 0)
     assert plain.long_max == want and slot.long_max == want
+
+
+class _Held(TableBackend):
+    """A target whose first pass waits until released: a generation is then mid-step in its thread."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.inside, self.release = threading.Event(), threading.Event()
+
+    def _decode(self, tokens, start, n_logits):
+        if not self.release.is_set():
+            self.inside.set()
+            self.release.wait(30)
+        return super()._decode(tokens, start, n_logits)
+
+
+def test_one_engine_refuses_a_second_thread_mid_step_and_use_after_close():
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=20).tokens
+    target = _Held(V, seed=0)
+    eng = Engine(target, ModelDrafter(TableBackend(V, seed=1), V), draft_max=3)
+    first = {}
+    thread = threading.Thread(target=lambda: first.update(r=eng.generate(PROMPT, max_tokens=20)))
+    thread.start()
+    assert target.inside.wait(30)
+    with pytest.raises(SettingsError, match="generating in another thread"):  # it crashed llama.cpp
+        eng.generate(PROMPT, max_tokens=20)
+    target.release.set()
+    thread.join(30)
+    assert first["r"].tokens == plain  # the first generation is untouched
+    # interleaved on one thread (a suspended stream) is still fine, and exact
+    suspended = eng.stream(PROMPT, max_tokens=20)
+    next(suspended)
+    assert eng.generate(PROMPT, max_tokens=20).tokens == plain
+    assert [next(suspended).token for _ in range(5)] == plain[1:6]
+    eng.close()
+    with pytest.raises(SettingsError, match="closed"):  # it segfaulted on a llama.cpp model
+        eng.generate(PROMPT, max_tokens=4)
+
+
+def test_api_arguments_of_the_wrong_kind_are_settings_errors():
+    eng = Engine(TableBackend(V, seed=0))
+    full = eng.generate(PROMPT, max_tokens=12)
+    stop = f"<{full.tokens[3]}>"  # one string is one stop string (it was split into characters: '<' stopped at once)
+    one = eng.generate(PROMPT, max_tokens=12, stop=stop)
+    assert one.stop_string == stop and one.text == full.text[:full.text.index(stop)]
+    assert one.tokens == eng.generate(PROMPT, max_tokens=12, stop=[stop]).tokens
+    for kwargs, fragment in [
+        (dict(params={"temperature": 0}), "SamplingParams"),
+        (dict(max_tokens=True), "token limit"),
+        (dict(stop=[1]), "stop must be"),
+    ]:
+        with pytest.raises(SettingsError, match=fragment):
+            eng.generate(PROMPT, **kwargs)
+    for prompt in (b"hello", [1.5, 2], None, 5, [True]):
+        with pytest.raises(SettingsError, match="must be integers"):
+            eng.generate(prompt, max_tokens=2)
+    for kwargs, fragment in [(dict(temperature=None), "temperature"), (dict(top_k=2.5), "top-k"),
+                             (dict(seed="1"), "seed"), (dict(top_p=None), "top-p"),
+                             (dict(logit_bias=5), "logit bias"), (dict(logit_bias={1: "x"}), "logit bias")]:
+        with pytest.raises(SettingsError, match=fragment):
+            SamplingParams(**kwargs)
+    assert SamplingParams(logit_bias={1: -2.0}).logit_bias == ((1, -2.0),)  # OpenAI's dict form

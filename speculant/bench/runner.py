@@ -36,12 +36,16 @@ from .suite import Prompt
 
 def check_draft(cfg: "BenchConfig") -> None:
     """Methods that need a draft model have one (checked before anything is printed or loaded)."""
+    from ..api import FREE_DRAFTERS
+
     names = sorted({v.method.name for v in cfg.variants if v.method.needs_draft})
-    if names and not cfg.draft_model:
+    if names and (not cfg.draft_model or cfg.draft_model in FREE_DRAFTERS):
+        free = (f" (-md {cfg.draft_model} is not a model: bench runs prompt lookup and history drafting as the "
+                f"methods lookup, adaptive-lookup and history)" if cfg.draft_model else "")
         raise SettingsError(f"method{'s' if len(names) > 1 else ''} {', '.join(names)} "
                             f"need{'' if len(names) > 1 else 's'} a draft model: pass -md, or --methods without "
                             f"{'them' if len(names) > 1 else 'it'} (e.g. --methods plain,adaptive-lookup; the default, "
-                            "plain,adaptive+lookup, needs one)")
+                            f"plain,adaptive+lookup, needs one){free}")
 
 
 @dataclass
