@@ -13,6 +13,7 @@ through plain sockets (`probe`, `reachable`).
 from __future__ import annotations
 
 import ctypes
+import math
 import os
 import socket
 import struct
@@ -44,14 +45,30 @@ def parse_endpoints(text: str) -> list[str]:
     endpoints = []
     for part in (p.strip() for p in text.split(",")):
         host, sep, port = part.rpartition(":")
-        if not sep or not host or not port.isdigit() or not (0 < int(port) < 65536):
+        if not sep or not host or not (port.isascii() and port.isdigit()) or not (0 < int(port) < 65536):
             raise SettingsError(f"--rpc: {part!r} is not HOST:PORT (e.g. 127.0.0.1:50052)")
         if part in endpoints:
             raise SettingsError(f"--rpc: {part} is listed twice")
+        twin = next((e for e in endpoints if _same_worker(e, part)), None)
+        if twin is not None:  # a second connection to a worker waits for the first to end: it would hang
+            raise SettingsError(f"--rpc: {twin} and {part} are the same worker")
         endpoints.append(part)
     if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
         raise SettingsError(f"--rpc: at most 16 workers, got {len(endpoints)}")
     return endpoints
+
+
+def _same_worker(a: str, b: str) -> bool:
+    """Two HOST:PORTs that resolve to the same address and port (names that do not resolve are compared as
+    written; probing the workers reports those)."""
+    def address(endpoint: str):
+        host, _, port = endpoint.rpartition(":")
+        host = host.strip("[]")
+        try:
+            return socket.getaddrinfo(host, int(port), proto=socket.IPPROTO_TCP)[0][4][:2]
+        except (OSError, UnicodeError):
+            return (host, int(port))
+    return address(a) == address(b)
 
 
 def parse_tensor_split(text: Optional[str], n_workers: int) -> list[float]:
@@ -68,8 +85,8 @@ def parse_tensor_split(text: Optional[str], n_workers: int) -> list[float]:
     if len(weights) != n_workers + 1:
         raise SettingsError(f"--tensor-split takes one weight per --rpc worker ({n_workers}) and optionally one "
                             f"more for this machine, got {len(weights)}")
-    if any(not (w >= 0) for w in weights) or sum(weights) <= 0:
-        raise SettingsError(f"--tensor-split weights must be >= 0 and not all 0, got {text!r}")
+    if any(not (0 <= w < math.inf) for w in weights) or sum(weights) <= 0 or not math.isfinite(sum(weights)):
+        raise SettingsError(f"--tensor-split weights must be finite, >= 0 and not all 0, got {text!r}")
     return weights
 
 

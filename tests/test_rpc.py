@@ -76,12 +76,14 @@ def _endpoints(workers) -> list[str]:
 
 def test_endpoint_and_split_parsing():
     assert parse_endpoints("127.0.0.1:50052, 10.0.0.2:50053") == ["127.0.0.1:50052", "10.0.0.2:50053"]
-    for bad in ("127.0.0.1", "host:port", ":50052", "a:70000", "a:1,a:1"):
+    # the same worker twice, under two names, would hang (its second connection waits for the first to end)
+    for bad in ("127.0.0.1", "host:port", ":50052", "a:70000", "a:1,a:1", "localhost:50052,127.0.0.1:50052",
+                "127.0.0.1:\u0665\u0660\u0666\u0660\u0661"):
         with pytest.raises(SettingsError):
             parse_endpoints(bad)
     assert parse_tensor_split(None, 2) == [1.0, 1.0, 1.0]  # two workers and this machine, equal shares
     assert parse_tensor_split("3,1", 2) == [3.0, 1.0, 0.0]  # no share given for this machine: none
-    for bad in ("1", "1,2,3,4", "a,b", "0,0", "-1,2"):
+    for bad in ("1", "1,2,3,4", "a,b", "0,0", "-1,2", "inf,1", "1e400,1", "nan,1"):
         with pytest.raises(SettingsError):
             parse_tensor_split(bad, 2)
     assert layer_plan(30, [1.0, 1.0, 1.0]) == (20, [1.0, 1.0])  # the last 20 layers on the workers
@@ -114,6 +116,35 @@ def test_greedy_output_equals_local_decoding(workers):
         assert [r.tokens for r in results] == expected
         if draft:
             assert results[1].stats.accepted > 0  # verify passes over several tokens ran on the workers
+
+
+def test_repacked_weight_types_give_the_same_tokens_whatever_the_split(workers):
+    """Q4_0 rows (the default draft's file as a target) are repacked when loaded locally, but RPC workers hold them
+    plain, and the two layouts' sums round differently: the output changed with --tensor-split. Over RPC every
+    layer is plain, so each split gives the tokens of a local run without repacking."""
+    from speculant.api import load_engine
+    from speculant.backends.llamacpp import LlamaCppBackend
+    from speculant.engine import Engine
+    from speculant.verify import SamplingParams
+
+    name = models.DEFAULT_DRAFT
+    if not models.cached_path(name).exists():
+        pytest.skip(f"{name} not pulled")
+    greedy = SamplingParams(0.0, 0, 1.0, 0.0, 0)
+    prompt = "def fibonacci(n):"
+    local = Engine(LlamaCppBackend(models.cached_path(name), n_ctx=512, n_threads=1, repack=False))
+    try:
+        expected = local.generate(prompt, max_tokens=24, params=greedy, logprobs=0)
+    finally:
+        local.close()
+    for split in ("2,1,1", "1,3,0", "1,0,3"):
+        engine = load_engine(name, n_ctx=512, threads=1, rpc=_endpoints(workers), tensor_split=split)
+        try:
+            got = engine.generate(prompt, max_tokens=24, params=greedy, logprobs=0)
+        finally:
+            engine.close()
+        assert got.tokens == expected.tokens, split
+        assert [e.logprob for e in got.logprobs] == [e.logprob for e in expected.logprobs], split  # the same bits
 
 
 def test_a_cancelled_request_stops_the_prompt_on_the_workers(workers):

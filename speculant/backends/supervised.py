@@ -50,8 +50,10 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
         from .llamacpp import LlamaCppBackend
 
         n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
+        # the workers hold their layers in the plain layout (RPC offers no repacked buffers), and the repacked
+        # kernels' sums round differently: layers kept here are plain too, so the output is the same whatever the split
         backend = LlamaCppBackend(path, devices=rpc.rpc_devices(endpoints), n_device_layers=n_device_layers,
-                                  device_split=split, **kwargs)
+                                  device_split=split, repack=False, **kwargs)
         backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
         info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,
