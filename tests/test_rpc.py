@@ -362,3 +362,53 @@ def test_delay_proxy_forwards_both_directions_in_order():
         proxy.kill()
         proxy.wait()
         echo.close()
+
+
+def test_a_worker_that_stops_answering_after_the_check_fails_the_load_in_time(workers, monkeypatch):
+    """A second client of a worker passes the check while the first client's process is still connecting, then
+    waits unanswered: the load hung for its whole 10-minute limit. Now the workers' first answers have their own
+    limit. Here a proxy passes the check's connection through to a real worker and holds the next one."""
+    from speculant.api import load_engine
+    from speculant.backends import supervised
+
+    monkeypatch.setattr(supervised, "CONNECT_S", 3.0)
+    worker = _endpoints(workers)[0].rsplit(":", 1)
+    server = socket.create_server(("127.0.0.1", 0))
+    held = []
+
+    def pipe(src, dst):
+        while data := src.recv(65536):
+            dst.sendall(data)
+
+    def serve():
+        first = True
+        while True:
+            try:
+                conn, _ = server.accept()
+            except OSError:
+                return
+            held.append(conn)
+            if first:  # the check: through to the worker
+                first = False
+                upstream = socket.create_connection((worker[0], int(worker[1])))
+                held.append(upstream)
+                for a, b in ((conn, upstream), (upstream, conn)):
+                    threading.Thread(target=lambda a=a, b=b: _quietly(pipe, a, b), daemon=True).start()
+
+    threading.Thread(target=serve, daemon=True).start()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(WorkerError, match="did not answer this client within 3 s"):
+            load_engine(MODEL, n_ctx=512, threads=1, rpc=[f"127.0.0.1:{server.getsockname()[1]}"])
+        assert time.monotonic() - t0 < 30
+    finally:
+        server.close()
+        for s in held:
+            s.close()
+
+
+def _quietly(fn, *args):
+    try:
+        fn(*args)
+    except OSError:
+        pass

@@ -30,6 +30,8 @@ from .base import Backend, VocabInfo
 
 WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
+CONNECT_S = 20.0  # the workers' first answers while loading: a worker serves one client at a time, and another
+# client's connection waits unanswered until the first leaves
 
 
 def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str,
@@ -52,7 +54,9 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
         n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
         # the workers hold their layers in the plain layout (RPC offers no repacked buffers), and the repacked
         # kernels' sums round differently: layers kept here are plain too, so the output is the same whatever the split
-        backend = LlamaCppBackend(path, devices=rpc.rpc_devices(endpoints), n_device_layers=n_device_layers,
+        devices = rpc.rpc_devices(endpoints)  # every worker has answered (a busy one would not)
+        conn.send(("connected", None))
+        backend = LlamaCppBackend(path, devices=devices, n_device_layers=n_device_layers,
                                   device_split=split, repack=False, **kwargs)
         backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
@@ -168,8 +172,20 @@ class SupervisedBackend(Backend):
         """The child's answer to the call in flight, watching the child and the workers while waiting (and
         should_stop: when it says True, the child is asked to stop the prompt in progress)."""
         t0 = checked = time.monotonic()
+        connected = what != "loading the target"
         try:
-            while not self._conn.poll(WATCH_S):
+            while True:
+                if self._conn.poll(WATCH_S):
+                    status, value = self._conn.recv()
+                    if status != "connected":
+                        break
+                    connected = True
+                    continue
+                if not connected and time.monotonic() - t0 > CONNECT_S:
+                    self._stop()
+                    raise WorkerError(f"the RPC workers {', '.join(self.endpoints)} did not answer this client within "
+                                      f"{CONNECT_S:.0f} s: a worker serves one client at a time; is another process "
+                                      f"using one of them?", self.endpoints[0])
                 if should_stop is not None and should_stop():
                     self._stop_prompt.set()
                 now = time.monotonic()
@@ -182,9 +198,12 @@ class SupervisedBackend(Backend):
                 if now - t0 > timeout:
                     self._stop()
                     raise WorkerError(f"{what} took longer than {timeout:.0f} s; stopped")
-            status, value = self._conn.recv()
         except (EOFError, OSError):
             raise self._failed(what) from None
+        except (KeyboardInterrupt, SystemExit):
+            if what == "loading the target":  # the loading child reads no "close": end it now, not in 5 s
+                self._stop()
+            raise
         if status == "error":
             if what == "loading the target":
                 self._stop()
