@@ -315,6 +315,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):
         raise _bad("'stream_options' must be an object", "stream_options", "invalid_type")
+    if opts is not None and not stream:  # as OpenAI's API: the options of a stream, without one
+        raise _bad("'stream_options' is only allowed when 'stream' is true", "stream_options", "invalid_value")
     include_usage = bool(opts and opts.get("include_usage") is True)
     job = Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,

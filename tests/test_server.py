@@ -655,6 +655,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),  # OpenAI's 400: stream options without a stream
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 17}, 400, "n"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
