@@ -22,6 +22,7 @@ first without top-k still checks every token (exact, and slow).
 from __future__ import annotations
 
 import ctypes
+import math
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -364,20 +365,142 @@ class TriggeredGrammar(Constraint):
 _TOKEN_DATA = np.dtype([("id", "<i4"), ("logit", "<f4"), ("p", "<f4")])  # llama_token_data
 
 
-def json_grammar(schema: Optional[str | dict] = None) -> str:
-    """GBNF for any JSON object (schema None) or for a JSON schema (llama-cpp-python's converter)."""
+# Constraint keywords llama-cpp-python's schema converter drops: a schema that uses one is refused, since answers
+# would not hold to it (integer bounds are enforced by _Converter where the values can be listed)
+UNENFORCED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+              "dependentRequired", "dependentSchemas", "patternProperties", "propertyNames", "minProperties",
+              "maxProperties", "unevaluatedProperties", "unevaluatedItems")
+BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+MAX_LISTED = 4096  # integer values a bound may leave to list one by one
+
+
+def _check_schema(node, path: str = "schema") -> None:
+    """SettingsError naming the first keyword the grammar would not enforce, or an impossible setting."""
+    if isinstance(node, list):
+        for i, item in enumerate(node):
+            _check_schema(item, f"{path}[{i}]")
+        return
+    if not isinstance(node, dict):
+        return
+    for key in UNENFORCED:
+        if key in node:
+            raise SettingsError(f"{path}: '{key}' cannot be enforced by the grammar; remove it (answers would "
+                                f"not hold to it)")
+    if any(key in node for key in BOUNDS) and node.get("type") != "integer":
+        raise SettingsError(f"{path}: bounds ({', '.join(k for k in BOUNDS if k in node)}) are enforced on integers "
+                            f"only; for other numbers remove them")
+    for key in ("minItems", "maxItems", "minLength", "maxLength"):
+        if key in node and not (isinstance(node[key], int) and not isinstance(node[key], bool) and node[key] >= 0):
+            raise SettingsError(f"{path}: '{key}' must be an integer >= 0, got {node[key]!r}")
+    for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
+        if lo in node and hi in node and node[lo] > node[hi]:
+            raise SettingsError(f"{path}: '{lo}' {node[lo]} is more than '{hi}' {node[hi]}: nothing can match")
+    props = node.get("properties")
+    missing = [r for r in node.get("required") or [] if not isinstance(props, dict) or r not in props]
+    if missing and "properties" in node:
+        raise SettingsError(f"{path}: required property '{missing[0]}' is not among 'properties', so the grammar "
+                            f"cannot write it")
+    for key, value in node.items():
+        if key in ("enum", "const", "default", "examples"):
+            continue  # values, not schemas
+        if isinstance(value, (dict, list)):
+            _check_schema(value, f"{path}.{key}")
+
+
+def _integer_range_rule(node: dict) -> Optional[str]:
+    """GBNF for an integer between the node's bounds (with no trailing space), or None where it has none."""
+    if not any(key in node for key in BOUNDS):
+        return None
+    for key in BOUNDS:
+        if key in node and not (isinstance(node[key], (int, float)) and not isinstance(node[key], bool)
+                                and np.isfinite(node[key])):
+            raise SettingsError(f"'{key}' must be a number, got {node[key]!r}")
+    lo = [math.ceil(node["minimum"])] if "minimum" in node else []
+    lo += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
+    hi = [math.floor(node["maximum"])] if "maximum" in node else []
+    hi += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
+    low, high = (max(lo) if lo else None), (min(hi) if hi else None)
+    if low is not None and high is not None:
+        if low > high:
+            raise SettingsError(f"no integer lies between the bounds {low} and {high}")
+        if high - low < MAX_LISTED:
+            return "(" + " | ".join(f'"{v}"' for v in range(low, high + 1)) + ")"
+    elif low is not None and high is None and low >= 0:
+        digits = len(str(low))
+        top = 10 ** digits - 1  # every number with more digits than `low` is above it
+        if top - low < MAX_LISTED:
+            listed = " | ".join(f'"{v}"' for v in range(low, top + 1))
+            return f'({listed} | [1-9] [0-9]{{{digits},}})'
+    raise SettingsError(f"integer bounds {', '.join(f'{k} {node[k]}' for k in BOUNDS if k in node)} cannot be "
+                        f"enforced by the grammar (it lists at most {MAX_LISTED} values, or every value above a "
+                        f"small non-negative minimum); remove or narrow them")
+
+
+def _converter(strict: bool = True):
+    """llama-cpp-python's JSON-schema converter, mended: strings hold no raw control characters (JSON forbids them:
+    its output did not parse), each $ref gets a rule of its own (a $defs entry named like a built-in rule, "char" or
+    "number", was replaced by it), and integers keep their bounds."""
+    from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
+
+    class Converter(SchemaConverter):
+        def __init__(self, **kw):
+            super().__init__(**kw)
+            self._ref_rules: dict[str, str] = {}
+
+        def _add_primitive(self, name, rule):
+            if name == "char":
+                rule = BuiltinRule(PRIMITIVE_RULES["char"].content.replace('[^"\\\\]', '[^"\\\\\\x7F\\x00-\\x1F]', 1),
+                                   rule.deps)
+            return super()._add_primitive(name, rule)
+
+        def _resolve_ref(self, ref):
+            if ref not in self._ref_rules:
+                base = "ref-" + ("".join(c if c.isalnum() else "-" for c in ref.split("/")[-1]).strip("-") or "def")
+                name, i = base, 1
+                while name in self._rules or name in self._ref_rules.values():
+                    i += 1
+                    name = f"{base}{i}"
+                self._ref_rules[ref] = name  # a reference inside its own definition names this rule
+                self._ref_rules[ref] = self.visit(self._refs[ref], name)
+            return self._ref_rules[ref]
+
+        def visit(self, schema, name):
+            if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
+                try:
+                    body = _integer_range_rule(schema)
+                except SettingsError:
+                    if strict:
+                        raise
+                    body = None  # not strict: the bounds are left to the model, as the converter left them
+                if body is not None:
+                    return self._add_rule(name + "-" if name in RESERVED_NAMES else name or "root", body + " space")
+            return super().visit(schema, name)
+
+    return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+
+def json_grammar(schema: Optional[str | dict] = None, strict: bool = True) -> str:
+    """GBNF for any JSON object (schema None) or for a JSON schema (llama-cpp-python's converter, mended:
+    _converter); strict: a keyword the grammar would not enforce is refused rather than dropped (not strict: the
+    tools' parameter schemas, which the model also reads in its prompt, keep them as hints)."""
     import json
 
-    from llama_cpp.llama_grammar import JSON_GBNF, json_schema_to_gbnf
+    from llama_cpp.llama_grammar import JSON_GBNF
 
     if schema is None:
         return JSON_GBNF
     text = schema if isinstance(schema, str) else json.dumps(schema)
     try:
-        json.loads(text)
+        parsed = json.loads(text)
     except ValueError as e:
         raise SettingsError(f"the JSON schema is not valid JSON: {e}") from None
+    if strict:
+        _check_schema(parsed)
     try:
-        return json_schema_to_gbnf(text)
+        converter = _converter(strict)
+        converter.visit(converter.resolve_refs(parsed, "stdin"), "")
+        return converter.format_grammar()
+    except SettingsError:
+        raise
     except Exception as e:  # the converter's own errors: an unsupported or malformed schema
         raise SettingsError(f"cannot turn the JSON schema into a grammar: {e}") from None

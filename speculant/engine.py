@@ -239,9 +239,11 @@ class Engine:
         if avail < 1:
             raise ContextOverflowError(f"the context window ({self.target.n_ctx} tokens) leaves no room for the "
                                        f"code around the cursor after {room} for the output; raise --ctx-size")
+        if len(head) + len(tail) >= avail // 2:  # a tiny context: the code around the cursor first
+            head, tail, chunks = [], [], []
         overhead = len(head) + len(tail)
         # the code around the cursor gets at least half, the chunks what they need of the rest
-        code = avail if not chunks else max(avail // 2, avail - overhead - sum(map(len, chunks)))
+        code = avail - overhead if not chunks else max(avail // 2, avail - overhead - sum(map(len, chunks)))
         n_suffix = min(len(suffix_ids), max(code // 4, code - len(prefix_ids)))
         n_prefix = min(len(prefix_ids), code - n_suffix)
         left = avail - n_suffix - n_prefix - overhead
@@ -252,7 +254,7 @@ class Engine:
             kept.insert(0, chunk)
             left -= len(chunk)
         cut = n_prefix < len(prefix_ids) or n_suffix < len(suffix_ids) or len(kept) < len(chunks)
-        context = (head + [t for c in kept for t in c] + tail) if kept else []
+        context = head + [t for c in kept for t in c] + tail  # llama-server writes the header with no chunks too
         before, after = [pre] + prefix_ids[len(prefix_ids) - n_prefix:], [suf] + suffix_ids[:n_suffix]
         tokens = bos + context + (after + before if spm else before + after) + [mid]
         return tokens, cut

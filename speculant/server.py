@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import os
+import re
 import sys
 import threading
 import time
@@ -246,7 +247,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
                        f"{'; use tools' if name.startswith('function') else ''}", name, "unsupported_parameter")
     logprobs = _get_logprobs(body, chat)
     grammar = _get_grammar(body)
-    grammar_param = "grammar" if body.get("grammar") is not None else "response_format"
+    grammar_param = next((k for k in ("grammar", "json_schema") if body.get(k) is not None), "response_format")
     tools = None
     if chat:
         try:
@@ -336,7 +337,7 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, repetition: str = "repetitio
     temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
     top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
     min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
-    top_k = _get_int(body, "top_k", cfg.top_k, lo=0)
+    top_k = max(0, _get_int(body, "top_k", cfg.top_k))  # vLLM's -1 and llama-server's <= 0: off
     seed = _get_int(body, "seed", cfg.seed)
     if seed is not None and seed == random_seed:
         seed = None
@@ -509,10 +510,14 @@ def _get_prompts(prompt, empty_ok: bool = False) -> list:
 def _get_grammar(body: dict) -> Optional[str]:
     """OpenAI's response_format ({"type": "text" | "json_object" | "json_schema", "json_schema": {"schema":
     ...}}) or llama-server's `grammar` (GBNF text) -> the GBNF the output must follow, or None."""
-    fmt, gbnf = body.get("response_format"), body.get("grammar")
+    fmt, gbnf, schema = body.get("response_format"), body.get("grammar"), body.get("json_schema")
+    given = [name for name, present in (("response_format", fmt not in (None, {"type": "text"})),
+                                        ("grammar", gbnf is not None), ("json_schema", schema is not None)) if present]
+    if len(given) > 1:
+        raise _bad(f"give one of {' and '.join(repr(g) for g in given)}, not both", given[-1])
+    if schema is not None:  # llama-server's field: a JSON schema itself
+        return _schema_grammar(schema, "json_schema")
     if gbnf is not None:
-        if fmt not in (None, {"type": "text"}):
-            raise _bad("give 'response_format' or 'grammar', not both", "grammar")
         if not isinstance(gbnf, str) or not gbnf.strip():
             raise _bad("'grammar' must be a non-empty GBNF string", "grammar", "invalid_type")
         return gbnf
@@ -523,19 +528,47 @@ def _get_grammar(body: dict) -> Optional[str]:
     kind = fmt["type"]
     if kind == "text":
         return None
-    if kind == "json_object":
-        return json_grammar()
+    if kind == "json_object":  # llama-server also reads a schema here
+        return json_grammar() if fmt.get("schema") is None else _schema_grammar(fmt["schema"], "response_format")
     if kind == "json_schema":
         spec = fmt.get("json_schema")
         if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
             raise _bad("response_format.json_schema must be an object with a 'schema' object", "response_format",
                        "invalid_type")
-        try:
-            return json_grammar(spec.get("schema", {}))
-        except SpeculantError as e:
-            raise _bad(str(e), "response_format") from None
+        return _schema_grammar(spec.get("schema", {}), "response_format")
     raise _bad(f"response_format type {kind!r} is not supported (text, json_object, json_schema)",
                "response_format", "unsupported_value")
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _holds_lone_surrogate(obj) -> bool:
+    """Whether any string of a parsed JSON body (keys too) holds a surrogate that no pair completed: Python's
+    JSON reader accepts "\\ud800" alone, and text with it cannot be encoded for the tokenizer."""
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
+
+
+def _schema_grammar(schema, param: str) -> str:
+    if not isinstance(schema, dict):
+        raise _bad(f"'{param}' must hold a JSON schema object", param, "invalid_type")
+    try:
+        return json_grammar(schema)
+    except SpeculantError as e:
+        raise _bad(str(e), param) from None
 
 
 def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
@@ -1168,10 +1201,15 @@ def create_app(engine, cfg: ServerConfig):
                 raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
                                code="body_too_large")
             chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
-            return json.loads(b"".join(chunks))
+            body = json.loads(raw)
         except (ValueError, RecursionError) as e:
             raise _bad(f"the request body is not valid JSON: {e}", None, "invalid_json") from None
+        if _SURROGATE_ESCAPE.search(raw) and _holds_lone_surrogate(body):
+            raise _bad("the request body holds a lone UTF-16 surrogate escape (\\ud800-\\udfff without its pair), "
+                       "which is not text", None, "invalid_json")
+        return body
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probes
     async def health():

@@ -78,7 +78,7 @@ class Tools:
                                                    "arguments": f["function"].get("parameters") or {"type": "object"}},
                   "required": ["name", "arguments"]} for f in wanted]
         try:
-            gbnf = json_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls})
+            gbnf = json_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls}, strict=False)
         except SettingsError as e:
             raise ToolsError(f"cannot build a grammar from the tools' parameters: {e}") from None
         # the converter's root becomes one call

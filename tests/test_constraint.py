@@ -485,3 +485,47 @@ def test_bad_grammars_are_clear_errors(small_target):
     g = small_target.grammar('root ::= "yes" | "no"')
     r = Engine(small_target).generate(small_target.tokenize("Is the sky blue?"), max_tokens=10, constraint=g)
     assert r.text in ("yes", "no") and r.finish_reason == "stop"
+
+
+def test_schema_answers_parse_and_hold_to_the_schema(small_target):
+    """Schemas that the converter got wrong: strings took raw newlines (JSON forbids control characters, so the
+    answer did not parse), a $defs entry named like a built-in rule ("char", "number") was replaced by it, and
+    integer bounds were dropped. Keywords the grammar cannot enforce are refused, not dropped."""
+    import json
+
+    from speculant.verify import SamplingParams
+
+    newline = small_target.tokenize("\n", add_special=False)[0]
+    eng = Engine(small_target)
+
+    def answer(schema, prompt, **bias):
+        params = SamplingParams(0.0, logit_bias=tuple(bias.get("bias", ())))
+        r = eng.generate(small_target.tokenize(prompt), max_tokens=48, params=params,
+                         constraint=small_target.grammar(json_grammar(schema)))
+        assert r.finish_reason == "stop", r.text
+        return json.loads(r.text)
+
+    poem = answer({"type": "object", "properties": {"poem": {"type": "string"}}, "required": ["poem"]},
+                  "A two-line poem as JSON:", bias=[(newline, 8.0)])
+    assert isinstance(poem["poem"], str)
+    got = answer({"type": "object", "properties": {"s": {"type": "string", "maxLength": 8},
+                                                  "c": {"$ref": "#/$defs/char"}, "n": {"$ref": "#/$defs/number"}},
+                  "required": ["s", "c", "n"], "$defs": {"char": {"enum": ["x", "y"]}, "number": {"enum": [1, 2]}}},
+                 "JSON with s, c and n:")
+    assert got["c"] in ("x", "y") and got["n"] in (1, 2)
+    for bounds, ok in [({"minimum": 18}, lambda v: v >= 18), ({"minimum": 0, "maximum": 3}, lambda v: 0 <= v <= 3),
+                       ({"exclusiveMinimum": 2, "exclusiveMaximum": 6}, lambda v: 2 < v < 6)]:
+        n = answer({"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]},
+                   "JSON with n = 99:")["n"]
+        assert isinstance(n, int) and ok(n), (bounds, n)
+    for schema, fragment in [
+        ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
+        ({"type": "number", "minimum": 1.5}, "integers only"),
+        ({"type": "integer", "minimum": -5}, "cannot be enforced"),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer lies between"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "'b' is not among"),
+        ({"type": "array", "minItems": 3, "maxItems": 1}, "nothing can match"),
+        ({"type": "array", "minItems": -1}, "'minItems' must be an integer >= 0"),
+    ]:
+        with pytest.raises(SettingsError, match=fragment):
+            json_grammar(schema)

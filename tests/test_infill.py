@@ -42,6 +42,9 @@ def chars(text: str) -> list[int]:
 
 
 # -- the prompt -----------------------------------------------------------------------------------------------
+HEADER = [REPO] + chars("myproject\n") + [SEP] + chars("filename\n")  # llama-server's, chunks or not
+
+
 def test_repository_level_layout():
     engine = Engine(CharBackend(repo=True))
     tokens, cut = engine.infill_prompt("def f():\n", "\nf()\n", extra=[("a.py", "A = 1\n"), ("b.py", "B")],
@@ -50,8 +53,9 @@ def test_repository_level_layout():
     assert tokens == ([REPO] + chars("myproject\n") + [SEP] + chars("a.py\nA = 1\n") + [SEP] + chars("b.py\nB")
                       + [SEP] + chars("filename\n") + [PRE] + chars("def f():\n    ") + [SUF] + chars("\nf()\n")
                       + [MID])
-    # without extra chunks: exactly the fill-in-the-middle prompt of /v1/completions' suffix
-    assert engine.infill_prompt("def f():\n", "\nf()\n")[0] == engine.fim_prompt("def f():\n", "\nf()\n")
+    # without extra chunks: the repository header still comes first, as llama-server writes it, then the
+    # fill-in-the-middle prompt of /v1/completions' suffix
+    assert engine.infill_prompt("def f():\n", "\nf()\n")[0] == HEADER + engine.fim_prompt("def f():\n", "\nf()\n")
 
 
 def test_suffix_prefix_middle_layout():
@@ -86,11 +90,11 @@ def test_cut_to_fit_keeps_the_code_nearest_the_cursor():
     assert cut and tokens[:tokens.index(PRE)] == [REPO] + chars("myproject\n") + [SEP] + chars("y\nYYY") + [SEP] \
         + chars("filename\n")
     assert len(tokens) - tokens.index(PRE) - 3 >= (100 - 20 - 3) // 2  # prefix and suffix
-    # nothing to cut: all kept; a long prefix without chunks takes all the room
-    tokens, cut = engine.infill_prompt("p", suffix[:60], room=20)
-    assert not cut and tokens == [PRE] + chars("p") + [SUF] + chars(suffix[:60]) + [MID]
+    # nothing to cut: all kept; a long prefix without chunks takes all the room the header leaves
+    tokens, cut = engine.infill_prompt("p", suffix[:50], room=20)
+    assert not cut and tokens == HEADER + [PRE] + chars("p") + [SUF] + chars(suffix[:50]) + [MID]
     tokens, cut = engine.infill_prompt(prefix, "", room=20)
-    assert cut and tokens == [PRE] + chars(prefix)[-(100 - 20 - 3):] + [SUF, MID]
+    assert cut and tokens == HEADER + [PRE] + chars(prefix)[-(100 - 20 - 3 - len(HEADER)):] + [SUF, MID]
     with pytest.raises(ContextOverflowError, match="no room"):
         engine.infill_prompt("p", "s", room=97)
 

@@ -655,6 +655,17 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "temperature": -0.1}, 400, "temperature"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream": "yes"}, 400, "stream"),
+    # a lone UTF-16 surrogate is not text (it was a 500 from the tokenizer)
+    ("/completion", '{"prompt": "\\ud800 alone", "n_predict": 4}', 400, None),
+    ("/v1/chat/completions", '{"model": "%s", "messages": [{"role": "user", "content": "a\\udfff"}]}' % MODEL,
+     400, None),
+    # schemas: llama-server's json_schema field, with another constraint; keywords no grammar can enforce
+    ("/completion", {"prompt": "hi", "json_schema": {"type": "object"}, "grammar": 'root ::= "a"'}, 400,
+     "json_schema"),
+    ("/completion", {"prompt": "hi", "json_schema": "{}"}, 400, "json_schema"),
+    ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}], "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "array", "uniqueItems": True}}}},
+     400, "response_format"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, 400,
      "stream_options"),  # OpenAI's 400: stream options without a stream
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [1]}, 400, "stop"),
@@ -1061,3 +1072,30 @@ def test_completions_logprobs_name_partial_characters_by_their_bytes():
     offsets = first["text_offset"] + later["text_offset"]
     assert offsets == [0, 1, 1, 2] and all(o <= len(text) for o in offsets)
     assert text[offsets[3]:] == "!"
+
+
+def test_schemas_in_every_field_llama_server_and_openai_read(server):
+    """llama-server's `json_schema` field (/completion, /v1) and a schema under response_format json_object were
+    ignored: the answer was free text. A surrogate pair is text and stays accepted; top_k -1 (vLLM's off) is off."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    for path, body, read in [
+        ("/completion", {"prompt": "A number as JSON:", "n_predict": 24, "json_schema": schema},
+         lambda r: r["content"]),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "A number as JSON"}],
+                                  "max_tokens": 24, "json_schema": schema},
+         lambda r: r["choices"][0]["message"]["content"]),
+        ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "A number as JSON"}],
+                                  "max_tokens": 24, "response_format": {"type": "json_object", "schema": schema}},
+         lambda r: r["choices"][0]["message"]["content"]),
+    ]:
+        r = _post(server, path, {**body, "temperature": 0})
+        assert r.status_code == 200, r.text
+        answer = json.loads(read(r.json()))
+        assert set(answer) == {"n"} and 0 <= answer["n"] <= 9, (path, answer)
+    pair = _post(server, "/completion", '{"prompt": "smile \\ud83d\\ude00", "n_predict": 2}')
+    assert pair.status_code == 200, pair.text
+    off = [_post(server, "/v1/completions", {"model": MODEL, "prompt": "Once", "max_tokens": 6, "seed": 3,
+                                            "temperature": 0.9, "top_k": k}).json()["choices"][0]["text"]
+           for k in (-1, 0)]
+    assert off[0] == off[1]
