@@ -444,9 +444,8 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
                        "input_extra", "invalid_type")
         chunks.append((c.get("filename", "tmp"), c["text"]))
     name = "n_predict" if body.get("n_predict") is not None else "max_tokens"
-    max_tokens = _get_int(body, name, cfg.max_tokens, lo=-1)
-    if max_tokens == 0:
-        raise _bad(f"'{name}' must be -1 (until the end or a full context) or >= 1", name)
+    max_tokens = _get_int(body, name, cfg.max_tokens, lo=-1)  # 0: the prompt cached, nothing generated (as
+    # llama-server: editors such as llama.vim send their context ahead this way)
     if max_tokens == -1:
         max_tokens = n_ctx
     n_probs = _get_int(body, "n_probs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
@@ -985,6 +984,12 @@ class Worker:
                                                                      job.logprobs, result.stats)
                 except WorkerError as e:
                     raise worker_down(e) from None
+            if job.max_tokens == 0 and not job.echo:  # llama-server's n_predict 0: the prompt into this slot's cache
+                try:
+                    cached = await loop.run_in_executor(executor, engine.target.prefill, job.tokens[:-1])
+                except WorkerError as e:
+                    raise worker_down(e) from None
+                result.stats.cached_prompt_tokens = cached or 0
             if job.max_tokens == 0:  # echo only: the prompt scored, nothing generated
                 result.stats.prompt_tokens, result.finish_reason = len(job.tokens), "length"
                 self.metrics.record(result.stats)

@@ -5,6 +5,7 @@ n_indent and t_max_predict_ms stopping rules against a reference, and the endpoi
 speculative (prompt lookup copying from the other files) equal to plain decoding."""
 
 import json
+import time
 
 import httpx
 import pytest
@@ -292,6 +293,18 @@ def test_infill_answers_as_completions_over_the_same_prompt(server, tokenizer):
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert "".join(e["content"] for e in events) == res["content"] and events[-1]["content"] == ""
     assert events[-1]["timings"]["predicted_n"] == res["tokens_predicted"]
+
+
+@pytest.mark.models
+def test_n_predict_0_caches_the_prompt_as_editors_send_it_ahead(server):
+    """llama.vim sends its context ahead with n_predict 0 (llama-server processes and caches the prompt): it was a
+    400, so the editor's next request processed everything again."""
+    fresh = {**BODY, "input_prefix": f"# warm-up {time.time_ns()}\n" + PREFIX}
+    warm = httpx.post(server + "/infill", json={**fresh, "n_predict": 0}, timeout=120)
+    assert warm.status_code == 200, warm.text
+    assert warm.json()["content"] == "" and warm.json()["tokens_predicted"] == 0
+    res = _infill(server, input_prefix=fresh["input_prefix"])
+    assert res["timings"]["prompt_n"] == 1 and res["content"].strip()  # all but the last token was cached
 
 
 @pytest.mark.models

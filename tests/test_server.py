@@ -738,7 +738,6 @@ BAD = [
     ("/infill", {"input_prefix": "", "input_suffix": "", "input_extra": [{"filename": "a.py"}]}, 400, "input_extra"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "input_extra": [{"text": "x", "filename": 3}]}, 400,
      "input_extra"),
-    ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": 0}, 400, "n_predict"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_predict": -2}, 400, "n_predict"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_probs": -1}, 400, "n_probs"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_indent": -1}, 400, "n_indent"),
