@@ -372,6 +372,7 @@ UNENFORCED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContai
               "maxProperties", "unevaluatedProperties", "unevaluatedItems")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 MAX_LISTED = 4096  # integer values a bound may leave to list one by one
+ANY_TYPES = ["string", "number", "boolean", "null", "object", "array"]  # any JSON value
 
 
 def _check_schema(node, path: str = "schema") -> None:
@@ -465,6 +466,8 @@ def _converter(strict: bool = True):
             return self._ref_rules[ref]
 
         def visit(self, schema, name):
+            if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
+                schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
             if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
                 try:
                     body = _integer_range_rule(schema)
