@@ -499,6 +499,8 @@ def json_grammar(schema: Optional[str | dict] = None, strict: bool = True) -> st
         raise SettingsError(f"the JSON schema is not valid JSON: {e}") from None
     if strict:
         _check_schema(parsed)
+    if isinstance(parsed, dict) and "$ref" in parsed:  # the converter registers no $defs under a root $ref:
+        parsed = {**{k: v for k, v in parsed.items() if k != "$ref"}, "anyOf": [{"$ref": parsed["$ref"]}]}  # one way
     try:
         converter = _converter(strict)
         converter.visit(converter.resolve_refs(parsed, "stdin"), "")

@@ -522,6 +522,13 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
                                                                 "maxItems": 3}}, "required": ["list"]},
                       "JSON with a list of two things:")  # items {}: any values (the converter failed on it)
     assert 2 <= len(anything["list"]) <= 3
+    node = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9},
+                                             "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}},
+            "required": ["v", "next"]}
+    null = small_target.tokenize("null", add_special=False)[0]
+    linked = answer({"$ref": "#/$defs/node", "$defs": {"node": node}}, "A linked list of two digits as JSON:",
+                    bias=[(null, 10.0)])
+    assert 0 <= linked["v"] <= 9  # a recursive schema from a root $ref (refused before)
     for schema, fragment in [
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
         ({"type": "number", "minimum": 1.5}, "integers only"),
