@@ -277,8 +277,9 @@ def test_worker_never_started(command):
     assert "Traceback" not in r.stderr
 
 
-def _listener(reply: bytes):
-    """A TCP server on loopback that answers every connection with `reply` (b"": says nothing) and keeps it."""
+def _listener(reply: bytes, on_accept=None):
+    """A TCP server on loopback that answers every connection with `reply` (b"": says nothing) and keeps it;
+    on_accept(conn): what to do with each connection instead."""
     server = socket.create_server(("127.0.0.1", 0))
     held = []
 
@@ -289,7 +290,9 @@ def _listener(reply: bytes):
             except OSError:
                 return
             held.append(conn)
-            if reply:
+            if on_accept is not None:
+                on_accept(conn)
+            elif reply:
                 conn.sendall(reply)
                 conn.close()
 
@@ -373,37 +376,27 @@ def test_a_worker_that_stops_answering_after_the_check_fails_the_load_in_time(wo
 
     monkeypatch.setattr(supervised, "CONNECT_S", 3.0)
     worker = _endpoints(workers)[0].rsplit(":", 1)
-    server = socket.create_server(("127.0.0.1", 0))
-    held = []
+    upstreams = []
 
     def pipe(src, dst):
         while data := src.recv(65536):
             dst.sendall(data)
 
-    def serve():
-        first = True
-        while True:
-            try:
-                conn, _ = server.accept()
-            except OSError:
-                return
-            held.append(conn)
-            if first:  # the check: through to the worker
-                first = False
-                upstream = socket.create_connection((worker[0], int(worker[1])))
-                held.append(upstream)
-                for a, b in ((conn, upstream), (upstream, conn)):
-                    threading.Thread(target=lambda a=a, b=b: _quietly(pipe, a, b), daemon=True).start()
+    def through_once(conn):  # the check's connection goes through to the worker; later ones are held, unanswered
+        if not upstreams:
+            upstreams.append(socket.create_connection((worker[0], int(worker[1]))))
+            for a, b in ((conn, upstreams[0]), (upstreams[0], conn)):
+                threading.Thread(target=lambda a=a, b=b: _quietly(pipe, a, b), daemon=True).start()
 
-    threading.Thread(target=serve, daemon=True).start()
+    server, endpoint = _listener(b"", on_accept=through_once)
     t0 = time.monotonic()
     try:
         with pytest.raises(WorkerError, match="did not answer this client within 3 s"):
-            load_engine(MODEL, n_ctx=512, threads=1, rpc=[f"127.0.0.1:{server.getsockname()[1]}"])
+            load_engine(MODEL, n_ctx=512, threads=1, rpc=[endpoint])
         assert time.monotonic() - t0 < 30
     finally:
         server.close()
-        for s in held:
+        for s in upstreams:
             s.close()
 
 
