@@ -55,16 +55,21 @@ def home(tmp_path, monkeypatch):
     return tmp_path
 
 
-@pytest.mark.models
-def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys):
+def _small_backend(home, monkeypatch):
+    """The small model on one thread, its cost profiles kept under `home`."""
     from speculant.backends.llamacpp import LlamaCppBackend
 
     path = models.cached_path(SMALL)
     if not path.exists():
         pytest.skip(f"{SMALL} not pulled")
-    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))  # a machine that has no profile yet
+    monkeypatch.setenv("SPECULANT_HOME", str(home))
     monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
-    b = LlamaCppBackend(path, n_ctx=512, n_threads=1)
+    return LlamaCppBackend(path, n_ctx=512, n_threads=1)
+
+
+@pytest.mark.models
+def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys):
+    b = _small_backend(tmp_path, monkeypatch)  # a machine that has no profile yet
     try:
         prof = b.cost_profile()
         assert "measuring" in capsys.readouterr().err
@@ -85,16 +90,9 @@ def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys
 
 @pytest.mark.models
 def test_a_cache_that_cannot_be_written_keeps_the_measured_profile(tmp_path, monkeypatch, capsys):
-    from speculant.backends.llamacpp import LlamaCppBackend
-
-    path = models.cached_path(SMALL)
-    if not path.exists():
-        pytest.skip(f"{SMALL} not pulled")
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    monkeypatch.setenv("SPECULANT_HOME", str(blocker / "home"))  # no directory can be made there
-    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
-    b = LlamaCppBackend(path, n_ctx=512, n_threads=1)
+    b = _small_backend(blocker / "home", monkeypatch)  # no directory can be made there
     try:
         prof = b.cost_profile()
         assert "cannot cache the pass costs" in capsys.readouterr().err
