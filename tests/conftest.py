@@ -66,6 +66,23 @@ def small_draft_same_numerics():
     b.close()
 
 
+@pytest.fixture()
+def small_disk(tmp_path):
+    """A real 40 MiB filesystem (tmpfs): disk-full paths without filling the machine's disk. Needs root."""
+    import subprocess
+
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=40m", "tmpfs", str(mount)], capture_output=True,
+                       text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {r.stderr.strip()}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
 def rerun_on_haswell(test_file: str, selector: str, n_passed: int) -> None:
     """Run the tests of `test_file` that `selector` (-k) picks in a subprocess on the AVX2 (haswell) variant, as an
     AVX2-only machine runs them (SPECULANT_CPU_VARIANT loads one variant); skip where that says nothing new."""

@@ -45,6 +45,14 @@ def test_failed_download_installs_nothing(home, monkeypatch):
     assert _leftovers(home) == []
 
 
+def test_pull_into_a_disk_without_room_says_so_before_downloading(small_disk, monkeypatch):
+    monkeypatch.setenv("SPECULANT_HOME", str(small_disk))
+    with pytest.raises(ModelError, match=r"not enough disk space in .*models for smollm2-135m-instruct .*needs about "
+                                         r"188 MiB, 40 MiB are free"):
+        models.pull("smollm2-135m-instruct", quiet=True)
+    assert _leftovers(small_disk) == []
+
+
 def test_resolve_errors(tmp_path):
     with pytest.raises(ModelError, match="unknown model"):
         models.resolve("nope")

@@ -164,6 +164,14 @@ def test_missing_and_corrupt_inputs(home, tmp_path_factory):
     assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-") or "q4_0" in p.name]
 
 
+def test_a_disk_that_fills_up_is_named_and_nothing_is_kept(home, small_disk):
+    out = small_disk / "big.gguf"  # F16 of the 135M model: about 260 MiB on a 40 MiB disk
+    assert_clean_error(run("quantize", SMALL, "--type", "F16", "--allow-requantize", "-q", "-o", str(out),
+                           env={"SPECULANT_HOME": str(home)}),
+                       f"the disk holding {small_disk} is full", "nothing was kept")
+    assert list(small_disk.iterdir()) == []
+
+
 def test_output_onto_its_input_is_refused(home):
     src = str(models.cached_path(SMALL))
     assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--allow-requantize", "-o", src,
