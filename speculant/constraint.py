@@ -371,7 +371,6 @@ UNENFORCED = ("multipleOf", "uniqueItems", "contains", "minContains", "maxContai
               "dependentRequired", "dependentSchemas", "patternProperties", "propertyNames", "minProperties",
               "maxProperties", "unevaluatedProperties", "unevaluatedItems")
 BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
-MAX_LISTED = 4096  # integer values a bound may leave to list one by one
 ANY_TYPES = ["string", "number", "boolean", "null", "object", "array"]  # any JSON value
 
 
@@ -387,9 +386,10 @@ def _check_schema(node, path: str = "schema") -> None:
         if key in node:
             raise SettingsError(f"{path}: '{key}' cannot be enforced by the grammar; remove it (answers would "
                                 f"not hold to it)")
-    if any(key in node for key in BOUNDS) and node.get("type") != "integer":
-        raise SettingsError(f"{path}: bounds ({', '.join(k for k in BOUNDS if k in node)}) are enforced on integers "
-                            f"only; for other numbers remove them")
+    kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+    if any(key in node for key in BOUNDS) and not {"integer", "number"} & set(kinds):
+        raise SettingsError(f"{path}: bounds ({', '.join(k for k in BOUNDS if k in node)}) need \"type\": "
+                            f"\"integer\" or \"number\" beside them")
     for key in ("minItems", "maxItems", "minLength", "maxLength"):
         if key in node and not (isinstance(node[key], int) and not isinstance(node[key], bool) and node[key] >= 0):
             raise SettingsError(f"{path}: '{key}' must be an integer >= 0, got {node[key]!r}")
@@ -408,39 +408,43 @@ def _check_schema(node, path: str = "schema") -> None:
             _check_schema(value, f"{path}.{key}")
 
 
-def _integer_range_rule(node: dict) -> Optional[str]:
-    """GBNF for an integer between the node's bounds (with no trailing space), or None where it has none."""
-    if not any(key in node for key in BOUNDS):
+def _bounded_number_rule(node: dict) -> Optional[str]:
+    """GBNF for an integer or number between the node's bounds (with no trailing space), or None where it has
+    none (numrange: digit by digit, any range)."""
+    from decimal import Decimal
+
+    from . import numrange
+
+    if node.get("type") not in ("integer", "number") or not any(key in node for key in BOUNDS):
         return None
+    bound = {}
     for key in BOUNDS:
-        if key in node and not (isinstance(node[key], (int, float)) and not isinstance(node[key], bool)
-                                and np.isfinite(node[key])):
-            raise SettingsError(f"'{key}' must be a number, got {node[key]!r}")
-    lo = [math.ceil(node["minimum"])] if "minimum" in node else []
-    lo += [math.floor(node["exclusiveMinimum"]) + 1] if "exclusiveMinimum" in node else []
-    hi = [math.floor(node["maximum"])] if "maximum" in node else []
-    hi += [math.ceil(node["exclusiveMaximum"]) - 1] if "exclusiveMaximum" in node else []
-    low, high = (max(lo) if lo else None), (min(hi) if hi else None)
-    if low is not None and high is not None:
-        if low > high:
-            raise SettingsError(f"no integer lies between the bounds {low} and {high}")
-        if high - low < MAX_LISTED:
-            return "(" + " | ".join(f'"{v}"' for v in range(low, high + 1)) + ")"
-    elif low is not None and high is None and low >= 0:
-        digits = len(str(low))
-        top = 10 ** digits - 1  # every number with more digits than `low` is above it
-        if top - low < MAX_LISTED:
-            listed = " | ".join(f'"{v}"' for v in range(low, top + 1))
-            return f'({listed} | [1-9] [0-9]{{{digits},}})'
-    raise SettingsError(f"integer bounds {', '.join(f'{k} {node[k]}' for k in BOUNDS if k in node)} cannot be "
-                        f"enforced by the grammar (it lists at most {MAX_LISTED} values, or every value above a "
-                        f"small non-negative minimum); remove or narrow them")
+        if key in node:
+            value = node[key]
+            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+                raise SettingsError(f"'{key}' must be a number, got {value!r}")
+            bound[key] = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)  # as its JSON spells it
+    lows = [(bound[k], k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if k in bound]
+    highs = [(bound[k], k == "exclusiveMaximum") for k in ("maximum", "exclusiveMaximum") if k in bound]
+    (lo, lo_strict), (hi, hi_strict) = (max(lows) if lows else (None, False),
+                                        min(highs, key=lambda b: (b[0], not b[1])) if highs else (None, False))
+    between = " and ".join(f"{k} {node[k]}" for k in BOUNDS if k in node)
+    if node["type"] == "integer":
+        low = None if lo is None else math.floor(lo) + 1 if lo_strict else math.ceil(lo)
+        high = None if hi is None else math.ceil(hi) - 1 if hi_strict else math.floor(hi)
+        if low is not None and high is not None and low > high:
+            raise SettingsError(f"no integer satisfies {between}")
+        return numrange.integers(low, high)
+    body = numrange.decimals(lo, lo_strict, hi, hi_strict)
+    if body is None:
+        raise SettingsError(f"no number satisfies {between}")
+    return body
 
 
 def _converter(strict: bool = True):
     """llama-cpp-python's JSON-schema converter, mended: strings hold no raw control characters (JSON forbids them:
     its output did not parse), each $ref gets a rule of its own (a $defs entry named like a built-in rule, "char" or
-    "number", was replaced by it), and integers keep their bounds."""
+    "number", was replaced by it), numbers keep their bounds, and a list of types keeps the other keywords."""
     from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
 
     class Converter(SchemaConverter):
@@ -468,9 +472,13 @@ def _converter(strict: bool = True):
         def visit(self, schema, name):
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
                 schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
-            if isinstance(schema, dict) and schema.get("type") == "integer" and "$ref" not in schema:
+            if isinstance(schema, dict) and isinstance(schema.get("type"), list) and not {"$ref", "anyOf", "oneOf"} \
+                    & set(schema):  # the converter kept only the type names: "maxLength", "items", bounds... went
+                rest = {k: v for k, v in schema.items() if k != "type"}
+                schema = {"anyOf": [{**rest, "type": t} for t in schema["type"]]}
+            if isinstance(schema, dict) and "$ref" not in schema:
                 try:
-                    body = _integer_range_rule(schema)
+                    body = _bounded_number_rule(schema)
                 except SettingsError:
                     if strict:
                         raise

@@ -9,9 +9,13 @@ decoding's."""
 import dataclasses
 import itertools
 import json
+import re
+from decimal import Decimal
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 import speculant.engine as engine_mod
 import speculant.constraint as constraint_mod
@@ -513,11 +517,25 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
                   "required": ["s", "c", "n"], "$defs": {"char": {"enum": ["x", "y"]}, "number": {"enum": [1, 2]}}},
                  "JSON with s, c and n:")
     assert got["c"] in ("x", "y") and got["n"] in (1, 2)
-    for bounds, ok in [({"minimum": 18}, lambda v: v >= 18), ({"minimum": 0, "maximum": 3}, lambda v: 0 <= v <= 3),
-                       ({"exclusiveMinimum": 2, "exclusiveMaximum": 6}, lambda v: 2 < v < 6)]:
-        n = answer({"type": "object", "properties": {"n": {"type": "integer", **bounds}}, "required": ["n"]},
+    for kind, bounds, ok in [("integer", {"minimum": 18}, lambda v: v >= 18),
+                             ("integer", {"minimum": 0, "maximum": 3}, lambda v: 0 <= v <= 3),
+                             ("integer", {"exclusiveMinimum": 2, "exclusiveMaximum": 6}, lambda v: 2 < v < 6),
+                             ("integer", {"minimum": -40, "maximum": -7}, lambda v: -40 <= v <= -7),
+                             ("integer", {"minimum": 1000, "maximum": 250000}, lambda v: 1000 <= v <= 250000),
+                             ("number", {"minimum": 0, "maximum": 1}, lambda v: 0 <= v <= 1),
+                             ("number", {"exclusiveMinimum": -2.5, "maximum": -0.25}, lambda v: -2.5 < v <= -0.25)]:
+        n = answer({"type": "object", "properties": {"n": {"type": kind, **bounds}}, "required": ["n"]},
                    "JSON with n = 99:")["n"]
-        assert isinstance(n, int) and ok(n), (bounds, n)
+        assert isinstance(n, int if kind == "integer" else (int, float)) and ok(n), (bounds, n)
+    # a list of types: the converter kept the type names only, and dropped maxLength, items, bounds
+    quote = small_target.tokenize("abcdefgh", add_special=False)[0]
+    short = answer({"type": "object", "properties": {"s": {"type": ["string", "null"], "maxLength": 3},
+                                                    "a": {"type": ["array", "null"], "items": {"type": "integer",
+                                                                                               "maximum": 5}}},
+                    "required": ["s", "a"]}, "JSON with a long string s and a list a of big numbers:",
+                   bias=[(quote, 6.0)])
+    assert short["s"] is None or len(short["s"]) <= 3, short
+    assert short["a"] is None or all(isinstance(v, int) and v <= 5 for v in short["a"]), short
     anything = answer({"type": "object", "properties": {"list": {"type": "array", "items": {}, "minItems": 2,
                                                                 "maxItems": 3}}, "required": ["list"]},
                       "JSON with a list of two things:")  # items {}: any values (the converter failed on it)
@@ -531,12 +549,77 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
     assert 0 <= linked["v"] <= 9  # a recursive schema from a root $ref (refused before)
     for schema, fragment in [
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
-        ({"type": "number", "minimum": 1.5}, "integers only"),
-        ({"type": "integer", "minimum": -5}, "cannot be enforced"),
-        ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer lies between"),
+        ({"minimum": 1.5}, 'need "type": "integer" or "number"'),
+        ({"type": "string", "maximum": 3}, 'need "type": "integer" or "number"'),
+        ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer satisfies minimum 5 and maximum 1"),
+        ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no integer satisfies"),
+        ({"type": "number", "minimum": 1.5, "exclusiveMaximum": 1.5}, "no number satisfies"),
+        ({"type": "number", "maximum": float("inf")}, "must be a number"),
         ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "'b' is not among"),
         ({"type": "array", "minItems": 3, "maxItems": 1}, "nothing can match"),
         ({"type": "array", "minItems": -1}, "'minItems' must be an integer >= 0"),
     ]:
         with pytest.raises(SettingsError, match=fragment):
             json_grammar(schema)
+
+
+# -- numbers between bounds (speculant.numrange), checked by llama.cpp's own grammar engine -----------------------
+
+JSON_NUMBER = re.compile(r"-?(0|[1-9][0-9]*)(\.[0-9]+)?([eE][+-]?[0-9]+)?")
+BOUND = st.one_of(st.none(), st.integers(-1200, 1200).map(Decimal),
+                  st.decimals(-120, 120, places=3, allow_nan=False, allow_infinity=False))
+
+
+def _grammar_takes(model, gbnf: str, text: str) -> bool:
+    """llama.cpp's grammar engine over SmolLM2's one-character tokens: text is a whole sentence of the grammar."""
+    g = model.grammar(gbnf)
+    for ch in text:
+        (token,) = model.tokenize(ch, add_special=False)
+        if not g.allowed(np.array([token]))[0]:
+            return False
+        g.accept(token)
+    return bool(g.allowed(np.array([min(g.eog)]))[0])
+
+
+def _spellings(value: Decimal) -> list[str]:
+    """A value written the way the bounded grammar writes it, and ways it does not (exponent, -0, leading zero)."""
+    text = format(value.normalize(), "f") if value != 0 else "0"
+    out = [text, text + ("0" if "." in text else ".0"), text + "e0", "0" + text.lstrip("-")]
+    return out + (["-0", "-0.0"] if value == 0 else [])
+
+
+@given(kind=st.sampled_from(["integer", "number"]), lo=BOUND, hi=BOUND, lo_strict=st.booleans(),
+       hi_strict=st.booleans(), extra=st.lists(st.decimals(-2000, 2000, places=3, allow_nan=False,
+                                                            allow_infinity=False), max_size=4))
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_bounded_numbers_are_exactly_the_values_between_the_bounds(small_target, kind, lo, hi, lo_strict, hi_strict,
+                                                                    extra):
+    """Every JSON number the grammar takes lies between the bounds and is JSON; every value between them, written
+    plainly (no exponent; an integer without a point), is taken."""
+    schema = {"type": kind}
+    if lo is not None:
+        schema["exclusiveMinimum" if lo_strict else "minimum"] = float(lo) if lo % 1 else int(lo)
+    if hi is not None:
+        schema["exclusiveMaximum" if hi_strict else "maximum"] = float(hi) if hi % 1 else int(hi)
+
+    def inside(v: Decimal) -> bool:
+        return ((lo is None or (v > lo if lo_strict else v >= lo)) and (hi is None or (v < hi if hi_strict else v <= hi))
+                and (kind == "number" or v % 1 == 0))
+
+    try:
+        gbnf = json_grammar(schema)
+    except SettingsError as e:  # nothing between: then no candidate value may lie between either
+        assert "satisfies" in str(e)
+        candidates = [Decimal(i) / 8 for i in range(-10000, 10000)] if lo is not None and hi is not None else []
+        assert not any(inside(v) for v in candidates), schema
+        return
+    near = [b + d for b in (lo, hi) if b is not None for d in map(Decimal, ("-1", "-0.001", "0", "0.001", "0.5", "1"))]
+    values = {v for v in near + extra + [Decimal(0), Decimal("0.5"), Decimal(-1)]}
+    for v in values:
+        for i, text in enumerate(_spellings(v)):
+            takes = _grammar_takes(small_target, gbnf, text)
+            if takes:
+                assert JSON_NUMBER.fullmatch(text) and inside(Decimal(text)), (schema, text)
+            plain = i == 0 and (kind == "number" or v % 1 == 0)
+            if plain and inside(v):
+                assert takes, (schema, text, gbnf)
