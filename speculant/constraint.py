@@ -386,16 +386,18 @@ def _check_schema(node, path: str = "schema") -> None:
         if key in node:
             raise SettingsError(f"{path}: '{key}' cannot be enforced by the grammar; remove it (answers would "
                                 f"not hold to it)")
-    kinds = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
-    if any(key in node for key in BOUNDS) and not {"integer", "number"} & set(kinds):
-        raise SettingsError(f"{path}: bounds ({', '.join(k for k in BOUNDS if k in node)}) need \"type\": "
-                            f"\"integer\" or \"number\" beside them")
     for key in ("minItems", "maxItems", "minLength", "maxLength"):
         if key in node and not (isinstance(node[key], int) and not isinstance(node[key], bool) and node[key] >= 0):
             raise SettingsError(f"{path}: '{key}' must be an integer >= 0, got {node[key]!r}")
     for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
         if lo in node and hi in node and node[lo] > node[hi]:
             raise SettingsError(f"{path}: '{lo}' {node[lo]} is more than '{hi}' {node[hi]}: nothing can match")
+    if "pattern" in node and ("minLength" in node or "maxLength" in node):
+        raise SettingsError(f"{path}: 'minLength'/'maxLength' beside 'pattern' cannot be enforced (the grammar follows "
+                            f"the pattern); write the length into the pattern")
+    if "prefixItems" in node and node.get("items") not in (None, False):
+        raise SettingsError(f"{path}: 'items' beside 'prefixItems' (items after the tuple) cannot be enforced; give "
+                            f"'items': false or list every item in 'prefixItems'")
     props = node.get("properties")
     missing = [r for r in node.get("required") or [] if not isinstance(props, dict) or r not in props]
     if missing and "properties" in node:
@@ -415,8 +417,11 @@ def _bounded_number_rule(node: dict) -> Optional[str]:
 
     from . import numrange
 
-    if node.get("type") not in ("integer", "number") or not any(key in node for key in BOUNDS):
-        return None
+    if not any(key in node for key in BOUNDS) or node.get("type") not in (None, "integer", "number"):
+        return None  # bounds constrain numbers only: beside another type they say nothing
+    if node.get("type") is None:
+        raise SettingsError(f"bounds ({', '.join(k for k in BOUNDS if k in node)}) need \"type\": \"integer\" or "
+                            f"\"number\" beside them (without a type, the grammar would not bound a number)")
     bound = {}
     for key in BOUNDS:
         if key in node:
@@ -439,6 +444,42 @@ def _bounded_number_rule(node: dict) -> Optional[str]:
     if body is None:
         raise SettingsError(f"no number satisfies {between}")
     return body
+
+
+# keywords that describe a schema without constraining its values
+ANNOTATIONS = ("description", "title", "default", "examples", "$comment", "$defs", "definitions", "$schema", "$id",
+               "deprecated", "readOnly", "writeOnly")
+
+
+def _merge_schemas(a: dict, b: dict) -> dict:
+    """One schema that holds where both a and b hold (allOf of the two), keyword by keyword; SettingsError where
+    the two set one keyword differently and no single value means both."""
+    out = dict(a)
+    for key, value in b.items():
+        if key not in out or out[key] == value:
+            out[key] = value
+        elif key == "properties" and isinstance(value, dict) and isinstance(out[key], dict):
+            out[key] = {**out[key], **{n: (sub if n not in out[key] or out[key][n] == sub
+                                           else _merge_schemas(out[key][n], sub)) for n, sub in value.items()}}
+        elif key == "required":
+            out[key] = list(dict.fromkeys([*out[key], *value]))
+        elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems"):
+            out[key] = max(out[key], value)
+        elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems"):
+            out[key] = min(out[key], value)
+        elif key == "type":
+            mine = set(out[key] if isinstance(out[key], list) else [out[key]])
+            theirs = set(value if isinstance(value, list) else [value])
+            both = mine & theirs  # and an integer is a number:
+            both |= {"integer"} if {"integer", "number"} <= mine | theirs and not {"integer", "number"} <= mine \
+                and not {"integer", "number"} <= theirs else set()
+            if not both:
+                raise SettingsError(f"allOf: no value is both {out[key]!r} and {value!r}")
+            out[key] = sorted(both)[0] if len(both) == 1 else sorted(both)
+        else:
+            raise SettingsError(f"allOf: '{key}' is set differently by the schemas it combines ({out[key]!r} and "
+                                f"{value!r}); merge them into one")
+    return out
 
 
 def _converter(strict: bool = True):
@@ -469,13 +510,37 @@ def _converter(strict: bool = True):
                 self._ref_rules[ref] = self.visit(self._refs[ref], name)
             return self._ref_rules[ref]
 
+        def _combined(self, schema: dict) -> dict:
+            """The schema with its combinations spelled out where the converter read one part and dropped the
+            rest: allOf's parts (and a $ref's sibling keywords) merged into one schema, and the keywords beside
+            anyOf/oneOf or a list of types carried into each alternative."""
+            own = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+            if "$ref" in own and len(own) > 1:
+                own = {"allOf": [{"$ref": own.pop("$ref")}, own]}
+            while "allOf" in own:
+                parts = own.pop("allOf")
+                for part in parts if isinstance(parts, list) else [parts]:
+                    part = self._refs.get(part["$ref"], part) if isinstance(part, dict) and "$ref" in part else part
+                    own = _merge_schemas(own, {k: v for k, v in part.items() if k not in ANNOTATIONS})
+            if isinstance(own.get("type"), list) and not {"anyOf", "oneOf"} & set(own):
+                own = {"anyOf": [{"type": t} for t in own["type"]],
+                       **{k: v for k, v in own.items() if k != "type"}}
+            alternatives = own.get("anyOf", own.get("oneOf"))
+            rest = {k: v for k, v in own.items() if k not in ("anyOf", "oneOf")}
+            if isinstance(alternatives, list) and rest:
+                return {"anyOf": [_merge_schemas(rest, alt) if isinstance(alt, dict) else alt
+                                  for alt in alternatives]}
+            return own if own != {k: v for k, v in schema.items() if k not in ANNOTATIONS} else schema
+
         def visit(self, schema, name):
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
                 schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
-            if isinstance(schema, dict) and isinstance(schema.get("type"), list) and not {"$ref", "anyOf", "oneOf"} \
-                    & set(schema):  # the converter kept only the type names: "maxLength", "items", bounds... went
-                rest = {k: v for k, v in schema.items() if k != "type"}
-                schema = {"anyOf": [{**rest, "type": t} for t in schema["type"]]}
+            if isinstance(schema, dict):
+                try:
+                    schema = self._combined(schema)
+                except SettingsError:
+                    if strict:
+                        raise  # not strict: the converter's reading, keywords dropped as before
             if isinstance(schema, dict) and "$ref" not in schema:
                 try:
                     body = _bounded_number_rule(schema)

@@ -535,6 +535,15 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
                     "required": ["s", "a"]}, "JSON with a long string s and a list a of big numbers:",
                    bias=[(quote, 6.0)])
     assert short["s"] is None or len(short["s"]) <= 3, short
+    # allOf, and keywords beside a $ref or anyOf: the converter read one part (pydantic v1's allOf-wrapped enum
+    # became "{}"; a required name in allOf, or beside anyOf, was dropped)
+    merged = answer({"type": "object", "properties": {"color": {"allOf": [{"$ref": "#/$defs/Color"}], "title": "C"},
+                                                      "n": {"type": "integer"}, "s": {"type": "string"}},
+                     "allOf": [{"required": ["color"]}, {"properties": {"n": {"minimum": -9, "maximum": -3}}}],
+                     "anyOf": [{"required": ["n"]}, {"required": ["s"]}], "$defs": {"Color": {"enum": ["red", "blue"]}}},
+                    "JSON with an empty object {}:")
+    assert merged["color"] in ("red", "blue") and ("n" in merged or "s" in merged), merged
+    assert "n" not in merged or -9 <= merged["n"] <= -3, merged
     assert short["a"] is None or all(isinstance(v, int) and v <= 5 for v in short["a"]), short
     anything = answer({"type": "object", "properties": {"list": {"type": "array", "items": {}, "minItems": 2,
                                                                 "maxItems": 3}}, "required": ["list"]},
@@ -550,7 +559,10 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
     for schema, fragment in [
         ({"type": "array", "items": {"type": "string"}, "uniqueItems": True}, "'uniqueItems' cannot be enforced"),
         ({"minimum": 1.5}, 'need "type": "integer" or "number"'),
-        ({"type": "string", "maximum": 3}, 'need "type": "integer" or "number"'),
+        ({"allOf": [{"type": "string"}, {"type": "integer"}]}, "no value is both 'string' and 'integer'"),
+        ({"allOf": [{"const": 1}, {"const": 2}]}, "'const' is set differently"),
+        ({"type": "string", "pattern": "^[a-z]+$", "maxLength": 3}, "write the length into the pattern"),
+        ({"type": "array", "prefixItems": [{"type": "string"}], "items": {"type": "integer"}}, "'items' beside"),
         ({"type": "integer", "minimum": 5, "maximum": 1}, "no integer satisfies minimum 5 and maximum 1"),
         ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no integer satisfies"),
         ({"type": "number", "minimum": 1.5, "exclusiveMaximum": 1.5}, "no number satisfies"),
