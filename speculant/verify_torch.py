@@ -73,8 +73,8 @@ def verify_coupled(draft_tokens: torch.Tensor, target_probs: torch.Tensor, seed:
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits [n, V] (any float) -> float64 probabilities [n, V], rows summing to 1 (verify.probs_from_logits)."""
-    x = logits.to(torch.float64) / params.temperature
-    x = x - x.amax(-1, keepdim=True)
+    x = logits.to(torch.float64)
+    x = (x - x.amax(-1, keepdim=True)) / params.temperature  # the maximum off first: x / T overflows for tiny T
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [n, 1]; ties at the cut are all kept
         x = torch.where(x >= kth, x, torch.full_like(x, -float("inf")))

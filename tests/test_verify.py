@@ -232,6 +232,16 @@ def test_probs_from_logits_on_a_whole_vocabulary(seed, t, top_k, top_p, min_p, b
     assert np.allclose(got.sum(-1), 1.0)
 
 
+@pytest.mark.parametrize("top_k", [0, 2])
+def test_a_vanishing_temperature_is_greedy_not_nan(top_k):
+    """logits / T overflowed to inf for T < ~1e-307 (inf - inf: NaN rows): plain decoding then drew the last id
+    and verification accepted every draft, so the output depended on the drafter."""
+    logits = np.array([[3.0, 20.5, -4.0, 20.0, 7.0], [-1.0, 0.0, 30.0, -np.inf, 29.0]], dtype=np.float32)
+    for t in (1e-300, 1e-310, 5e-324):
+        probs = probs_from_logits(logits, SamplingParams(t, top_k))
+        np.testing.assert_array_equal(probs, np.eye(5)[[1, 2]])
+
+
 def test_probs_from_logits_refuses_a_row_with_nothing_left():
     row = np.full(50, -np.inf, dtype=np.float32)
     for params in (SamplingParams(1.0), SamplingParams(0.7, top_k=5)):

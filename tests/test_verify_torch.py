@@ -47,6 +47,12 @@ def test_probs_match_numpy_reference(params):
     assert np.array_equal(got > 0, want > 0)  # the same tokens survive every filter
 
 
+def test_a_vanishing_temperature_is_greedy_not_nan():
+    logits = torch.tensor([[3.0, 20.5, -4.0, 20.0, 7.0]], device=DEVICE)
+    for params in (SamplingParams(1e-310), SamplingParams(1e-310, top_k=2)):
+        assert vt.probs_from_logits(logits, params).cpu().tolist() == [[0.0, 1.0, 0.0, 0.0, 0.0]]
+
+
 def test_greedy_verification():
     t = lambda *x: torch.tensor(x, device=DEVICE)  # noqa: E731
     logits = lambda best: torch.nn.functional.one_hot(torch.tensor(best, device=DEVICE), 10).float()  # noqa: E731
