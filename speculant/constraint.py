@@ -22,6 +22,7 @@ first without top-k still checks every token (exact, and slow).
 from __future__ import annotations
 
 import ctypes
+import json
 import math
 import time
 import weakref
@@ -493,6 +494,29 @@ def _converter(strict: bool = True):
             super().__init__(**kw)
             self._ref_rules: dict[str, str] = {}
 
+        def _format_literal(self, literal):
+            # the converter escaped only CR, LF and '"': a backslash in a const/enum (JSON's own escapes among
+            # them: json.dumps("a\nb") holds one) reached the grammar unescaped, so answers held a raw newline or
+            # an invalid escape, or the grammar did not parse
+            escaped = literal.replace("\\", "\\\\").replace('"', '\\"').replace("\r", "\\r").replace("\n", "\\n")
+            return f'"{escaped}"'
+
+        def _visit_pattern(self, pattern, name):
+            # the converter's own reading wrote "\\d" into the grammar (which then did not parse), let "." and
+            # [^x] write a raw '"' into the string, and took only ^...$ patterns
+            from .jsonpattern import pattern_body
+
+            try:
+                body = pattern_body(pattern)
+            except SettingsError:
+                if strict:
+                    raise
+                return self.visit({"type": "string"}, name)  # not strict: the pattern is left to the model
+            return self._add_rule(name, '"\\"" ' + body + ' "\\"" space')
+
+        def _generate_constant_rule(self, value):
+            return self._format_literal(json.dumps(value, ensure_ascii=False))  # "ü" as a model writes it
+
         def _add_primitive(self, name, rule):
             if name == "char":
                 rule = BuiltinRule(PRIMITIVE_RULES["char"].content.replace('[^"\\\\]', '[^"\\\\\\x7F\\x00-\\x1F]', 1),
@@ -535,6 +559,9 @@ def _converter(strict: bool = True):
         def visit(self, schema, name):
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
                 schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
+            if isinstance(schema, dict) and schema.get("type") == "array" and "items" not in schema and \
+                    "prefixItems" not in schema and ("minItems" in schema or "maxItems" in schema):
+                schema = {**schema, "items": {"type": ANY_TYPES}}  # else the converter's any-array, counts dropped
             if isinstance(schema, dict):
                 try:
                     schema = self._combined(schema)
@@ -559,8 +586,6 @@ def json_grammar(schema: Optional[str | dict] = None, strict: bool = True) -> st
     """GBNF for any JSON object (schema None) or for a JSON schema (llama-cpp-python's converter, mended:
     _converter); strict: a keyword the grammar would not enforce is refused rather than dropped (not strict: the
     tools' parameter schemas, which the model also reads in its prompt, keep them as hints)."""
-    import json
-
     from llama_cpp.llama_grammar import JSON_GBNF
 
     if schema is None:

@@ -544,6 +544,9 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
                     "JSON with an empty object {}:")
     assert merged["color"] in ("red", "blue") and ("n" in merged or "s" in merged), merged
     assert "n" not in merged or -9 <= merged["n"] <= -3, merged
+    phone = answer({"type": "object", "properties": {"phone": {"type": "string", "pattern": r"^\d{3}-\d{4}$"}},
+                    "required": ["phone"]}, "JSON with a phone number:")["phone"]
+    assert re.fullmatch(r"[0-9]{3}-[0-9]{4}", phone), phone
     assert short["a"] is None or all(isinstance(v, int) and v <= 5 for v in short["a"]), short
     anything = answer({"type": "object", "properties": {"list": {"type": "array", "items": {}, "minItems": 2,
                                                                 "maxItems": 3}}, "required": ["list"]},
@@ -583,13 +586,14 @@ BOUND = st.one_of(st.none(), st.integers(-1200, 1200).map(Decimal),
 
 
 def _grammar_takes(model, gbnf: str, text: str) -> bool:
-    """llama.cpp's grammar engine over SmolLM2's one-character tokens: text is a whole sentence of the grammar."""
+    """llama.cpp's grammar engine over SmolLM2's tokens, a character at a time: text is a whole sentence of the
+    grammar."""
     g = model.grammar(gbnf)
     for ch in text:
-        (token,) = model.tokenize(ch, add_special=False)
-        if not g.allowed(np.array([token]))[0]:
-            return False
-        g.accept(token)
+        for token in model.tokenize(ch, add_special=False):
+            if not g.allowed(np.array([token]))[0]:
+                return False
+            g.accept(token)
     return bool(g.allowed(np.array([min(g.eog)]))[0])
 
 
@@ -635,3 +639,50 @@ def test_bounded_numbers_are_exactly_the_values_between_the_bounds(small_target,
             plain = i == 0 and (kind == "number" or v % 1 == 0)
             if plain and inside(v):
                 assert takes, (schema, text, gbnf)
+
+
+PATTERNS = [r"^\d{3}-\d{4}$", r"^[\w.]+@[\w.]+$", r"\d+", r"^a.b$", r"^[^x]*$", r"^(ab|c)*$", r'^"\\?$', r"^[\s]+$",
+            r"^[a-c]{2,3}$", r"^\D\W?$", r"^x|y$", r"b", r"^$", r"^[-+]?\d+(\.\d+)?$", r"^(?:no|yes)$", r"^\S+ \S+$",
+            r"^[^\d\s]+$", r"^[é-ü]+$"]
+
+
+@given(which=st.integers(0, len(PATTERNS) - 1),
+       text=st.text(alphabet='ab1c2-.x y"\\\t\n@Zé_+', max_size=7))
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_patterns_take_exactly_the_strings_that_match(small_target, which, text):
+    """A JSON string the pattern's grammar takes is valid JSON whose value matches the pattern (as ECMA-262 reads
+    it: ASCII classes, a search unless anchored); every matching value without control characters is taken."""
+    pattern = PATTERNS[which]
+    gbnf = json_grammar({"type": "string", "pattern": pattern})
+    reference = re.compile(pattern[:-1] + r"\Z" if pattern.endswith("$") else pattern, re.ASCII)
+    spelled = json.dumps(text, ensure_ascii=False)
+    takes = _grammar_takes(small_target, gbnf, spelled)
+    if takes:
+        assert reference.search(json.loads(spelled)), (pattern, spelled)
+    if reference.search(text) and not any(ord(c) < 0x20 for c in text):
+        assert takes, (pattern, spelled, gbnf)
+    if '"' in text or "\\" in text:  # their escapes are taken, never the raw character inside the string
+        assert not _grammar_takes(small_target, gbnf, '"' + text + '"') or '"' not in text and "\\" not in text
+
+
+def test_patterns_a_grammar_cannot_hold_are_refused():
+    for pattern, fragment in [(r"^(a)\1$", "back-reference or look-around"), (r"^a(?=b)", "look-around"),
+                              (r"(?i)^a$", "inline flags"), (r"^a\bb$", "anchor"), (r"^[a$", "not a regular expression")]:
+        with pytest.raises(SettingsError, match=re.escape(fragment)):
+            json_grammar({"type": "string", "pattern": pattern})
+    # tool parameters (not strict) keep such a pattern as a hint: a plain string
+    assert "string" in json_grammar({"type": "string", "pattern": r"^(a)\1$"}, strict=False)
+
+
+def test_constants_with_escapes_and_array_counts_without_items(small_target):
+    """A const/enum string holding a backslash, quote, newline or tab: the converter's grammar took a raw newline
+    or an invalid escape, or did not parse; minItems/maxItems without items were dropped."""
+    values = ["C:\\dir\\f", 'say "hi"', "a\nb", "x\ty", "ü"]
+    gbnf = json_grammar({"enum": values})
+    for v in values:
+        assert _grammar_takes(small_target, gbnf, json.dumps(v, ensure_ascii=False)), v
+    assert not _grammar_takes(small_target, gbnf, '"a\nb"'.replace("\\n", "\n"))  # a raw newline: not JSON
+    assert _grammar_takes(small_target, json_grammar({"const": "q\"q"}), '"q\\"q"')
+    counted = json_grammar({"type": "array", "minItems": 1, "maxItems": 2})
+    assert [_grammar_takes(small_target, counted, t) for t in ("[]", "[1]", '[1, "a"]', "[1, 2, 3]")] == \
+        [False, True, True, False]
