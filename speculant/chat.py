@@ -48,14 +48,17 @@ def render(template: str | None, messages: list[dict], *, bos_token: str = "", e
             raise SettingsError("each chat message needs a string 'role' and a string 'content'")
     template = template or CHATML
     messages = [dict(m, content=m.get("content") or "") for m in messages]
-    if tools and "tools" not in template:
+    if "tools" not in template:
         from .tools import CLOSE, OPEN, system_prompt
 
-        for m in messages:  # earlier calls as the text the model would have written
+        # earlier calls as the text the model would have written (also when this request has no tools: else
+        # the conversation loses them, and the tool results answer nothing)
+        for m in messages:
             for c in m.pop("tool_calls", None) or ():
                 call = json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                   ensure_ascii=False)
                 m["content"] += f"\n{OPEN}\n{call}\n{CLOSE}"
+    if tools and "tools" not in template:
         described = system_prompt(tools)
         if messages and messages[0]["role"] == "system":
             messages[0]["content"] += "\n\n" + described

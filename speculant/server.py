@@ -593,7 +593,7 @@ def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
         raise _bad(f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
     out = []
     for key, value in bias.items():
-        if not (isinstance(key, str) and key.strip().isdigit()):
+        if not (isinstance(key, str) and re.fullmatch(r"\s*[0-9]+\s*", key)):  # ASCII digits: int("²") fails
             raise _bad(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias", "invalid_type")
         token = int(key)
         if cfg.n_vocab is not None and token >= cfg.n_vocab:

@@ -16,6 +16,7 @@ from typing import Optional
 from .errors import SettingsError
 
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
+NO_PARAMETERS = {"type": "object", "properties": {}, "additionalProperties": False}  # OpenAI: no parameters given
 _BLOCK = re.compile(re.escape(OPEN) + r"\s*(.*?)\s*" + re.escape(CLOSE), re.S)
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 
@@ -75,7 +76,7 @@ class Tools:
 
         wanted = [f for f in self.functions if self.forced in (None, f["function"]["name"])]
         calls = [{"type": "object", "properties": {"name": {"const": f["function"]["name"]},
-                                                   "arguments": f["function"].get("parameters") or {"type": "object"}},
+                                                   "arguments": f["function"].get("parameters") or NO_PARAMETERS},
                   "required": ["name", "arguments"]} for f in wanted]
         try:
             gbnf = json_grammar(calls[0] if len(calls) == 1 else {"anyOf": calls}, strict=False)
@@ -111,6 +112,13 @@ def parse_tools(body: dict) -> Optional[Tools]:
         params = fn.get("parameters")
         if params is not None and not isinstance(params, dict):
             raise ToolsError(f"tools[{i}].function.parameters must be a JSON schema object")
+        if params is not None:  # a schema the grammar cannot read: refused whatever tool_choice (auto took it
+            from .constraint import json_grammar  # silently and left its calls unconstrained)
+
+            try:
+                json_grammar(params, strict=False)
+            except SettingsError as e:
+                raise ToolsError(f"tools[{i}].function.parameters: {e}") from None
         if fn.get("description") is not None and not isinstance(fn["description"], str):
             raise ToolsError(f"tools[{i}].function.description must be a string")
         functions.append({"type": "function", "function": {k: fn[k] for k in ("name", "description", "parameters")
@@ -182,7 +190,7 @@ def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
     calls, kept, pos = [], [], 0
     for m in _BLOCK.finditer(text):
         try:
-            call = _call(json.loads(m.group(1)), None)
+            call = _call(json.loads(m.group(1)), names)  # a call to a function the request lacks stays text
         except ValueError:
             continue
         if call is None:
@@ -201,16 +209,27 @@ def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
     return Parsed(content or None, calls)
 
 
+def _may_be_a_bare_call(stripped: str) -> bool:
+    """The answer so far may still become a call written as bare JSON (or in a ```json fence): _bare reads it."""
+    if stripped[:1] in ("{", "["):
+        return True
+    if not stripped.startswith("```"):
+        return bool(stripped) and "```".startswith(stripped)
+    language, newline, body = stripped[3:].partition("\n")
+    if not newline:
+        return "json".startswith(language.strip())  # still writing the fence's first line
+    body = body.lstrip()
+    return language.strip() in ("", "json") and (not body or body[0] in "{[")
+
+
 def held_back(text: str, sent: int = 0) -> int:
     """How many characters at the end of a streamed text must wait: a tool call (or what may be the start of
     one) is sent as tool_calls once the answer is complete, not as content. An answer that starts like JSON
     (or a code fence) waits whole: it may be a call written without the tags. sent: how much of the text went
     out already (held back by an earlier call, it holds nothing that starts a call): only what follows is
     searched, so streaming stays linear in the answer's length."""
-    if not sent:
-        stripped = text.lstrip()
-        if stripped[:1] in ("{", "[") or stripped.startswith("```") or (stripped and "```".startswith(stripped)):
-            return len(text)
+    if not sent and _may_be_a_bare_call(text.lstrip()):
+        return len(text)
     at = text.find(OPEN, max(sent - len(OPEN) + 1, 0))
     if at >= 0:
         return len(text) - at

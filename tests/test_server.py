@@ -711,6 +711,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": True}, 400, "logprobs"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": [1, 2]}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"abc": 1}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"\u00b2": 1}}, 400, "logit_bias"),  # was a 500
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"\u0663": 1}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),

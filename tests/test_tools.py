@@ -38,6 +38,9 @@ def test_parse_tools_and_choice():
      "not among the tools"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": [WEATHER], "parallel_tool_calls": "yes"}, "parallel_tool_calls", "boolean"),
+    # a schema the grammar cannot read: refused under auto too (it was taken, its calls left unconstrained)
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {
+        "a": {"type": "wat"}}}}}]}, "tools", r"tools\[0\]\.function\.parameters: .*Unrecognized schema"),
 ])
 def test_bad_tools_are_named(body, param, needle):
     with pytest.raises(ToolsError, match=needle) as e:
@@ -64,6 +67,9 @@ def test_parse_calls():
                  f'{OPEN}{{"name": "add"']:
         p = parse_calls(text)
         assert p.calls == [] and p.content == text
+    # a tagged call to a function the request does not have is not a tool call
+    unknown = f'{OPEN}{{"name": "launch", "arguments": {{}}}}{CLOSE}'
+    assert parse_calls(unknown, {"add"}).calls == [] and len(parse_calls(unknown, {"launch"}).calls) == 1
 
 
 def test_a_call_written_without_the_tags_counts_only_for_the_requests_functions():
@@ -87,6 +93,11 @@ def test_streamed_text_holds_back_what_may_start_a_call():
     assert held_back("Hello <") == 1 and held_back("Hello <tool_") == len("<tool_")
     assert held_back("Hello <b>") == 0
     assert held_back(f"Hi {OPEN}\n{{\"name\"") == len(f"{OPEN}\n{{\"name\"")
+    # a code fence waits only while it may hold a call's JSON (a coder model's answers often open with one)
+    for text in ["```", "```js", "```json", "```json\n", "```\n  {", "```json\n[{"]:
+        assert held_back(text) == len(text), text
+    for text in ["```python", "```py\nprint(1)", "```json\nx = 1", "```\nhello"]:
+        assert held_back(text) == 0, text
 
 
 def test_messages_with_calls_and_results_render_through_the_template():
@@ -101,6 +112,8 @@ def test_messages_with_calls_and_results_render_through_the_template():
     assert text.startswith("<|im_start|>system\n# Tools") and '"name": "get_weather"' in text
     assert f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}' in text
     assert "<|im_start|>tool\n{\"temp\": 21}" in text
+    # the same conversation in a request without tools keeps the call (it vanished: the result answered nothing)
+    assert f'{OPEN}\n{{"name": "get_weather", "arguments": {{"city": "Paris"}}}}\n{CLOSE}' in chat.render(None, msgs)
     with pytest.raises(ToolsError, match="not valid JSON"):
         message_for_template({"role": "assistant", "content": "", "tool_calls": [
             {"type": "function", "function": {"name": "f", "arguments": "{oops"}}]})
@@ -138,6 +151,10 @@ def test_required_calls_follow_the_tools_schemas(qwen_target):
     named = parse_tools({"tools": [WEATHER, ADD], "tool_choice": {"type": "function", "function": {"name": "add"}}})
     assert not _accepts(qwen_target, named.grammar(), good)
     assert _accepts(qwen_target, named.grammar(), f'{OPEN}\n{{"name": "add", "arguments": {{"a": 1, "b": 2}}}}\n{CLOSE}')
+    # a function without parameters takes none (OpenAI: an empty parameter list); it took any object
+    now = parse_tools({"tools": [{"type": "function", "function": {"name": "now"}}], "tool_choice": "required"})
+    assert _accepts(qwen_target, now.grammar(), f'{OPEN}\n{{"name": "now", "arguments": {{}}}}\n{CLOSE}')
+    assert not _accepts(qwen_target, now.grammar(), f'{OPEN}\n{{"name": "now", "arguments": {{"type": "x"}}}}\n{CLOSE}')
 
 
 def _triggered(backend, tools):
