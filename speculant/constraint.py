@@ -447,6 +447,17 @@ def _bounded_number_rule(node: dict) -> Optional[str]:
     return body
 
 
+# string formats the converter has no rule for (it has date, time, date-time, uuid), as patterns: the shapes
+# OpenAI's structured outputs name; other formats stay annotations, as JSON Schema reads them by default
+_LABEL = r"[A-Za-z0-9]([A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+FORMAT_PATTERNS = {
+    "email": r"^[A-Za-z0-9._%+-]+@" + _LABEL + r"(\." + _LABEL + r")+$",
+    "hostname": "^" + _LABEL + r"(\." + _LABEL + ")*$",
+    "ipv4": "^" + _OCTET + r"(\." + _OCTET + "){3}$",
+    "uri": r"^[A-Za-z][A-Za-z0-9+.-]*:[^\s]+$",
+}
+
 # keywords that describe a schema without constraining its values
 ANNOTATIONS = ("description", "title", "default", "examples", "$comment", "$defs", "definitions", "$schema", "$id",
                "deprecated", "readOnly", "writeOnly")
@@ -559,6 +570,9 @@ def _converter(strict: bool = True):
         def visit(self, schema, name):
             if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
                 schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
+            if isinstance(schema, dict) and schema.get("format") in FORMAT_PATTERNS and "pattern" not in schema \
+                    and schema.get("type") in (None, "string"):  # the converter let these be any string
+                schema = {**schema, "type": "string", "pattern": FORMAT_PATTERNS[schema["format"]]}
             if isinstance(schema, dict) and schema.get("type") == "array" and "items" not in schema and \
                     "prefixItems" not in schema and ("minItems" in schema or "maxItems" in schema):
                 schema = {**schema, "items": {"type": ANY_TYPES}}  # else the converter's any-array, counts dropped

@@ -686,3 +686,18 @@ def test_constants_with_escapes_and_array_counts_without_items(small_target):
     counted = json_grammar({"type": "array", "minItems": 1, "maxItems": 2})
     assert [_grammar_takes(small_target, counted, t) for t in ("[]", "[1]", '[1, "a"]', "[1, 2, 3]")] == \
         [False, True, True, False]
+
+
+@pytest.mark.parametrize("fmt, good, bad", [
+    ("email", ["a.b+c@example.com", "x@y.io"], ["not an email", "a@b", "@example.com"]),
+    ("ipv4", ["192.168.0.1", "0.0.0.0", "255.255.255.255"], ["256.1.1.1", "1.2.3", "01.2.3.4"]),
+    ("hostname", ["example.com", "a-b.c"], ["-a.com", "a..b", "a b"]),
+    ("uri", ["https://example.com/x?y=1", "mailto:a@b"], ["example.com", "http:// x"]),
+])
+def test_string_formats_are_held(small_target, fmt, good, bad):
+    """Formats the converter had no rule for became any string (an answer {"e": "Produce"} for an email)."""
+    gbnf = json_grammar({"type": "string", "format": fmt})
+    for text in good:
+        assert _grammar_takes(small_target, gbnf, json.dumps(text)), text
+    for text in bad:
+        assert not _grammar_takes(small_target, gbnf, json.dumps(text)), text
