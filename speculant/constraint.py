@@ -24,6 +24,7 @@ from __future__ import annotations
 import ctypes
 import json
 import math
+import re
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -594,6 +595,41 @@ def _converter(strict: bool = True):
             return super().visit(schema, name)
 
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+
+
+def _prefixed(gbnf: str, prefix: str) -> str:
+    """The grammar with each of its rule names prefixed (literals, character sets and comments left as they are)."""
+    names = set(re.findall(r"^\s*([A-Za-z0-9-]+)\s*::=", gbnf, re.M))
+    out, i = [], 0
+    while i < len(gbnf):
+        c = gbnf[i]
+        if c in "\"[":
+            close, j = ('"' if c == '"' else "]"), i + 1
+            while j < len(gbnf) and gbnf[j] != close:
+                j += 2 if gbnf[j] == "\\" else 1
+            out.append(gbnf[i:j + 1])
+            i = j + 1
+        elif c == "#":
+            j = gbnf.find("\n", i)
+            j = len(gbnf) if j < 0 else j
+            out.append(gbnf[i:j])
+            i = j
+        elif c.isalnum() or c == "-":
+            j = i
+            while j < len(gbnf) and (gbnf[j].isalnum() or gbnf[j] == "-"):
+                j += 1
+            word = gbnf[i:j]
+            out.append(prefix + word if word in names else word)
+            i = j
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def either_grammar(first: str, second: str) -> str:
+    """GBNF for a sentence of either grammar (their rules kept apart by prefixes)."""
+    return f"root ::= a-root | b-root\n{_prefixed(first, 'a-')}\n{_prefixed(second, 'b-')}"
 
 
 def json_grammar(schema: Optional[str | dict] = None, strict: bool = True) -> str:

@@ -47,7 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional
 
 from .backends.base import common_prefix
-from .constraint import TriggeredGrammar, json_grammar
+from .constraint import TriggeredGrammar, either_grammar, json_grammar
 from .engine import MAX_TOP_LOGPROBS
 from .errors import Cancelled, ContextOverflowError, SpeculantError
 from .rpc import WorkerError
@@ -255,11 +255,15 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             tools_grammar = tools.grammar() if tools is not None else None
         except ToolsError as e:
             raise _bad(str(e), e.param) from None
-        if tools_grammar is not None:
-            if grammar is not None:
+        if tools_grammar is not None:  # calls only; a response_format is for a later answer in text
+            if grammar_param == "grammar" and grammar is not None:
                 raise _bad(f"tool_choice {tools.choice!r} constrains the answer to tool calls: it cannot also "
-                           f"follow '{grammar_param}'", "tool_choice")
+                           f"follow 'grammar'", "tool_choice")
             grammar, grammar_param = tools_grammar, "tools"
+        elif grammar is not None and tools is not None and tools.active:
+            # auto with a response format (OpenAI's Agents SDK sends both): tool calls, or an answer under the
+            # format; the format alone left the model no way to call
+            grammar = either_grammar(grammar, tools.calls_grammar())
 
     if chat:
         messages = body.get("messages")

@@ -59,6 +59,10 @@ class Tools:
         """GBNF for answers that must call a tool (required / named), else None."""
         if not self.active or (self.choice == "auto" and self.forced is None):
             return None
+        return self.calls_grammar()
+
+    def calls_grammar(self) -> str:
+        """GBNF for an answer that is tool calls only (one with parallel_tool_calls false)."""
         more = ' ("\\n" tool-call)*' if self.parallel else ""
         return (f'root ::= tool-call{more}\ntool-call ::= "{OPEN}\\n" tool-call-json "\\n{CLOSE}"\n'
                 + self._call_json())

@@ -380,10 +380,33 @@ def test_tool_calls(server, client):
     assert none.choices[0].message.content == plain.choices[0].message.content
 
 
+def test_tools_beside_a_response_format(server, client):
+    """OpenAI's Agents SDK sends tools and an output schema together: under auto the model may call (the schema
+    alone left it no way to), or answer under the schema; required calls, the schema being for a later answer."""
+    messages = [{"role": "user", "content": "What is the weather in Paris?"}]
+    fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"answer": {"type": "string", "maxLength": 30}}, "required": ["answer"]}}}
+    angle = _post(server, "/tokenize", {"content": "<"}).json()["tokens"][0]
+    brace = _post(server, "/tokenize", {"content": "{"}).json()["tokens"][0]
+    for bias, called in (({str(angle): 6}, True), ({str(brace): 6}, False), ({}, None)):
+        r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], response_format=fmt,
+                                           max_tokens=60, temperature=0, parallel_tool_calls=False, logit_bias=bias)
+        c = r.choices[0]
+        if c.message.tool_calls:
+            assert called in (True, None) and c.finish_reason == "tool_calls"
+            assert isinstance(json.loads(c.message.tool_calls[0].function.arguments)["city"], str)
+        else:
+            assert called in (False, None) and c.finish_reason == "stop", c
+            assert isinstance(json.loads(c.message.content)["answer"], str)
+    r = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], response_format=fmt,
+                                       tool_choice="required", max_tokens=60, temperature=0, parallel_tool_calls=False)
+    assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls
+
+
 @pytest.mark.parametrize("body, param", [
     ({"tools": [{"type": "function", "function": {"name": "has space"}}]}, "tools"),
     ({"tools": [WEATHER_TOOL], "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
-    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": [WEATHER_TOOL], "tool_choice": "required", "grammar": 'root ::= "a"'}, "tool_choice"),
     ({"functions": [{"name": "f"}]}, "functions"),
 ])
 def test_bad_tools_are_400s(server, body, param):
