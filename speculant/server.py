@@ -316,6 +316,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
 
     params, stop = _get_sampling(body, cfg), _get_stop(body, cfg)
+    if grammar_param == "tools":  # the answer is calls only: a stop string would cut one, leaving no call
+        stop = []
     stream = _get_bool(body, "stream", False)
     opts = body.get("stream_options")
     if opts is not None and not isinstance(opts, dict):

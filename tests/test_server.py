@@ -360,6 +360,11 @@ def test_tool_calls(server, client):
                                            max_tokens=60, temperature=0, parallel_tool_calls=False)
     assert [t.function.name for t in named.choices[0].message.tool_calls] == ["get_time"]
     assert named.usage.model_extra["speculative"]["drafted"] > 0
+    for stop in (["\n"], ["Paris", "{"]):  # stop strings do not cut required calls (they left '<tool_call>' text)
+        cut = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL], stop=stop,
+                                             tool_choice="required", max_tokens=60, temperature=0,
+                                             parallel_tool_calls=False)
+        assert cut.choices[0].message.tool_calls and cut.choices[0].message.content is None, cut
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
                                                  tool_choice="required", max_tokens=60, temperature=0, stream=True,
                                                  parallel_tool_calls=False))
