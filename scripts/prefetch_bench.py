@@ -6,15 +6,20 @@ kind of CPU: the distances were chosen on Sapphire Rapids and checked there on t
 
     .venv/bin/python scripts/prefetch_bench.py [rounds] [model names or GGUF paths, comma-separated]
 """
+import argparse
 import json
 import os
 import statistics
 import subprocess
 import sys
 
-ROUNDS = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-MODELS = (sys.argv[2] if len(sys.argv) > 2 else
-          "qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0").split(",")
+_ARGS = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+_ARGS.add_argument("rounds", nargs="?", type=int, default=2, help="rounds of every setting (default 2)")
+_ARGS.add_argument("models", nargs="?", default="qwen2.5-coder-1.5b-instruct,qwen2.5-coder-0.5b-instruct-q4_0-out-q4_0",
+                   help="model names or GGUF paths, comma-separated (default: the Qwen pair)")
+_OPTS = _ARGS.parse_args()
+ROUNDS = _OPTS.rounds
+MODELS = _OPTS.models.split(",")
 SETTINGS = {"off": {"SPECULANT_PREFETCH": "0"}, "L1": {"SPECULANT_PREFETCH_L2": "0"},
             "L1+L2": {"SPECULANT_PREFETCH_L2": "4096"}}
 NS = (1, 5, 8)

@@ -298,8 +298,8 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
              logprobs: Optional[int] = None, suffix: Optional[str] = None) -> Result:
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`, except that
-    sampling is untruncated unless asked (top_k 0, top_p 1, min_p 0, as OpenAI's API and our server; the CLI takes
-    llama-cli's 40 / 0.95 / 0.05).
+    sampling is untruncated unless asked (top_k 0, top_p 1, min_p 0, as OpenAI's API; the CLI and the server's
+    defaults take llama-cli's 40 / 0.95 / 0.05).
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
     logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N

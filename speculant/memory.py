@@ -42,11 +42,11 @@ def peak_rss_mb() -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _planned(path: str, role: str, n_ctx: int, verify_positions: int) -> Optional[dict]:
+def _planned(path: str, role: str, n_ctx: int, verify_positions: int, parallel: int = 1) -> Optional[dict]:
     from .plan import plan_model
 
     try:
-        m = plan_model(path, role, n_ctx, verify_positions=verify_positions)
+        m = plan_model(path, role, n_ctx, verify_positions=verify_positions, parallel=parallel)
     except Exception:  # a file the planner cannot read (e.g. a torch directory) is simply not planned
         return None
     return {"model": m.name.rsplit("/", 1)[-1], "planned_mb": round(m.total / 2 ** 20, 1),
@@ -91,7 +91,9 @@ def engine_models(engine, draft_max: Optional[int] = None) -> dict:
     roles = [("target", engine.target)] + [("draft", b) for b in draft_backends(engine.drafter)]
     for role, backend in roles:
         if isinstance(backend, LlamaCppBackend) and role not in out:
-            planned = _planned(str(backend.path), role, backend.n_ctx, k + 1 if role == "target" else 1)
+            # every slot's KV cache (serve -np N), as `speculant plan -np N` counts them
+            planned = _planned(str(backend.path), role, backend.n_ctx, k + 1 if role == "target" else 1,
+                               getattr(backend, "n_seq", 1))
             if planned:
                 out[role] = planned
     return out

@@ -224,9 +224,7 @@ def dry_run(model: "str | Path", type_name: str, *, output_tensor_type: Optional
                           stderr=subprocess.PIPE, text=True, errors="replace")
     lines = proc.stderr.splitlines()
     if proc.returncode != 0:
-        why = next((s for s in reversed(lines) if "error" in s.lower() or "failed" in s.lower()),
-                   lines[-1] if lines else f"exit status {proc.returncode}")
-        raise ModelError(f"llama.cpp's quantizer (dry run) failed: {why.strip()[-300:]}")
+        raise ModelError(f"llama.cpp's quantizer (dry run) failed: {_reason(lines, proc.returncode)}")
     tensors, source_bytes, source_quantized = [], 0, False
     for line in lines:
         m = _DRY_LINE.search(line)
@@ -279,11 +277,16 @@ def _run_child(spec: dict, desc: str, progress: bool) -> None:
         if bar is not None:
             bar.close()
     if rc != 0:
-        lines = [s for s in tail if s.strip()]
-        # llama.cpp's own reason ("failed to quantize: imatrix size 64 is different from ..."), else the last word
-        why = next((s for s in reversed(lines) if ("error" in s.lower() or "failed" in s.lower())
-                    and "llama_model_quantize returned" not in s), lines[-1] if lines else f"exit status {rc}")
-        raise ModelError(f"llama.cpp's quantizer failed: {why.strip()[-300:]}")
+        raise ModelError(f"llama.cpp's quantizer failed: {_reason(list(tail), rc)}")
+
+
+def _reason(lines: list[str], rc: int) -> str:
+    """llama.cpp's own reason in the quantizer child's log ("failed to quantize: imatrix size 64 is different from
+    ...", "ncols 576 not divisible by 128"), not the child's closing "returned 1"; else its last word."""
+    lines = [s for s in lines if s.strip()]
+    why = next((s for s in reversed(lines) if ("error" in s.lower() or "failed" in s.lower())
+                and "llama_model_quantize returned" not in s), lines[-1] if lines else f"exit status {rc}")
+    return why.strip()[-300:]
 
 
 def read_imatrix(path) -> dict[str, "np.ndarray"]:

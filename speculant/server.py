@@ -1679,7 +1679,8 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, in-flight requests get about this many seconds to finish before they "
-                        "are cut with a 'shutting_down' error; new ones get 503 (default 10)")
+                        "are cut with a 'shutting_down' error; new connections are refused, queued requests get 503 "
+                        "(default 10)")
     p.add_argument("--log-level", default="info", choices=LOG_LEVELS,
                    help="info (default): one line per /v1 request; warning: errors and warnings only")
     request_defaults = {  # the sampling flags are defaults for requests here

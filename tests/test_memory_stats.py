@@ -48,7 +48,7 @@ def test_generate_json_carries_peak_rss_and_plan_per_model():
 
 
 def test_metrics_carry_process_and_model_memory():
-    proc, url = spawn_local([*PAIR, "--no-adapt"], timeout=120, exe=SPECULANT, stdout=subprocess.PIPE,
+    proc, url = spawn_local([*PAIR, "--no-adapt", "-np", "3"], timeout=120, exe=SPECULANT, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT)
     try:
         httpx.post(url + "/v1/completions", json={"model": SMALL, "prompt": "Hello", "max_tokens": 4},
@@ -58,11 +58,9 @@ def test_metrics_carry_process_and_model_memory():
             if line and not line.startswith("#"):
                 name, _, value = line.rpartition(" ")
                 metrics[name] = float(value)
-        own = plan.plan_model(SMALL, "target", 512).total
-        for role in ("target", "draft"):
+        for role in ("target", "draft"):  # every slot's KV cache counted, as `speculant plan -np 3` counts them
             key = f'speculant_model_memory_planned_bytes{{model="{models.cached_path(SMALL).name}",role="{role}"}}'
-            assert metrics[key] == pytest.approx(own if role == "target" else plan.plan_model(SMALL, role, 512).total,
-                                                 rel=1e-3), key
+            assert metrics[key] == pytest.approx(plan.plan_model(SMALL, role, 512, parallel=3).total, rel=1e-3), key
         peak = metrics["speculant_process_peak_rss_bytes"]
         assert metrics["process_resident_memory_bytes"] <= peak * 1.01
         assert peak > models.cached_path(SMALL).stat().st_size

@@ -172,6 +172,12 @@ def test_a_disk_that_fills_up_is_named_and_nothing_is_kept(home, small_disk):
     assert list(small_disk.iterdir()) == []
 
 
+def test_a_failed_dry_run_gives_llama_cpps_reason(home):
+    """It gave the child's closing 'llama_model_quantize returned 1' instead (the real run's reason was right)."""
+    assert_clean_error(run("quantize", SMALL, "--type", "Q1_0", "--dry-run", "--allow-requantize",
+                           env={"SPECULANT_HOME": str(home)}), "not divisible by 128", "no tensor type fallback")
+
+
 def test_output_onto_its_input_is_refused(home):
     src = str(models.cached_path(SMALL))
     assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--allow-requantize", "-o", src,

@@ -53,8 +53,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--seed", type=int, default=0, help="base seed for sampling (per prompt and repeat)")
     p.add_argument("--suite", default=None,
                    help="JSONL suite (Spec-Bench question.jsonl format) or a built-in suite's name: default, "
-                        "code_edit_predicted, repeated, structured (JSON answers under their schemas); a comma list "
-                        "runs several (default: default)")
+                        "code_edit_predicted, repeated, structured (JSON answers under their schemas), tools (agent "
+                        "requests with OpenAI tools); a comma list runs several (default: default)")
     p.add_argument("--categories", default=None, help="comma list of categories to run (default all)")
     p.add_argument("--limit", type=int, default=None, help="at most N prompts per category")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
