@@ -428,7 +428,8 @@ def _bounded_number_rule(node: dict) -> Optional[str]:
     for key in BOUNDS:
         if key in node:
             value = node[key]
-            if not (isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)):
+            if not (isinstance(value, int) and not isinstance(value, bool)
+                    or isinstance(value, float) and math.isfinite(value)):  # (a huge int overflows isfinite)
                 raise SettingsError(f"'{key}' must be a number, got {value!r}")
             bound[key] = Decimal(repr(value)) if isinstance(value, float) else Decimal(value)  # as its JSON spells it
     lows = [(bound[k], k == "exclusiveMinimum") for k in ("minimum", "exclusiveMinimum") if k in bound]

@@ -125,7 +125,7 @@ def _sequence(items, outer: bool = False) -> str:
             sub = arg[-1] if op is C.SUBPATTERN else arg
             if op is C.SUBPATTERN and (arg[1] or arg[2]):
                 raise SettingsError("inline flags in the pattern cannot be enforced")
-            out.append(f"({_sequence(sub)})")
+            out.append("(" + (_sequence(sub) or '""') + ")")
         elif op is C.BRANCH:
             out.append("(" + " | ".join(_sequence(alt) or '""' for alt in arg[1]) + ")")
         elif op is C.AT:
