@@ -401,15 +401,73 @@ def _check_schema(node, path: str = "schema") -> None:
         raise SettingsError(f"{path}: 'items' beside 'prefixItems' (items after the tuple) cannot be enforced; give "
                             f"'items': false or list every item in 'prefixItems'")
     props = node.get("properties")
-    missing = [r for r in node.get("required") or [] if not isinstance(props, dict) or r not in props]
-    if missing and "properties" in node:
-        raise SettingsError(f"{path}: required property '{missing[0]}' is not among 'properties', so the grammar "
-                            f"cannot write it")
-    for key, value in node.items():
-        if key in ("enum", "const", "default", "examples"):
-            continue  # values, not schemas
-        if isinstance(value, (dict, list)):
+    if isinstance(props, dict) and "" in props:
+        raise SettingsError(f"{path}.properties: an empty property name cannot be written by the grammar")
+    for key in ("enum", "anyOf", "oneOf", "allOf", "type"):
+        if isinstance(node.get(key), list) and not node[key]:
+            raise SettingsError(f"{path}: '{key}' is an empty list: nothing can match")
+    for key in ("enum", "const"):
+        for value in (node[key] if key == "enum" and isinstance(node.get(key), list) else [node.get(key)]):
+            if _non_finite(value):
+                raise SettingsError(f"{path}: '{key}' holds NaN or Infinity, which JSON cannot write")
+    for key, value in node.items():  # on to the schemas inside (a property named "default" is a schema)
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            for sub_name, sub in value.items():
+                _check_schema(sub, f"{path}.{key}.{sub_name}")
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            for i, sub in enumerate(value):
+                _check_schema(sub, f"{path}.{key}[{i}]")
+        elif key in SCHEMA_KEYS and isinstance(value, dict):
             _check_schema(value, f"{path}.{key}")
+
+
+SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "dependentSchemas")
+SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
+SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
+               "unevaluatedItems", "unevaluatedProperties")
+MAX_COUNT = 10_000  # the largest minLength/maxLength/minItems/maxItems a grammar holds (llama.cpp expands counts)
+
+
+def _non_finite(value) -> bool:
+    if isinstance(value, float):
+        return not math.isfinite(value)
+    if isinstance(value, dict):
+        return any(_non_finite(v) for v in value.values())
+    if isinstance(value, list):
+        return any(_non_finite(v) for v in value)
+    return False
+
+
+def _fits(value, schema: dict) -> bool:
+    """Does an enum/const value satisfy the keywords beside it (type, bounds, lengths, pattern)? Those the grammar
+    would otherwise drop: the converter wrote the listed values whatever else the schema said."""
+    kinds = schema.get("type")
+    kinds = kinds if isinstance(kinds, list) else [kinds] if kinds else None
+    json_type = ("null" if value is None else "boolean" if isinstance(value, bool) else
+                 "integer" if isinstance(value, int) or isinstance(value, float) and value.is_integer() else
+                 "number" if isinstance(value, float) else "string" if isinstance(value, str) else
+                 "array" if isinstance(value, list) else "object")
+    if kinds is not None and json_type not in kinds and not (json_type == "integer" and "number" in kinds):
+        return False
+    if json_type in ("integer", "number"):
+        for key, ok in (("minimum", lambda b: value >= b), ("maximum", lambda b: value <= b),
+                        ("exclusiveMinimum", lambda b: value > b), ("exclusiveMaximum", lambda b: value < b)):
+            if isinstance(schema.get(key), (int, float)) and not ok(schema[key]):
+                return False
+    if json_type == "string":
+        if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
+            return False
+        if isinstance(schema.get("pattern"), str):
+            import re as regex
+
+            try:
+                if not regex.search(schema["pattern"], value):
+                    return False
+            except regex.error:
+                return True  # the pattern's own error is named where the grammar is built
+    if "const" in schema and schema["const"] != value:
+        return False
+    return True
 
 
 def _bounded_number_rule(node: dict) -> Optional[str]:
@@ -469,6 +527,11 @@ def _merge_schemas(a: dict, b: dict) -> dict:
     """One schema that holds where both a and b hold (allOf of the two), keyword by keyword; SettingsError where
     the two set one keyword differently and no single value means both."""
     out = dict(a)
+    for first, second in ((a, b), (b, a)):  # each part's additionalProperties judges the other part's properties
+        extra = set(second.get("properties") or ()) - set(first.get("properties") or ())
+        if extra and first.get("additionalProperties") not in (None, True):
+            raise SettingsError(f"allOf: properties {sorted(extra)} are 'additional' to a part that restricts "
+                                f"additionalProperties; merge the parts into one object schema")
     for key, value in b.items():
         if key not in out or out[key] == value:
             out[key] = value
@@ -569,22 +632,97 @@ def _converter(strict: bool = True):
                                   for alt in alternatives]}
             return own if own != {k: v for k, v in schema.items() if k not in ANNOTATIONS} else schema
 
+        def _spelled_out(self, schema: dict) -> dict:
+            """The combined schema with what the converter would drop or misread made explicit, or refused."""
+            if not {k: v for k, v in schema.items() if k not in ANNOTATIONS}:
+                return {"type": ANY_TYPES}  # {} or annotations only (pydantic's Any): any value (it was objects)
+            out = dict(schema)
+            if out.get("items") in ({}, True):  # any items: the converter read {} as no items schema and failed
+                out["items"] = {"type": ANY_TYPES}
+            lengths = "minLength" in out or "maxLength" in out
+            if lengths and "pattern" in out:
+                raise SettingsError("'minLength'/'maxLength' beside a 'pattern' cannot be enforced (the grammar "
+                                    "follows the pattern); write the length into the pattern")
+            if lengths and "format" in out:  # a format is an annotation in JSON Schema, lengths are not: keep
+                out.pop("format")  # those (pydantic's HttpUrl: format uri, maxLength 2083)
+            if out.get("format") in FORMAT_PATTERNS and "pattern" not in out and out.get("type") in (None, "string"):
+                out.update(type="string", pattern=FORMAT_PATTERNS[out["format"]])  # else any string
+            if out.get("type") == "array" and "items" not in out and "prefixItems" not in out \
+                    and ("minItems" in out or "maxItems" in out):
+                out["items"] = {"type": ANY_TYPES}  # else the converter's any-array, counts dropped
+            tuple_items = out.get("prefixItems")
+            if isinstance(tuple_items, list) and (out.get("maxItems", len(tuple_items)) < len(tuple_items)
+                                                  or out.get("minItems", 0) > len(tuple_items)):
+                raise SettingsError("'minItems'/'maxItems' beside 'prefixItems' cannot be enforced (the grammar "
+                                    "writes every prefix item)")
+            extra = out.get("additionalProperties")
+            if out.get("type") in (None, "object") and isinstance(out.get("required"), list):
+                props = dict(out.get("properties") or {})
+                missing = [r for r in out["required"] if isinstance(r, str) and r not in props]
+                if missing and extra is False:
+                    raise SettingsError(f"required property '{missing[0]}' is not among 'properties' and "
+                                        f"additionalProperties is false: nothing can match")
+                if missing:  # required, so written: valued as additionalProperties says (or anything)
+                    props.update({r: extra if isinstance(extra, dict) else {} for r in missing})
+                    out["properties"] = props
+            if "properties" in out and extra not in (None, False):
+                # the converter's extra keys broke JSON after an optional property ('{"a": 1"b": {}}') and could
+                # repeat a named one: answers keep to the named properties (valid, if narrower)
+                out["additionalProperties"] = False
+            for key in ("enum", "const"):
+                if key in out:
+                    listed = out["enum"] if key == "enum" else [out["const"]]
+                    rest = {k: v for k, v in out.items() if k not in ("enum", "const")}
+                    kept = [v for v in listed if _fits(v, {**rest, **({"const": out["const"]} if key == "enum"
+                                                                       and "const" in out else {})})]
+                    if not kept:
+                        raise SettingsError(f"no '{key}' value satisfies the keywords beside it: nothing can match")
+                    return {"enum": kept}  # the values alone: every one of them satisfies the rest
+            return out
+
+        def _counted(self, schema: dict, name: str) -> Optional[str]:
+            """Strings with minLength/maxLength and arrays with minItems/maxItems as GBNF counts (x{m,n}): the
+            converter nested one optional group per item, and llama.cpp's parser crashed past ~15,000."""
+            string = schema.get("type") == "string" and ("minLength" in schema or "maxLength" in schema) \
+                and "pattern" not in schema and "format" not in schema
+            array = schema.get("type") in (None, "array") and isinstance(schema.get("items"), dict) \
+                and ("minItems" in schema or "maxItems" in schema)
+            if not (string or array):
+                return None
+            lo, hi = (schema.get("minLength", 0), schema.get("maxLength")) if string else \
+                (schema.get("minItems", 0), schema.get("maxItems"))
+            if max(lo, hi or 0) > MAX_COUNT:
+                if strict:
+                    raise SettingsError(f"counts above {MAX_COUNT} ('{'maxLength' if string else 'maxItems'}' "
+                                        f"{hi}) cannot be enforced by a grammar")
+                lo, hi = min(lo, MAX_COUNT), None  # not strict: a hint
+            rule = name + "-" if name in RESERVED_NAMES else name or "root"
+
+            def times(a: int, b: Optional[int]) -> str:
+                return f"{{{a},}}" if b is None else f"{{{a},{b}}}"
+
+            if string:
+                char = self._add_primitive("char", PRIMITIVE_RULES["char"])
+                return self._add_rule(rule, f'"\\"" {char}{times(lo, hi)} "\\"" space')
+            if hi == 0:
+                return self._add_rule(rule, '"[" space "]" space')
+            item = self.visit(schema["items"], f"{name}{'-' if name else ''}item")
+            more = f'("," space {item}){times(max(lo - 1, 0), None if hi is None else hi - 1)}'
+            body = f"{item} {more}" if lo > 0 else f"({item} {more})?"
+            return self._add_rule(rule, f'"[" space {body} "]" space')
+
         def visit(self, schema, name):
-            if isinstance(schema, dict) and schema.get("items") in ({}, True):  # any items: the converter read {}
-                schema = {**schema, "items": {"type": ANY_TYPES}}  # as no items schema and failed
-            if isinstance(schema, dict) and schema.get("format") in FORMAT_PATTERNS and "pattern" not in schema \
-                    and schema.get("type") in (None, "string"):  # the converter let these be any string
-                schema = {**schema, "type": "string", "pattern": FORMAT_PATTERNS[schema["format"]]}
-            if isinstance(schema, dict) and schema.get("type") == "array" and "items" not in schema and \
-                    "prefixItems" not in schema and ("minItems" in schema or "maxItems" in schema):
-                schema = {**schema, "items": {"type": ANY_TYPES}}  # else the converter's any-array, counts dropped
+            if schema is True:  # boolean schemas: true is any value
+                schema = {}
+            if schema is False:
+                raise SettingsError("a schema 'false' allows no value: nothing can match")
             if isinstance(schema, dict):
                 try:
-                    schema = self._combined(schema)
+                    schema = self._spelled_out(self._combined(schema))
                 except SettingsError:
                     if strict:
                         raise  # not strict: the converter's reading, keywords dropped as before
-            if isinstance(schema, dict) and "$ref" not in schema:
+            if isinstance(schema, dict) and not {"$ref", "anyOf", "oneOf", "enum", "const"} & set(schema):
                 try:
                     body = _bounded_number_rule(schema)
                 except SettingsError:
@@ -593,6 +731,9 @@ def _converter(strict: bool = True):
                     body = None  # not strict: the bounds are left to the model, as the converter left them
                 if body is not None:
                     return self._add_rule(name + "-" if name in RESERVED_NAMES else name or "root", body + " space")
+                counted = self._counted(schema, name)
+                if counted is not None:
+                    return counted
             return super().visit(schema, name)
 
     return Converter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)

@@ -570,7 +570,18 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
         ({"type": "integer", "exclusiveMinimum": 1, "exclusiveMaximum": 2}, "no integer satisfies"),
         ({"type": "number", "minimum": 1.5, "exclusiveMaximum": 1.5}, "no number satisfies"),
         ({"type": "number", "maximum": float("inf")}, "must be a number"),
-        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"]}, "'b' is not among"),
+        ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"], "additionalProperties": False},
+         "'b' is not among"),
+        ({"type": "object", "properties": {"": {"type": "integer"}}}, "empty property name"),
+        ({"type": "string", "maxLength": 20000}, "counts above 10000"),
+        ({"type": "integer", "enum": [5, 6], "maximum": 3}, "no 'enum' value satisfies"),
+        ({"enum": []}, "'enum' is an empty list"),
+        ({"const": float("nan")}, "NaN or Infinity"),
+        ({"type": "object", "properties": {"a": False}}, "allows no value"),
+        ({"properties": {"default": {"type": "array", "uniqueItems": True}}}, "properties.default: 'uniqueItems'"),
+        ({"type": "array", "prefixItems": [{"type": "integer"}] * 2, "items": False, "maxItems": 1}, "beside 'prefixItems'"),
+        ({"allOf": [{"type": "object", "properties": {"a": {}}, "additionalProperties": False},
+                    {"properties": {"b": {}}}]}, "'additional' to a part"),
         ({"type": "array", "minItems": 3, "maxItems": 1}, "nothing can match"),
         ({"type": "array", "minItems": -1}, "'minItems' must be an integer >= 0"),
     ]:
@@ -706,3 +717,32 @@ def test_string_formats_are_held(small_target, fmt, good, bad):
         assert _grammar_takes(small_target, gbnf, json.dumps(text)), text
     for text in bad:
         assert not _grammar_takes(small_target, gbnf, json.dumps(text)), text
+
+
+@pytest.mark.parametrize("schema, takes, refuses", [
+    # additionalProperties true (pydantic extra="allow"): the converter took '{"a": 1"b": {}}', refused '{"a": 1}'
+    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+     ['{"a": 1}', "{}"], ['{"a": 1"b": {}}', '{"a": {}}']),
+    # enum beside bounds or a type: only the values that satisfy both
+    ({"type": "integer", "enum": [1, 2, 4, 8], "minimum": 1, "maximum": 3}, ["1", "2"], ["3", "4"]),
+    ({"type": "string", "enum": ["a", 1, "bb"], "minLength": 2}, ['"bb"'], ['"a"', "1"]),
+    # required without properties: written, any value; {} and annotation-only schemas: any value (were objects)
+    ({"type": "object", "required": ["a"]}, ['{"a": 1}', '{"a": "x"}'], ["{}"]),
+    ({"type": "object", "properties": {"x": {"title": "X"}}, "required": ["x"]}, ['{"x": 1}', '{"x": [true]}'], ["{}"]),
+    # counts as GBNF counts (the nested form crashed llama.cpp's parser past ~15,000)
+    ({"type": "string", "maxLength": 9000}, ['"abc"'], []),
+    ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}, ["[1, 2]", "[1, 2, 3]"],
+     ["[1]", "[1, 2, 3, 4]", "[]"]),
+    ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"'], ['"a"', '"abcd"']),
+    # a format beside lengths is an annotation (pydantic's HttpUrl): the lengths hold
+    ({"type": "string", "format": "uri", "maxLength": 4}, ['"abcd"'], ['"abcde"']),
+    # a list of property maps: a property named like a keyword is a property
+    ({"type": "object", "properties": {"enum": {"type": "integer"}}, "required": ["enum"]}, ['{"enum": 3}'], ['{"enum": "x"}']),
+])
+def test_keywords_beside_each_other_hold(small_target, schema, takes, refuses):
+    """From a fresh-eyes sweep of the schema grammars against jsonschema (each case was wrong before)."""
+    gbnf = json_grammar(schema)
+    for text in takes:
+        assert _grammar_takes(small_target, gbnf, text), (schema, text)
+    for text in refuses:
+        assert not _grammar_takes(small_target, gbnf, text), (schema, text)
