@@ -148,6 +148,7 @@ class Job:
     started: Any = None  # asyncio.Event
     after: Any = None  # asyncio.Event
     rides_along: bool = False  # a further choice or prompt of an admitted request: not checked against the queue
+    admission: Any = None  # the request's place among those admitted (Worker.admit), given back when it ends
 
 
 def _is_int(v) -> bool:
@@ -613,7 +614,7 @@ def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
 
 def _prompt_job(job: Job, prompt) -> Job:
     """Another prompt of a batched /v1/completions request, with the same settings."""
-    return dataclasses.replace(job, prompt=prompt, tokens=[], more_prompts=[])
+    return dataclasses.replace(job, prompt=prompt, tokens=[], more_prompts=[], admission=None)
 
 
 def _wait_for_shared_prefixes(prompts: list[Job]) -> None:
@@ -638,7 +639,7 @@ def _choice_job(job: Job, i: int, engine) -> Job:
     """Choice i of a request with n > 1: the same prompt, its own seed (the request's + i) and grammar state."""
     seed = job.params.seed
     params = dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % (1 << 64))
-    return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False)
+    return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False, admission=None)
 
 
 def _constraint(job: Job, engine):
@@ -832,6 +833,25 @@ def _step(gen):
         return _DONE
 
 
+SHUTDOWN_BACKSTOP_S = 30.0  # past --shutdown-timeout, what a pass in flight gets before uvicorn cancels it
+
+
+class _Admission:
+    """A request's place among the admitted ones (Worker.admitted), given back once: when its run ends, or when
+    the request is dropped before one started (an invalid prompt, a stream never begun)."""
+
+    def __init__(self, worker: "Worker"):
+        self._worker = worker
+        worker.admitted += 1
+
+    def release(self) -> None:
+        worker, self._worker = self._worker, None
+        if worker is not None:
+            worker.admitted -= 1
+
+    __del__ = release
+
+
 class Worker:
     """Runs each request on a slot: an engine of its own over a sequence of the shared models, stepped on the
     slot's own thread. Up to `len(engines)` requests decode at once (their passes merge: batching.py); the
@@ -844,15 +864,19 @@ class Worker:
         self.max_queue = max_queue
         self.executors = [ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"speculant-slot{i}")
                           for i in range(len(engines))]
-        # tokenizing must not wait for a slot's step; with one slot it stays on that slot's thread, since a
-        # target in a worker process (--rpc) answers one call at a time
-        self.tokenizer = self.executors[0] if len(engines) == 1 else \
+        # tokenizing must not wait for a slot's step (a long prompt held /tokenize and the queue's 503s for
+        # seconds); only a target in a worker process (--rpc), which answers one call at a time, keeps it on
+        # its slot's thread
+        from .backends.supervised import SupervisedBackend
+
+        self.tokenizer = self.executors[0] if isinstance(self.engine.target, SupervisedBackend) else \
             ThreadPoolExecutor(max_workers=1, thread_name_prefix="speculant-tokenize")
         self.free = list(range(len(engines)))  # idle slots
         self.last_used = [0] * len(engines)  # when each slot last took a request (_pick_slot)
         self._uses = itertools.count(1)
         self.slots = asyncio.Semaphore(len(engines))
-        self.waiting = 0
+        self.waiting = 0  # requests waiting for a slot now
+        self.admitted = 0  # requests admitted and not ended: running, tokenizing or waiting (Worker.admit)
         self.closing = False  # set on SIGINT/SIGTERM: no new generations; in-flight ones run until `deadline`
         self.deadline = math.inf
         self._loop: Optional[asyncio.AbstractEventLoop] = None
@@ -888,6 +912,26 @@ class Worker:
     @property
     def in_progress(self) -> int:
         return len(self.engines) - len(self.free)
+
+    @property
+    def queued(self) -> int:
+        """Admitted requests not running yet (tokenizing, or waiting for a slot)."""
+        return max(0, self.admitted - self.in_progress)
+
+    def admit(self, job: Job) -> None:
+        """Count a request in, or refuse it with a 503 when every slot is busy and --max-queue requests wait.
+        Synchronous, so requests arriving in one event-loop turn are counted one by one (a check against the
+        slots' semaphore let a burst through and refused others at random); called as a request arrives,
+        before its prompt is tokenized, so a stream is refused before its 200."""
+        if job.rides_along or job.admission is not None:
+            return
+        if self.closing:
+            raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
+        if self.admitted >= len(self.engines) + self.max_queue:
+            queued = self.queued
+            raise APIError(503, f"the server is busy ({queued} request{'s' if queued != 1 else ''} queued); retry "
+                                f"later", type="server_error", code="server_overloaded")
+        job.admission = _Admission(self)
 
     def begin_shutdown(self, grace_s: float) -> None:
         self.deadline = min(self.deadline, time.monotonic() + grace_s)
@@ -932,6 +976,7 @@ class Worker:
     async def run(self, job: Job, result, is_disconnected=None) -> AsyncIterator:
         """Yield TokenEvents of one generation; `result` is filled when this ends. Closing this iterator
         (a disconnect, a cancellation) stops the generation after the step in progress."""
+        self.admit(job)
         try:
             async with aclosing(self._run(job, result, is_disconnected)) as events:
                 async for event in events:
@@ -941,14 +986,12 @@ class Worker:
         finally:
             if job.started is not None:  # however it ended, the other choices stop waiting
                 job.started.set()
+            if job.admission is not None and not job.rides_along:
+                job.admission.release()
 
     async def _run(self, job: Job, result, is_disconnected) -> AsyncIterator:
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        if not job.rides_along and self.waiting >= self.max_queue and self.slots.locked():
-            raise APIError(503, f"the server is busy ({self.waiting} request{'s' if self.waiting != 1 else ''} "
-                                f"queued); retry later",
-                           type="server_error", code="server_overloaded")
         if job.after is not None:  # the first choice processes the prompt; this one then copies its cache
             await job.after.wait()
         self.waiting += 1
@@ -1015,10 +1058,15 @@ class Worker:
                     step = loop.run_in_executor(executor, _step, gen)
                     # read its outcome even if this request is cancelled while it runs (no "never retrieved")
                     step.add_done_callback(lambda f: f.cancelled() or f.exception())
-                    if is_disconnected is not None and first_step:
-                        # it processes the prompt (seconds for a long one): watch the client meanwhile
+                    if first_step:
+                        # it processes the prompt (seconds for a long one): watch the client and a shutdown's
+                        # deadline meanwhile (past it, uvicorn cancels the handler: a bare 500, a cut stream)
                         while not (await asyncio.wait({step}, timeout=0.25))[0]:
-                            if await is_disconnected():
+                            if self.closing and time.monotonic() >= self.deadline:
+                                job.cut = True
+                                stop.set()
+                                break
+                            if is_disconnected is not None and await is_disconnected():
                                 stop.set()
                                 break
                     first_step = False
@@ -1225,7 +1273,7 @@ def create_app(engine, cfg: ServerConfig):
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probes
     async def health():
         body = {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
-                "draft_model": cfg.draft_id, "queue_depth": worker.waiting,
+                "draft_model": cfg.draft_id, "queue_depth": worker.queued,
                 "in_progress": worker.in_progress, "slots": len(worker.engines)}
         workers = getattr(engine.target, "health", None)  # RPC workers of a split target
         if workers is None:
@@ -1329,13 +1377,6 @@ def create_app(engine, cfg: ServerConfig):
                 pending[0] = False
         return on_token
 
-    def check_stream_room() -> None:
-        """A stream fails here, before its 200 starts, when the queue is full or the server is closing (a request
-        counts once, whatever its n or prompts: the first job is admitted, the others ride along)."""
-        if worker.closing or worker.waiting + 1 > worker.max_queue + len(worker.free):
-            raise APIError(503, "the server is busy or shutting down; retry later", type="server_error",
-                           code="server_overloaded")
-
     def event_stream(events: AsyncIterator[str], endpoint: str, done) -> StreamingResponse:
         """Server-sent events. An error after the 200 has started goes in-band, as a last `data:` event with
         the error object (where OpenAI's and llama-server's clients read it); done(status) when it ends."""
@@ -1378,6 +1419,7 @@ def create_app(engine, cfg: ServerConfig):
         job = None
         try:
             job, fields = parse_native(body, cfg, engine.target.n_ctx, infill=infill)
+            worker.admit(job)  # a 503 at once when full, before tokenizing
             await worker.tokenize(job)
         except SpeculantError as e:
             raise request_error(e, job, "input_prefix" if infill else "prompt") from None
@@ -1428,8 +1470,6 @@ def create_app(engine, cfg: ServerConfig):
             log_request(request, status, t0, result.stats, job.max_tokens)
 
         if job.stream:
-            check_stream_room()
-
             async def sse():
                 async with aclosing(worker.run(job, result)) as events:
                     async for event in events:
@@ -1478,6 +1518,7 @@ def create_app(engine, cfg: ServerConfig):
         job = None
         try:
             job = parse_job(body, cfg, chat=chat, render_chat=engine.chat_prompt)
+            worker.admit(job)  # a 503 at once when full, before tokenizing
             prompts = [job] + [_prompt_job(job, p) for p in job.more_prompts]  # a batch: one job per prompt
             for one in prompts:
                 await worker.tokenize(one)
@@ -1529,8 +1570,6 @@ def create_app(engine, cfg: ServerConfig):
                             code="shutting_down")
 
         if job.stream:
-            check_stream_room()
-
             async def sse():
                 sent = [0] * len(jobs)  # characters of each choice's text sent
                 streamed = [""] * len(jobs)  # each choice's text so far
@@ -1789,10 +1828,12 @@ def cmd_serve(args) -> int:
     # uvicorn's own startup lines repeat ours: it logs warnings and worse unless asked for debug
     uvicorn_level = args.log_level if LOG_LEVELS.index(args.log_level) <= LOG_LEVELS.index("warning") \
         or args.log_level == "debug" else "warning"
+    # our deadline cuts the requests in flight (between passes, with a 'shutting_down' error); uvicorn's own,
+    # later, only backs it up: when it came first it cancelled the handlers (a bare 500, a stream cut mid-way)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
-                            timeout_graceful_shutdown=args.shutdown_timeout, access_log=False)
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S, access_log=False)
     worker = app.state.worker
-    grace = max(0.0, args.shutdown_timeout * 0.8)
+    grace = max(0.0, args.shutdown_timeout)
     where = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/v1"
 
     class _Server(uvicorn.Server):

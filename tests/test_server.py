@@ -961,6 +961,73 @@ def test_a_full_queue_is_a_503_that_says_when_to_retry():
         _stop(proc)
 
 
+LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 150  # ~1500 tokens: seconds of prompt processing
+
+
+def test_a_burst_is_admitted_up_to_the_queue_and_tokenizing_does_not_wait_for_a_prompt():
+    """-np 1 --max-queue 1: of four requests sent at once, two are admitted and two refused (503 before a 200,
+    streamed or not); the admission counted against the slots' semaphore let bursts through and refused others
+    at random. /tokenize answers while a long prompt is processed (it waited behind it on the slot's thread)."""
+    import asyncio
+
+    proc, url = _start("-np", "1", "--max-queue", "1", "-c", "2048")
+    try:
+        async def burst():
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one(stream):
+                    body = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 40, "stream": stream}
+                    async with client.stream("POST", url + "/v1/completions", json=body) as r:
+                        text = (await r.aread()).decode()
+                        return r.status_code, text
+                return await asyncio.gather(*(one(i % 2 == 0) for i in range(4)))
+
+        for _ in range(3):
+            answers = asyncio.run(burst())
+            statuses = sorted(status for status, _ in answers)
+            assert statuses == [200, 200, 503, 503], answers
+            assert all("server_overloaded" in text for status, text in answers if status == 503)
+            assert not any('"error"' in text for status, text in answers if status == 200), answers
+        done = threading.Event()
+        long = threading.Thread(target=lambda: (httpx.post(url + "/v1/completions", timeout=300, json={
+            "model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1}), done.set()))
+        long.start()
+        deadline = time.monotonic() + 60
+        while httpx.get(url + "/health").json()["in_progress"] < 1 and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert httpx.post(url + "/tokenize", json={"content": "Hello"}, timeout=120).status_code == 200
+        assert not done.is_set()  # answered during the long prompt's processing
+        long.join(300)
+    finally:
+        _stop(proc)
+
+
+def test_a_shutdown_during_a_long_prompt_cuts_it_with_an_error():
+    """SIGTERM while prompts are processed: past the grace period they are cut with the 'shutting_down' error
+    (uvicorn cancelled the handlers: a bare 500, a stream cut without an error event)."""
+    proc, url = _start("-np", "2", "-c", "2048", "--shutdown-timeout", "1")
+    got = {}
+
+    def request(stream):
+        body = {"model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 8, "stream": stream}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=300) as r:
+            got[stream] = (r.status_code, [line for line in r.iter_lines() if line])
+
+    threads = [threading.Thread(target=request, args=(stream,)) for stream in (False, True)]
+    for th in threads:
+        th.start()
+    deadline = time.monotonic() + 60
+    while httpx.get(url + "/health").json()["in_progress"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGTERM)
+    for th in threads:
+        th.join(120)
+    assert proc.wait(60) == 0
+    status, lines = got[False]
+    assert status == 503 and json.loads(lines[0])["error"]["code"] == "shutting_down", (status, lines)
+    status, lines = got[True]
+    assert status == 200 and json.loads(lines[-1][6:])["error"]["code"] == "shutting_down", lines[-3:]
+
+
 def test_graceful_shutdown_cuts_in_flight_and_exits():
     proc, url = _start("--shutdown-timeout", "2")
     lines = []
