@@ -361,6 +361,8 @@ class Engine:
         bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
         if bad:
             raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        if len({t for t, b in params.logit_bias if b == -np.inf}) >= self.target.n_vocab:  # greedy took token 0
+            raise SettingsError("every token's logit is -inf (a logit bias that bans them all)")
         stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
         if not all(isinstance(s, str) for s in stop):
             raise SettingsError(f"stop must be a string or a list of strings, got {stop!r}")

@@ -376,3 +376,14 @@ def test_api_arguments_of_the_wrong_kind_are_settings_errors():
         with pytest.raises(SettingsError, match=fragment):
             SamplingParams(**kwargs)
     assert SamplingParams(logit_bias={1: -2.0}).logit_bias == ((1, -2.0),)  # OpenAI's dict form
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_a_bias_that_bans_every_token_is_refused(temperature):
+    """Greedy decoding took token 0 (a banned one), plain and speculative alike; sampling refused it."""
+    v = 8
+    params = SamplingParams(temperature, seed=1, logit_bias=tuple((t, -np.inf) for t in range(v)))
+    for eng in (Engine(TableBackend(v, seed=0)), Engine(TableBackend(v, seed=0), ModelDrafter(TableBackend(v, seed=1), v),
+                                                         draft_max=3)):
+        with pytest.raises(SettingsError, match="bans them all"):
+            eng.generate([1, 2, 3], max_tokens=4, params=params)
