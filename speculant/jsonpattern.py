@@ -3,8 +3,8 @@
 The regular expression is parsed with Python's own parser (`re._parser`), then written character set by
 character set in the form a JSON string needs: `"` and `\\` as their escapes, control characters as theirs (in
 sets given one by one) or left out (in `.` and negated sets: a narrower answer, never an invalid one). As in
-JSON Schema (ECMA-262), `\\d`, `\\w` and `\\s` are ASCII sets and a pattern not anchored with `^`/`$` may match
-anywhere in the string. What a grammar cannot hold (back-references, look-arounds, inline flags) is refused.
+JSON Schema (ECMA-262), `\\d` and `\\w` are ASCII sets, `\\s` holds Unicode's white space too, and a pattern not
+anchored with `^`/`$` may match anywhere in the string. What a grammar cannot hold (back-references, look-arounds, inline flags) is refused.
 """
 
 from __future__ import annotations
@@ -17,7 +17,9 @@ from .errors import SettingsError
 
 DIGIT = [(0x30, 0x39)]
 WORD = [(0x30, 0x39), (0x41, 0x5A), (0x5F, 0x5F), (0x61, 0x7A)]
-SPACE = [(0x09, 0x0D), (0x20, 0x20)]
+# ECMA-262's \s: white space and line terminators, Unicode's among them (\S must not take a no-break space)
+SPACE = [(0x09, 0x0D), (0x20, 0x20), (0xA0, 0xA0), (0x1680, 0x1680), (0x2000, 0x200A), (0x2028, 0x2029),
+         (0x202F, 0x202F), (0x205F, 0x205F), (0x3000, 0x3000), (0xFEFF, 0xFEFF)]
 CATEGORIES = {C.CATEGORY_DIGIT: (DIGIT, False), C.CATEGORY_NOT_DIGIT: (DIGIT, True),
               C.CATEGORY_WORD: (WORD, False), C.CATEGORY_NOT_WORD: (WORD, True),
               C.CATEGORY_SPACE: (SPACE, False), C.CATEGORY_NOT_SPACE: (SPACE, True)}

@@ -736,6 +736,9 @@ def test_string_formats_are_held(small_target, fmt, good, bad):
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"'], ['"a"', '"abcd"']),
     # a format beside lengths is an annotation (pydantic's HttpUrl): the lengths hold
     ({"type": "string", "format": "uri", "maxLength": 4}, ['"abcd"'], ['"abcde"']),
+    # ECMA's \s holds Unicode's white space: \S and [^\s] took a no-break space
+    ({"type": "string", "pattern": "^\\S+$"}, ['"ab"'], ['"\u00a0"', '"a\u2003"']),
+    ({"type": "string", "pattern": "^[^\\s]+$"}, ['"ab"'], ['"\u00a0"']),
     # a list of property maps: a property named like a keyword is a property
     ({"type": "object", "properties": {"enum": {"type": "integer"}}, "required": ["enum"]}, ['{"enum": 3}'], ['{"enum": "x"}']),
 ])
