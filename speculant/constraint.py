@@ -639,6 +639,8 @@ def _converter(strict: bool = True):
             out = dict(schema)
             if out.get("items") in ({}, True):  # any items: the converter read {} as no items schema and failed
                 out["items"] = {"type": ANY_TYPES}
+            if out.get("items") is False and "prefixItems" not in out:  # no items at all: []
+                out.update(items={"type": ANY_TYPES}, maxItems=0)
             lengths = "minLength" in out or "maxLength" in out
             if lengths and "pattern" in out:
                 raise SettingsError("'minLength'/'maxLength' beside a 'pattern' cannot be enforced (the grammar "

@@ -739,6 +739,7 @@ def test_string_formats_are_held(small_target, fmt, good, bad):
     # ECMA's \s holds Unicode's white space: \S and [^\s] took a no-break space
     ({"type": "string", "pattern": "^\\S+$"}, ['"ab"'], ['"\u00a0"', '"a\u2003"']),
     ({"type": "string", "pattern": "^[^\\s]+$"}, ['"ab"'], ['"\u00a0"']),
+    ({"type": "array", "items": False}, ["[]"], ["[1]"]),  # it failed with "'prefixItems'"
     # a list of property maps: a property named like a keyword is a property
     ({"type": "object", "properties": {"enum": {"type": "integer"}}, "required": ["enum"]}, ['{"enum": 3}'], ['{"enum": "x"}']),
 ])
