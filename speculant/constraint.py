@@ -425,7 +425,8 @@ SCHEMA_MAPS = ("properties", "$defs", "definitions", "patternProperties", "depen
 SCHEMA_LISTS = ("allOf", "anyOf", "oneOf", "prefixItems", "items")
 SCHEMA_KEYS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "propertyNames",
                "unevaluatedItems", "unevaluatedProperties")
-MAX_COUNT = 10_000  # the largest minLength/maxLength/minItems/maxItems a grammar holds (llama.cpp expands counts)
+MAX_COUNT = 2000  # the largest count a grammar holds: llama.cpp's MAX_REPETITION_THRESHOLD (above it an upper
+# count silently became unbounded and a lower one did not parse)
 
 
 def _non_finite(value) -> bool:
@@ -540,6 +541,8 @@ def _merge_schemas(a: dict, b: dict) -> dict:
                                            else _merge_schemas(out[key][n], sub)) for n, sub in value.items()}}
         elif key == "required":
             out[key] = list(dict.fromkeys([*out[key], *value]))
+        elif key in ANNOTATIONS:  # a description or title says nothing of the values: the first one stays
+            continue
         elif key in ("minimum", "exclusiveMinimum", "minLength", "minItems"):
             out[key] = max(out[key], value)
         elif key in ("maximum", "exclusiveMaximum", "maxLength", "maxItems"):
@@ -610,6 +613,16 @@ def _converter(strict: bool = True):
                 self._ref_rules[ref] = self.visit(self._refs[ref], name)
             return self._ref_rules[ref]
 
+        def _dereferenced(self, part):
+            """An allOf part with its $ref (and the $refs that one leads to) merged in, its own keywords kept."""
+            seen = set()
+            while isinstance(part, dict) and part.get("$ref") in self._refs and part["$ref"] not in seen:
+                seen.add(part["$ref"])
+                rest = {k: v for k, v in part.items() if k != "$ref"}
+                target = self._refs[part["$ref"]]
+                part = _merge_schemas(target, rest) if rest else target
+            return part
+
         def _combined(self, schema: dict) -> dict:
             """The schema with its combinations spelled out where the converter read one part and dropped the
             rest: allOf's parts (and a $ref's sibling keywords) merged into one schema, and the keywords beside
@@ -617,11 +630,15 @@ def _converter(strict: bool = True):
             own = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
             if "$ref" in own and len(own) > 1:
                 own = {"allOf": [{"$ref": own.pop("$ref")}, own]}
-            while "allOf" in own:
+            for _ in range(64):
+                if "allOf" not in own:
+                    break
                 parts = own.pop("allOf")
                 for part in parts if isinstance(parts, list) else [parts]:
-                    part = self._refs.get(part["$ref"], part) if isinstance(part, dict) and "$ref" in part else part
+                    part = self._dereferenced(part)
                     own = _merge_schemas(own, {k: v for k, v in part.items() if k not in ANNOTATIONS})
+            else:
+                raise SettingsError("allOf nests too deep or refers to itself")
             if isinstance(own.get("type"), list) and not {"anyOf", "oneOf"} & set(own):
                 own = {"anyOf": [{"type": t} for t in own["type"]],
                        **{k: v for k, v in own.items() if k != "type"}}
@@ -753,6 +770,11 @@ def _prefixed(gbnf: str, prefix: str) -> str:
                 j += 2 if gbnf[j] == "\\" else 1
             out.append(gbnf[i:j + 1])
             i = j + 1
+        elif c == "{":  # a count: numbers, not rule names
+            j = gbnf.find("}", i)
+            j = len(gbnf) if j < 0 else j + 1
+            out.append(gbnf[i:j])
+            i = j
         elif c == "#":
             j = gbnf.find("\n", i)
             j = len(gbnf) if j < 0 else j

@@ -26,6 +26,7 @@ CATEGORIES = {C.CATEGORY_DIGIT: (DIGIT, False), C.CATEGORY_NOT_DIGIT: (DIGIT, Tr
 SHORT_ESCAPES = {0x22: '\\"', 0x5C: "\\\\", 0x08: "\\b", 0x0C: "\\f", 0x0A: "\\n", 0x0D: "\\r", 0x09: "\\t"}
 # one character of a JSON string's content: anything but '"', '\' and control characters, or an escape
 JSON_CHAR = '([^"\\\\\\x7F\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4}))'
+MAX_REPEAT = 2000  # llama.cpp's grammar parser: a larger count is unbounded (upper) or fails (lower)
 PLAIN_NEGATED = '"\\\\\\x7F\\x00-\\x1F'  # what a negated set leaves out besides its own members
 
 
@@ -117,6 +118,9 @@ def _sequence(items, outer: bool = False) -> str:
             out.append(_in(arg))
         elif op in (C.MAX_REPEAT, C.MIN_REPEAT, C.POSSESSIVE_REPEAT):
             lo, hi, sub = arg
+            if max(lo, 0 if hi is C.MAXREPEAT else hi) > MAX_REPEAT:
+                raise SettingsError(f"a count above {MAX_REPEAT} in the pattern cannot be enforced (llama.cpp's "
+                                    f"grammars take at most {MAX_REPEAT})")
             body = _sequence(sub)
             body = body if len(sub) == 1 and sub[0][0] in (C.LITERAL, C.IN, C.ANY, C.SUBPATTERN) else f"({body})"
             if hi is C.MAXREPEAT:
@@ -160,4 +164,7 @@ def pattern_body(pattern: str) -> str:
     items = list(parsed)
     if len(items) == 1 and items[0][0] is C.BRANCH:
         return "(" + " | ".join(_alternative(alt) for alt in items[0][1][1]) + ")"
+    if len(items) == 2 and items[0] == (C.AT, C.AT_BEGINNING) and items[1][0] is C.BRANCH:
+        # "^a$|^b$": the parser takes the shared ^ out in front of the alternatives
+        return "(" + " | ".join(_alternative([items[0], *alt]) for alt in items[1][1][1]) + ")"
     return _alternative(items)

@@ -573,7 +573,9 @@ def test_schema_answers_parse_and_hold_to_the_schema(small_target):
         ({"type": "object", "properties": {"a": {"type": "string"}}, "required": ["b"], "additionalProperties": False},
          "'b' is not among"),
         ({"type": "object", "properties": {"": {"type": "integer"}}}, "empty property name"),
-        ({"type": "string", "maxLength": 20000}, "counts above 10000"),
+        ({"type": "string", "maxLength": 20000}, "counts above 2000"),
+        ({"type": "string", "minLength": 2500}, "counts above 2000"),  # llama.cpp's limit: it did not parse
+        ({"type": "string", "pattern": "^a{0,2500}$"}, "a count above 2000"),  # and this one took 2600
         ({"type": "integer", "enum": [5, 6], "maximum": 3}, "no 'enum' value satisfies"),
         ({"enum": []}, "'enum' is an empty list"),
         ({"const": float("nan")}, "NaN or Infinity"),
@@ -730,7 +732,7 @@ def test_string_formats_are_held(small_target, fmt, good, bad):
     ({"type": "object", "required": ["a"]}, ['{"a": 1}', '{"a": "x"}'], ["{}"]),
     ({"type": "object", "properties": {"x": {"title": "X"}}, "required": ["x"]}, ['{"x": 1}', '{"x": [true]}'], ["{}"]),
     # counts as GBNF counts (the nested form crashed llama.cpp's parser past ~15,000)
-    ({"type": "string", "maxLength": 9000}, ['"abc"'], []),
+    ({"type": "string", "maxLength": 1900}, ['"abc"'], []),
     ({"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 3}, ["[1, 2]", "[1, 2, 3]"],
      ["[1]", "[1, 2, 3, 4]", "[]"]),
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"'], ['"a"', '"abcd"']),
@@ -740,6 +742,16 @@ def test_string_formats_are_held(small_target, fmt, good, bad):
     ({"type": "string", "pattern": "^\\S+$"}, ['"ab"'], ['"\u00a0"', '"a\u2003"']),
     ({"type": "string", "pattern": "^[^\\s]+$"}, ['"ab"'], ['"\u00a0"']),
     ({"type": "array", "items": False}, ["[]"], ["[1]"]),  # it failed with "'prefixItems'"
+    # an allOf part's own keywords beside its $ref, and a $ref to a $ref (required was dropped)
+    ({"$defs": {"A": {"type": "object", "properties": {"x": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#/$defs/A", "required": ["x"]}]}, ['{"x": 1}'], ["{}"]),
+    ({"$defs": {"A": {"$ref": "#/$defs/B"}, "B": {"type": "object", "properties": {"z": {"type": "integer"}}}},
+      "allOf": [{"$ref": "#/$defs/A"}, {"required": ["z"]}]}, ['{"z": 1}'], ["{}"]),
+    # parts that describe one property differently merge (a description said "set differently")
+    ({"allOf": [{"properties": {"a": {"type": "string", "description": "x"}}, "required": ["a"]},
+                {"properties": {"a": {"type": "string", "description": "y", "maxLength": 2}}}]}, ['{"a": "ab"}'],
+     ['{"a": "abc"}']),
+    ({"type": "string", "pattern": "^a$|^b$"}, ['"a"', '"b"'], ['"ab"']),  # the parser hoists the shared ^
     # a list of property maps: a property named like a keyword is a property
     ({"type": "object", "properties": {"enum": {"type": "integer"}}, "required": ["enum"]}, ['{"enum": 3}'], ['{"enum": "x"}']),
 ])
@@ -750,3 +762,19 @@ def test_keywords_beside_each_other_hold(small_target, schema, takes, refuses):
         assert _grammar_takes(small_target, gbnf, text), (schema, text)
     for text in refuses:
         assert not _grammar_takes(small_target, gbnf, text), (schema, text)
+
+
+def test_tools_beside_a_format_whose_rules_have_numeric_names(small_target):
+    """either_grammar prefixed the numbers inside counts ({1} became {a-1}) when a rule was named '1' (a property
+    named "1"): tools beside such a response_format were a 400."""
+    from speculant.constraint import either_grammar
+    from speculant.tools import parse_tools
+
+    schema = {"type": "object", "properties": {"1": {"type": "integer", "minimum": 0, "maximum": 500},
+                                               "3": {"type": "string", "minLength": 3, "maxLength": 5}},
+              "required": ["1", "3"]}
+    calls = parse_tools({"tools": [{"type": "function", "function": {"name": "f"}}]}).calls_grammar()
+    gbnf = either_grammar(json_grammar(schema), calls)
+    assert _grammar_takes(small_target, gbnf, '{"1": 250, "3": "abcd"}')
+    assert not _grammar_takes(small_target, gbnf, '{"1": 501, "3": "abcd"}')
+    assert _grammar_takes(small_target, gbnf, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
