@@ -235,15 +235,16 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         top = row.max()
         if top == -np.inf:
             raise SettingsError("every token's logit is -inf (a logit bias or mask that bans them all)")
-        if params.top_k and params.top_k < v:
-            kth = np.partition(row, v - params.top_k)[v - params.top_k]  # the k-th largest (the order of x / T)
-            ids = np.flatnonzero(row >= kth)  # ties at the cut are all kept
-            dst[ids] = _filtered((row[ids].astype(np.float64) - top) / params.temperature, params)
-        else:
-            dst[:] = row  # as float64, before dividing
-            dst -= top
-            dst /= params.temperature
-            _filtered(dst, params)
+        with np.errstate(over="ignore"):  # a tiny T sends the others to -inf, as it should: no warning
+            if params.top_k and params.top_k < v:
+                kth = np.partition(row, v - params.top_k)[v - params.top_k]  # the k-th largest (the order of x / T)
+                ids = np.flatnonzero(row >= kth)  # ties at the cut are all kept
+                dst[ids] = _filtered((row[ids].astype(np.float64) - top) / params.temperature, params)
+            else:
+                dst[:] = row  # as float64, before dividing
+                dst -= top
+                dst /= params.temperature
+                _filtered(dst, params)
     return out[0] if squeeze else out
 
 
