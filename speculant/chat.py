@@ -58,13 +58,13 @@ def render(template: str | None, messages: list[dict], *, bos_token: str = "", e
                 call = json.dumps({"name": c["function"]["name"], "arguments": c["function"]["arguments"]},
                                   ensure_ascii=False)
                 m["content"] += f"\n{OPEN}\n{call}\n{CLOSE}"
-    if tools and "tools" not in template:
-        described = system_prompt(tools)
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] += "\n\n" + described
-        else:
-            messages.insert(0, {"role": "system", "content": described})
-        tools = None
+        if tools:
+            described = system_prompt(tools)
+            if messages and messages[0]["role"] == "system":
+                messages[0]["content"] += "\n\n" + described
+            else:
+                messages.insert(0, {"role": "system", "content": described})
+            tools = None
     try:
         return _compile(template).render(
             messages=messages, add_generation_prompt=add_generation_prompt,

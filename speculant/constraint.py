@@ -394,9 +394,6 @@ def _check_schema(node, path: str = "schema") -> None:
     for lo, hi in (("minItems", "maxItems"), ("minLength", "maxLength")):
         if lo in node and hi in node and node[lo] > node[hi]:
             raise SettingsError(f"{path}: '{lo}' {node[lo]} is more than '{hi}' {node[hi]}: nothing can match")
-    if "pattern" in node and ("minLength" in node or "maxLength" in node):
-        raise SettingsError(f"{path}: 'minLength'/'maxLength' beside 'pattern' cannot be enforced (the grammar follows "
-                            f"the pattern); write the length into the pattern")
     if "prefixItems" in node and node.get("items") not in (None, False):
         raise SettingsError(f"{path}: 'items' beside 'prefixItems' (items after the tuple) cannot be enforced; give "
                             f"'items': false or list every item in 'prefixItems'")
@@ -459,12 +456,10 @@ def _fits(value, schema: dict) -> bool:
         if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", len(value)):
             return False
         if isinstance(schema.get("pattern"), str):
-            import re as regex
-
             try:
-                if not regex.search(schema["pattern"], value):
+                if not re.search(schema["pattern"], value):
                     return False
-            except regex.error:
+            except re.error:
                 return True  # the pattern's own error is named where the grammar is built
     if "const" in schema and schema["const"] != value:
         return False
@@ -568,6 +563,9 @@ def _converter(strict: bool = True):
     "number", was replaced by it), numbers keep their bounds, and a list of types keeps the other keywords."""
     from llama_cpp.llama_grammar import PRIMITIVE_RULES, RESERVED_NAMES, BuiltinRule, SchemaConverter
 
+    def _rule_name(name: str) -> str:
+        return name + "-" if name in RESERVED_NAMES else name or "root"  # as the converter names its rules
+
     class Converter(SchemaConverter):
         def __init__(self, **kw):
             super().__init__(**kw)
@@ -627,7 +625,7 @@ def _converter(strict: bool = True):
             """The schema with its combinations spelled out where the converter read one part and dropped the
             rest: allOf's parts (and a $ref's sibling keywords) merged into one schema, and the keywords beside
             anyOf/oneOf or a list of types carried into each alternative."""
-            own = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
+            own = stripped = {k: v for k, v in schema.items() if k not in ANNOTATIONS}
             if "$ref" in own and len(own) > 1:
                 own = {"allOf": [{"$ref": own.pop("$ref")}, own]}
             for _ in range(64):
@@ -647,7 +645,7 @@ def _converter(strict: bool = True):
             if isinstance(alternatives, list) and rest:
                 return {"anyOf": [_merge_schemas(rest, alt) if isinstance(alt, dict) else alt
                                   for alt in alternatives]}
-            return own if own != {k: v for k, v in schema.items() if k not in ANNOTATIONS} else schema
+            return own if own != stripped else schema
 
         def _spelled_out(self, schema: dict) -> dict:
             """The combined schema with what the converter would drop or misread made explicit, or refused."""
@@ -715,7 +713,7 @@ def _converter(strict: bool = True):
                     raise SettingsError(f"counts above {MAX_COUNT} ('{'maxLength' if string else 'maxItems'}' "
                                         f"{hi}) cannot be enforced by a grammar")
                 lo, hi = min(lo, MAX_COUNT), None  # not strict: a hint
-            rule = name + "-" if name in RESERVED_NAMES else name or "root"
+            rule = _rule_name(name)
 
             def times(a: int, b: Optional[int]) -> str:
                 return f"{{{a},}}" if b is None else f"{{{a},{b}}}"
@@ -749,7 +747,7 @@ def _converter(strict: bool = True):
                         raise
                     body = None  # not strict: the bounds are left to the model, as the converter left them
                 if body is not None:
-                    return self._add_rule(name + "-" if name in RESERVED_NAMES else name or "root", body + " space")
+                    return self._add_rule(_rule_name(name), body + " space")
                 counted = self._counted(schema, name)
                 if counted is not None:
                     return counted
