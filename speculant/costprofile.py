@@ -185,6 +185,8 @@ def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, fl
     cached = load(backend)
     if cached is not None or not measure:
         return cached
+    if getattr(backend, "n_ctx", DEPTH + QUICK_SIZES[-1]) < DEPTH + QUICK_SIZES[-1]:
+        return None  # no room to measure at a verify pass's depth: the policy starts unprimed and times passes itself
     print(f"speculant: measuring {backend.name}'s pass costs once on this machine (cached in "
           f"{profile_path(backend).parent})", file=sys.stderr)
     pass_times_ms(backend, QUICK_SIZES[:2])  # warm-up

@@ -147,3 +147,23 @@ def test_prompt_ratio_can_be_switched_off(home, monkeypatch):
 
 class _NullDrafter:
     paid = True
+
+
+@pytest.mark.models
+def test_a_context_too_short_to_measure_in_leaves_the_policy_unprimed(tmp_path, monkeypatch, capsys):
+    """A first run with a small -c on a machine without a profile: nothing measured, nothing cached, and the
+    run decodes (the measurement would need DEPTH + 16 positions)."""
+    from speculant.backends.llamacpp import LlamaCppBackend
+    from speculant.drafters.lookup import LookupDrafter
+
+    path = models.cached_path(SMALL)
+    _small_backend(tmp_path, monkeypatch).close()
+    b = LlamaCppBackend(path, n_ctx=costprofile.DEPTH + 15, n_threads=1)
+    try:
+        prompt = b.tokenize("one two three one two three one two")
+        spec = Engine(b, LookupDrafter(), adaptive=True).generate(prompt, max_tokens=16)
+        plain = Engine(b).generate(prompt, max_tokens=16)
+        assert spec.tokens == plain.tokens and "measuring" not in capsys.readouterr().err
+        assert not (tmp_path / "costs").exists()
+    finally:
+        b.close()

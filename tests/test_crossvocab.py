@@ -168,3 +168,26 @@ def test_the_chat_markup_reaches_the_draft_as_its_own_control_tokens(qwen_target
     assert ids == draft.tokenize(prompt, add_special=True)
     im_start = draft.tokenize("<|im_start|>", add_special=False)
     assert len(im_start) == 1 and ids.count(im_start[0]) == prompt.count("<|im_start|>")
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_draft_whose_text_runs_longer_than_its_context_drafts_less_and_never_past_it(adaptive):
+    """The draft's own tokens of the same text are more (here, one per character), so near the context's end
+    its prompt, or a draft of k target tokens, can need more positions than it has: it drafts less instead."""
+    for n_ctx in range(len(PROMPT) + 1, 48):
+        target, draft = make_pair(n_ctx=n_ctx)
+        plain = Engine(TextTable(TARGET_TEXTS, seed=0, n_ctx=n_ctx)).generate(PROMPT, max_tokens=n_ctx)
+        spec = Engine(target, CrossVocabDrafter(draft, target), draft_max=8, adaptive=adaptive).generate(
+            PROMPT, max_tokens=n_ctx)
+        assert spec.tokens == plain.tokens, n_ctx
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_a_prompt_longer_in_the_drafts_tokens_than_its_context_is_not_fed_to_it(adaptive):
+    prompt = [6] * 10  # "abc" ten times: 10 target tokens, 30 of the draft's
+    target, draft = make_pair(n_ctx=20)
+    plain = Engine(TextTable(TARGET_TEXTS, seed=0, n_ctx=20)).generate(prompt, max_tokens=8)
+    spec = Engine(target, CrossVocabDrafter(draft, target), draft_max=4, adaptive=adaptive).generate(
+        prompt, max_tokens=8)
+    assert spec.tokens == plain.tokens
+    assert len(draft.tokens) == 0

@@ -146,6 +146,8 @@ class CrossVocabDrafter(Drafter):
                 proposed_end = pos
             if done or final or len(proposed) >= k or steps >= STEPS_PER_TOKEN * k or not budget.more(self.name):
                 break
+            if len(draft_context) + steps > self.backend.n_ctx:  # the next step needs a position the draft lacks
+                break
             logits = self.backend.eval([token])[0]
             steps += 1
         n = self.allowed_prefix(proposed)
@@ -155,14 +157,23 @@ class CrossVocabDrafter(Drafter):
         return Draft(proposed[:n], None, self.name, catchup_time, catchup_tokens=behind if catchup_time else 0,
                      keys=keys[:n], steps=len(proposed) or steps, paid=self.name)
 
-    def prepare(self, context: Sequence[int], should_stop=None) -> None:
+    def _to_prepare(self, context: Sequence[int]) -> Optional[list[int]]:
+        """The draft tokens a prompt's processing feeds ahead; None where there is nothing to feed, or where the
+        draft's tokens of the text fill its context already (its tokens are often more than the target's, and
+        such a context is not drafted from: propose)."""
         draft_context = self._draft_context(context)
-        if draft_context and len(draft_context) > 1:
-            self.backend.catch_up(draft_context[:-1], should_stop)
+        if not draft_context or not 1 < len(draft_context) < self.backend.n_ctx:
+            return None
+        return draft_context[:-1]
+
+    def prepare(self, context: Sequence[int], should_stop=None) -> None:
+        ahead = self._to_prepare(context)
+        if ahead:
+            self.backend.catch_up(ahead, should_stop)
 
     def prepare_cost(self, context: Sequence[int]) -> int:
-        draft_context = self._draft_context(context)
-        return self.backend.behind(draft_context[:-1]) if draft_context and len(draft_context) > 1 else 0
+        ahead = self._to_prepare(context)
+        return self.backend.behind(ahead) if ahead else 0
 
     def for_slot(self, i: int) -> "CrossVocabDrafter":
         if i == 0:
