@@ -191,3 +191,14 @@ def test_a_prompt_longer_in_the_drafts_tokens_than_its_context_is_not_fed_to_it(
         prompt, max_tokens=8)
     assert spec.tokens == plain.tokens
     assert len(draft.tokens) == 0
+
+
+def test_a_draft_writing_bytes_that_are_not_utf8_stops_its_draft_there():
+    """A byte-level draft model can write a lone continuation byte; the target reads text, so the draft ends
+    before it (it was a traceback)."""
+    target = TextTable(TARGET_TEXTS, seed=0)
+    draft = TextTable(DRAFT_TEXTS + [b"\x80"], seed=1)
+    plain = Engine(TextTable(TARGET_TEXTS, seed=0)).generate(PROMPT, max_tokens=60)
+    spec = Engine(target, CrossVocabDrafter(draft, target), draft_max=6, adaptive=False).generate(PROMPT, max_tokens=60)
+    assert spec.tokens == plain.tokens
+    assert spec.stats.drafted > 0

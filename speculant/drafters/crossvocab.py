@@ -128,7 +128,10 @@ class CrossVocabDrafter(Drafter):
             probs.append(confidence)
             final = self.backend.is_eog(token)  # the draft's text ends: its last target token is whole
             complete = _utf8_complete(text)
-            ids = self.target.tokenize(text[:complete].decode("utf-8"), add_special=False) if complete else []
+            try:
+                ids = self.target.tokenize(text[:complete].decode("utf-8"), add_special=False) if complete else []
+            except UnicodeDecodeError:  # a byte-level draft wrote bytes that are no text: the draft ends before them
+                break
             whole = ids if final else ids[:-1]  # the last target token may still grow with the next draft token
             if whole[:len(proposed)] != proposed:  # the draft's later text re-split tokens already taken: stop
                 break
