@@ -174,12 +174,14 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
                  draft_p_min: float = 0.0, ngram_max: int = 4, ngram_min: int = 2, threads: Optional[int] = None,
                  draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
                  self_spec: bool = False, self_spec_exit: Optional[int] = None,
-                 draft_vocab: int = DRAFT_VOCAB, history: bool = False,
-                 history_tokens: int = 16384, parallel: int = 1) -> Optional[Drafter]:
+                 self_spec_config: Optional[str | os.PathLike] = None, draft_vocab: int = DRAFT_VOCAB,
+                 history: bool = False, history_tokens: int = 16384, parallel: int = 1) -> Optional[Drafter]:
     """The drafter for a target: a draft model, prompt lookup (`draft_model="lookup"`), history drafting
     (`draft_model="history"`: a suffix trie over the prompt and this process's earlier outputs), or a chain
     (`lookup` / `history=True` with a model: history, then lookup, then the model when neither has
-    anything worth verifying), or the target's own first layers (`self_spec`, torch targets). lookup: None
+    anything worth verifying), or the target's own first layers (`self_spec`, torch targets: the layers
+    `speculant calibrate` saved for the model, or those in the file self_spec_config, which implies self_spec;
+    self_spec_exit: the first that many instead). lookup: None
     puts prompt lookup in front of a model (draft or self_spec) as the CLI does; False: the model alone.
     A draft with another vocabulary (another tokenizer) drafts through text (drafters/crossvocab.py). draft_vocab: a llama.cpp draft with more token ids than this
     runs from a copy whose output layer keeps only the first draft_vocab ids (speculant/vocabcut.py: a
@@ -189,6 +191,9 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         raise SettingsError(f"--draft-p-min must be in [0, 1), got {draft_p_min}")
     if draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+    if self_spec_config is not None and self_spec_exit is not None:
+        raise SettingsError("choose a self-spec calibration file or an exit layer, not both")
+    self_spec = self_spec or self_spec_config is not None
     if lookup is None:
         lookup = lookup_by_default(draft_model, self_spec or self_spec_exit is not None)
     lookup_drafter = LookupDrafter(ngram_max, ngram_min) if lookup or draft_model == LOOKUP else None
@@ -204,7 +209,7 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
         if not isinstance(target, TorchBackend):
             raise SettingsError("--self-spec needs the torch backend for the target (--backend torch)")
         own = (SelfSpecDrafter(target, exit_layer=self_spec_exit, p_min=draft_p_min) if self_spec_exit is not None
-               else SelfSpecDrafter.from_config(target, p_min=draft_p_min))
+               else SelfSpecDrafter.from_config(target, self_spec_config, p_min=draft_p_min))
         return _chain(history_drafter, lookup_drafter, own)
     if not draft_model or draft_model in FREE_DRAFTERS:
         return _chain(history_drafter, lookup_drafter)
@@ -243,8 +248,9 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
                 n_ctx: int = 4096,
                 threads: Optional[int] = None, backend: str = "auto", draft_backend: str = "auto",
                 dtype: Optional[str] = None, device: Optional[str] = None, self_spec: bool = False,
-                self_spec_exit: Optional[int] = None, draft_vocab: int = DRAFT_VOCAB,
-                draft_threads: Optional[int] = None, history: bool = False, history_tokens: int = 16384,
+                self_spec_exit: Optional[int] = None, self_spec_config: Optional[str | os.PathLike] = None,
+                draft_vocab: int = DRAFT_VOCAB, draft_threads: Optional[int] = None, history: bool = False,
+                history_tokens: int = 16384,
                 long_max: Optional[int] = None, rpc: Sequence[str] = (), tensor_split: Optional[str] = None,
                 parallel: int = 1) -> Engine:
     """Load a target and its drafter (see load_drafter). Without a drafter it is plain decoding.
@@ -265,6 +271,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
     check_threads(draft_threads, "--threads-draft")
     check_parallel(parallel)
+    self_spec = self_spec or self_spec_config is not None
     if parallel > 1 and (self_spec or self_spec_exit is not None):
         raise SettingsError("--self-spec runs on the torch backend, which serves one request at a time (--parallel 1)")
     for name in (model, draft_model):
@@ -279,7 +286,8 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
         drafter = load_drafter(target, draft_model, lookup=lookup, draft_p_min=draft_p_min,
                                ngram_max=ngram_max, ngram_min=ngram_min, threads=draft_threads or threads,
                                draft_backend=draft_backend, dtype=dtype, device=device, self_spec=self_spec,
-                               self_spec_exit=self_spec_exit, draft_vocab=draft_vocab, history=history,
+                               self_spec_exit=self_spec_exit, self_spec_config=self_spec_config,
+                               draft_vocab=draft_vocab, history=history,
                                history_tokens=history_tokens, parallel=parallel)
     except BaseException:
         target.close()

@@ -40,12 +40,38 @@ def config_paths(target) -> list[Path]:
 
 
 def load_config(target, path: Optional[str | os.PathLike] = None) -> Optional[dict]:
+    """The calibration for the target: from `path` (which must exist and fit the target), else from the first
+    default location holding one for its number of layers; None when there is none. A clear SettingsError
+    naming the file for one that is not a calibration."""
     for p in ([Path(path)] if path else config_paths(target)):
-        if p.exists():
-            cfg = json.loads(p.read_text())
-            if cfg.get("n_layers") == target.n_layers and cfg.get("layers"):
-                return cfg
+        if not p.exists():
+            if path:
+                raise SettingsError(f"self-spec calibration {p} does not exist (write one with `speculant "
+                                    "calibrate -o FILE`)")
+            continue
+        cfg = _read_config(p)
+        if cfg["n_layers"] == target.n_layers:
+            return cfg
+        if path:
+            raise SettingsError(f"self-spec calibration {p} is for a model of {cfg['n_layers']} layers; "
+                                f"{target.name} has {target.n_layers}")
     return None
+
+
+def _read_config(p: Path) -> dict:
+    """A calibration file -> its dict (n_layers, and layers: a valid subset of them)."""
+    fix = "rerun `speculant calibrate` or delete it"
+    try:
+        cfg = json.loads(p.read_text())
+    except (OSError, ValueError) as e:
+        raise SettingsError(f"self-spec calibration {p} is not readable JSON ({e}): {fix}") from None
+    n = cfg.get("n_layers") if isinstance(cfg, dict) else None
+    layers = cfg.get("layers") if isinstance(cfg, dict) else None
+    if (not isinstance(n, int) or not isinstance(layers, list) or 0 not in layers
+            or any(not isinstance(i, int) or not 0 <= i < n for i in layers)):
+        raise SettingsError(f"self-spec calibration {p} is not a calibration (n_layers and a list of layers "
+                            f"among them, 0 included): {fix}")
+    return cfg
 
 
 def save_config(target, cfg: dict, path: Optional[str | os.PathLike] = None) -> Path:
@@ -78,7 +104,7 @@ def candidates(n_layers: int) -> list[list[int]]:
 
 
 def measure(target, layers: Optional[Sequence[int]], prompts: Sequence, max_tokens: int, draft_max: int) -> dict:
-    """Greedy generation on the prompts; tokens/s over all of them, and acceptance."""
+    """Greedy generation on the prompts; tokens/s over all of them, acceptance and accepted tokens."""
     from .drafters.selfspec import SelfSpecDrafter
     from .engine import Engine
     from .verify import SamplingParams
@@ -95,7 +121,7 @@ def measure(target, layers: Optional[Sequence[int]], prompts: Sequence, max_toke
     if drafter:
         drafter.close()
     return {"tokens_per_s": n_tok / t_total if t_total > 0 else 0.0,
-            "acceptance": accepted / drafted if drafted else 0.0, "tokens": n_tok}
+            "acceptance": accepted / drafted if drafted else 0.0, "accepted": accepted, "tokens": n_tok}
 
 
 def calibrate(target, prompts: Sequence = DEFAULT_PROMPTS, *, max_tokens: int = 32, draft_max: int = 4,
@@ -103,6 +129,7 @@ def calibrate(target, prompts: Sequence = DEFAULT_PROMPTS, *, max_tokens: int = 
     """Search the layer subset; return the config dict (not saved)."""
     n = target.n_layers
     log = log or (lambda *a: None)
+    measure(target, None, prompts[:1], 2, 0)  # warm-up: a cold first measurement would flatter every later one
     base = measure(target, None, prompts, max_tokens, 0)
     log(f"plain: {base['tokens_per_s']:.2f} tokens/s")
     results: dict[tuple, dict] = {}
@@ -130,7 +157,11 @@ def calibrate(target, prompts: Sequence = DEFAULT_PROMPTS, *, max_tokens: int = 
                 if nxt["tokens_per_s"] <= cur["tokens_per_s"]:
                     break
                 d += step
-    best_key = max(results, key=lambda k: results[k]["tokens_per_s"])
+    paid = [k for k in results if results[k]["accepted"]]  # one that accepted nothing only decoded plainly
+    if not paid:
+        raise SpeculantError(f"no layer subset had a drafted token accepted in {max_tokens} tokens per prompt: "
+                             "nothing to choose from (try a larger -n)")
+    best_key = max(paid, key=lambda k: results[k]["tokens_per_s"])
     best = results[best_key]
     return {"n_layers": n, "layers": list(best_key), "description": _describe(list(best_key), n),
             "tokens_per_s": best["tokens_per_s"], "acceptance": best["acceptance"],
@@ -148,14 +179,17 @@ def _describe(layers: Sequence[int], n: int) -> str:
 
 
 def cmd_calibrate(args) -> int:
+    from .api import check_threads
     from .backends.torch import load_torch_backend
+    from .engine import MAX_DRAFT
 
     if not 1 <= args.prompts <= len(DEFAULT_PROMPTS):
         raise SettingsError(f"--prompts must be 1..{len(DEFAULT_PROMPTS)} (the built-in prompts), got {args.prompts}")
-    if args.draft_max < 1:
-        raise SettingsError(f"--draft-max must be >= 1, got {args.draft_max}")
-    if args.n_predict < 1:
-        raise SettingsError(f"-n must be >= 1, got {args.n_predict}")
+    if not 1 <= args.draft_max <= MAX_DRAFT:
+        raise SettingsError(f"--draft-max must be in [1, {MAX_DRAFT}], got {args.draft_max}")
+    if args.n_predict < 2:
+        raise SettingsError(f"-n must be >= 2 (after one token nothing is left to draft), got {args.n_predict}")
+    check_threads(args.threads, "--threads")
     target = load_torch_backend(args.model, dtype=args.dtype, device=args.device, n_ctx=args.ctx_size,
                                 threads=args.threads)
     prompts = DEFAULT_PROMPTS[: args.prompts]
@@ -187,5 +221,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per prompt (default 32)")
     p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS),
                    help=f"how many built-in prompts (default {len(DEFAULT_PROMPTS)})")
-    p.add_argument("-o", "--output", default=None, help="where to save (default <model>.selfspec.json)")
+    p.add_argument("-o", "--output", default=None,
+                   help="where to save (default <model>.selfspec.json next to the model, else under "
+                        "$SPECULANT_HOME/selfspec/: where --self-spec looks; another file is read only when "
+                        "named, as load_engine(self_spec_config=FILE) does)")
     p.set_defaults(handler=cmd_calibrate)

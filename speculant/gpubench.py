@@ -288,13 +288,13 @@ def step_costs(opts) -> dict:
 
 
 def step_replay(opts) -> dict:
-    from .replay import build_pair, format_rows, hf_generate_speed, read_trace, replay
+    from .replay import build_pair, format_rows, hf_generate_speed, hf_lengths, read_trace, replay
 
     traces = opts.traces or sorted(str(p) for p in (ROOT / "docs" / "bench" / "traces").glob("*.json"))
     if not traces:
         raise FileNotFoundError("no traces under docs/bench/traces/ (record one with `speculant bench --trace`)")
     docs = [read_trace(t) for t in traces]
-    longest = max(int(r["prompt_tokens"]) + int(r["generated_tokens"]) for d in docs for r in d["runs"])
+    longest = max((r["prompt_tokens"] + r["generated_tokens"] for d in docs for r in d["runs"]), default=0)
     target, draft = build_pair(opts.replay_shape, opts.replay_draft_shape, opts.device, n_ctx=longest + 128)
     out = {"kernels": target.kernels}
     _say(f"  kernels: {target.kernels}")
@@ -305,9 +305,7 @@ def step_replay(opts) -> dict:
                 continue
             ks = opts.replay_ks if any(r.get("agree") for r in doc["runs"]) else ()
             res = replay(doc, target, draft, ks=ks)
-            n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))
-            res["hf"] = hf_generate_speed(target.model, draft.model, n_prompt,
-                                          int(doc["settings"].get("n_predict") or 64), target.device)
+            res["hf"] = hf_generate_speed(target.model, draft.model, *hf_lengths(doc), target.device)
             out[Path(path).name] = res
             _say(f"  trace {Path(path).name}:")
             for line in format_rows(res["rows"], res["hf"], opts.replay_shape, opts.replay_draft_shape).splitlines():
@@ -423,8 +421,14 @@ def main(argv=None) -> int:
 
     import torch
 
+    from .api import check_threads
     from .backends.torch import resolve_device
+    from .errors import SettingsError
 
+    try:
+        check_threads(args.threads, "--threads")
+    except SettingsError as e:
+        ap.error(str(e))
     if args.threads:
         torch.set_num_threads(args.threads)
     t_start = time.perf_counter()

@@ -45,7 +45,53 @@ def read_trace(path: str | Path) -> dict:
         raise SettingsError(f"trace file {path} is not readable JSON ({e})") from None
     if not isinstance(doc, dict) or doc.get("format") != TRACE_FORMAT or not isinstance(doc.get("runs"), list):
         raise SettingsError(f"{path} is not a speculant trace (expected format {TRACE_FORMAT!r})")
+    problem = trace_problem(doc)
+    if problem:
+        raise SettingsError(f"{path} is not a valid speculant trace: {problem}")
     return doc
+
+
+RUN_FIELDS = {"category": (str, "a string"), "prompt_id": ((str, int), "an id"), "variant": (str, "a string"),
+              "method": (str, "a string"), "temp": ((int, float), "a number"),
+              "prompt_tokens": (int, "an integer"), "generated_tokens": (int, "an integer"), "steps": (list, "a list")}
+
+
+def trace_problem(doc: dict) -> Optional[str]:
+    """What in a trace's settings or runs the replay cannot use, or None."""
+    if not isinstance(doc.get("settings", {}), dict):
+        return "its settings are not an object"
+    for i, run in enumerate(doc["runs"], 1):
+        problem = _run_problem(run)
+        if problem:
+            return f"run {i} {problem}"
+    return None
+
+
+def _run_problem(run) -> Optional[str]:
+    if not isinstance(run, dict):
+        return f"is {type(run).__name__}, not an object"
+    for key, (kind, what) in RUN_FIELDS.items():
+        if key not in run:
+            return f"has no {key}"
+        if not isinstance(run[key], kind) or isinstance(run[key], bool):
+            return f"has a {key} that is not {what}"
+    if run["prompt_tokens"] < 1 or run["generated_tokens"] < 0:
+        return "has prompt_tokens < 1 or generated_tokens < 0"
+    for j, step in enumerate(run["steps"], 1):
+        if not (isinstance(step, list) and len(step) == len(STEP_FIELDS) and isinstance(step[0], str)
+                and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in step[1:])):
+            return f"step {j} is not [{', '.join(STEP_FIELDS)}] (a string and 5 counts)"
+        _, k, accepted, target_pass, _, _ = step
+        if not accepted <= k < target_pass:
+            return f"step {j} accepts more than it drafted, or its target pass is shorter than its draft"
+    made = sum(s[2] + 1 for s in run["steps"])
+    if run["steps"] and made < run["generated_tokens"]:
+        return f"has steps that make {made} tokens, fewer than its generated_tokens ({run['generated_tokens']})"
+    agree = run.get("agree")
+    if agree is not None and (not isinstance(agree, list) or len(agree) != run["generated_tokens"]
+                              or any(a not in (0, 1) for a in agree)):
+        return "has an agree that is not one 0 or 1 per generated token"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -101,10 +147,18 @@ def steps_at_k(agree: Sequence[int], k: int) -> list[list]:
     return steps
 
 
+def ended_by_eog(run: dict) -> bool:
+    """Whether a run stopped at the end of generation (its steps made more tokens than it kept: the end
+    token, and drafts after it) rather than at its -n limit."""
+    return sum(s[2] + 1 for s in run["steps"]) > run["generated_tokens"]
+
+
 def at_k(run: dict, k: int) -> dict:
-    """A traced run with a recorded agreement, drafted with a fixed k instead (its variant says so)."""
+    """A traced run with a recorded agreement, drafted with a fixed k instead (its variant says so). A run
+    that ended by the end token makes it too, as the target's own (the agreement does not say whether the
+    draft would have proposed it)."""
     return {**run, "variant": f"fixed k={k}", "k": k, "generated_tokens": len(run["agree"]),
-            "steps": steps_at_k(run["agree"], k)}
+            "steps": steps_at_k(list(run["agree"]) + [0] * ended_by_eog(run), k)}
 
 
 def draft_passes(steps: list, i: int) -> list[int]:
@@ -148,9 +202,11 @@ def replay_run(run: dict, target, draft) -> dict:
 
 
 def replay_plain(run: dict, target) -> dict:
-    """Plain decoding of the same prompt and output length: one 1-token pass per token."""
+    """Plain decoding of the same prompt and output: one 1-token pass per token, and one more for the end
+    token where the run ended by it (the pass that produced it)."""
+    n_passes = run["generated_tokens"] + ended_by_eog(run)
     return replay_run({"prompt_tokens": run["prompt_tokens"], "generated_tokens": run["generated_tokens"],
-                       "steps": [["none", 0, 0, 1, 0, 0]] * int(run["generated_tokens"])}, target, None)
+                       "steps": [["none", 0, 0, 1, 0, 0]] * n_passes}, target, None)
 
 
 class _Rows:
@@ -166,23 +222,33 @@ class _Rows:
         self.backend.rows = self.saved
 
 
+def select_runs(doc: dict, categories=None, variants=None, ks: Sequence[int] = ()) -> tuple[list, dict]:
+    """The speculative runs to replay, and per (category, prompt, temperature) the first with a draft
+    agreement; a clear SettingsError when there is nothing to replay."""
+    spec = [r for r in doc["runs"] if r.get("method") != "plain" and r.get("steps")]
+    runs = [r for r in spec if (not categories or r["category"] in categories)
+            and (not variants or r["variant"] in variants)]
+    if not runs:
+        has = (f"it has categories {', '.join(sorted({r['category'] for r in spec}))} and variants "
+               f"{', '.join(sorted({r['variant'] for r in spec}))}" if spec else "it has only plain runs")
+        raise SettingsError(f"the trace has no speculative runs to replay (after --categories / --variants): {has}")
+    agreed = {}
+    for r in runs:
+        if r.get("agree"):
+            agreed.setdefault((r["category"], r["prompt_id"], r["temp"]), r)
+    if ks and not agreed:
+        raise SettingsError("the trace records no draft agreement to replay a fixed k from (record it again "
+                            "with `speculant bench --trace`, greedy, the draft method)")
+    return runs, agreed
+
+
 def replay(doc: dict, target, draft, *, categories=None, variants=None, ks: Sequence[int] = (),
            warmup: bool = True, log=None) -> dict:
     """Replay every non-plain run of a trace on (target, draft) and plain decoding of the same outputs.
     ks: also draft each prompt with these fixed k, from the agreement its greedy draft run recorded (at_k).
-    Returns {"rows": [per variant x category], "runs": n}. Plain runs at 1 row per pass (no invariance
-    needed), the speculative target at its fixed width."""
-    runs = [r for r in doc["runs"] if r.get("method") != "plain" and r.get("steps")
-            and (not categories or r["category"] in categories) and (not variants or r["variant"] in variants)]
-    if not runs:
-        raise SettingsError("the trace has no speculative runs to replay (after --categories / --variants)")
-    agreed = {}  # (category, prompt) -> its first run with an agreement
-    for r in runs:
-        if r.get("agree"):
-            agreed.setdefault((r["category"], r["prompt_id"]), r)
-    if ks and not agreed:
-        raise SettingsError("the trace records no draft agreement to replay a fixed k from (record it again "
-                            "with `speculant bench --trace`, greedy, the draft method)")
+    Returns {"rows": [per variant x category x temperature], "runs": n}. Plain runs at 1 row per pass (no
+    invariance needed), the speculative target at its fixed width."""
+    runs, agreed = select_runs(doc, categories, variants, ks)
     jobs = [(r, r) for r in runs] + [(r, at_k(r, k)) for k in ks for r in agreed.values()]
     if warmup:  # graph capture and allocator growth stay out of the timings: every run once, for the (rows,
         # KV blocks) classes of its passes (a later, longer run would capture while timed); of the fixed-k
@@ -200,10 +266,10 @@ def replay(doc: dict, target, draft, *, categories=None, variants=None, ks: Sequ
         if id(r) not in plain_s:
             with _Rows(target, None):
                 plain_s[id(r)] = replay_plain(r, target)["seconds"]
-        plain = plain_s[id(r)] * job["generated_tokens"] / r["generated_tokens"]
-        g = groups.setdefault((job["variant"], job["category"]), {"spec_s": 0.0, "plain_s": 0.0, "tokens": 0,
-                                                                  "target_passes": 0, "draft_passes": 0, "runs": 0,
-                                                                  "drafted": 0, "accepted": 0})
+        plain = plain_s[id(r)]  # a fixed-k job makes the same output (its agreement: one entry per token)
+        g = groups.setdefault((job["variant"], job["category"], job["temp"]),
+                              {"spec_s": 0.0, "plain_s": 0.0, "tokens": 0, "target_passes": 0, "draft_passes": 0,
+                               "runs": 0, "drafted": 0, "accepted": 0})
         g["spec_s"] += spec["seconds"]
         g["plain_s"] += plain
         g["tokens"] += spec["tokens"]
@@ -213,11 +279,12 @@ def replay(doc: dict, target, draft, *, categories=None, variants=None, ks: Sequ
         g["accepted"] += sum(s[2] for s in job["steps"])
         g["runs"] += 1
         if log:
-            log(f"  {job['variant']} {r['category']}/{r['prompt_id']}: {spec['tokens'] / spec['seconds']:.1f} "
-                f"tok/s vs plain {job['generated_tokens'] / plain:.1f}")
+            log(f"  {job['variant']} {r['category']}/{r['prompt_id']} T={r['temp']:g}: "
+                f"{spec['tokens'] / spec['seconds']:.1f} tok/s vs plain {job['generated_tokens'] / plain:.1f}")
     rows = []
-    for (variant, category), g in groups.items():
-        rows.append({"variant": variant, "category": category, "runs": g["runs"], "tokens": g["tokens"],
+    for (variant, category, temp), g in groups.items():
+        rows.append({"variant": variant, "category": category, "temp": temp, "runs": g["runs"],
+                     "tokens": g["tokens"],
                      "tau": round(g["tokens"] / g["target_passes"], 3) if g["target_passes"] else None,
                      "acceptance": round(g["accepted"] / g["drafted"], 3) if g["drafted"] else None,
                      "tokens_per_s": round(g["tokens"] / g["spec_s"], 2),
@@ -308,6 +375,17 @@ def add_cli(sub, *_ignored) -> None:
     p.set_defaults(handler=cmd_replay)
 
 
+def available_ram() -> Optional[int]:
+    """Bytes of memory a new allocation can take (MemAvailable in /proc/meminfo; None where it is not)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def build_pair(shape: str, draft_shape: Optional[str], device: str, dtype=None, rows: Optional[int] = 16,
                graphs: Optional[bool] = None, n_ctx: int = 1024):
     """Random-weight target (fixed width `rows`) and draft (shape classes) StaticTorchBackends, with a clear
@@ -324,10 +402,12 @@ def build_pair(shape: str, draft_shape: Optional[str], device: str, dtype=None, 
     dtype = _parse_dtype(dtype) or (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     need = sum(n_params(s) for s in (shape, draft_shape) if s) * torch.finfo(dtype).bits // 8
     if device.startswith("cuda"):
-        free = torch.cuda.mem_get_info(torch.device(device))[0]
-        if need > 0.95 * free:
-            raise SettingsError(f"{shape} + {draft_shape} need {need / 2**30:.0f} GiB of weights; {device} has "
-                                f"{free / 2**30:.0f} GiB free")
+        free, where = torch.cuda.mem_get_info(torch.device(device))[0], f"{device} has"
+    else:
+        free, where = available_ram(), "this machine has"
+    if free is not None and need > 0.95 * free:
+        raise SettingsError(f"{' + '.join(s for s in (shape, draft_shape) if s)} need {need / 2**30:.1f} GiB of "
+                            f"weights ({str(dtype).replace('torch.', '')}); {where} {free / 2**30:.1f} GiB available")
     target = random_backend(shape, rows=rows, graphs=graphs, device=device, dtype=dtype, n_ctx=n_ctx, seed=0)
     vocab = SHAPES[shape][5]  # the draft's output layer padded to the target's vocabulary (Qwen2.5 0.5B/1.5B
     # have 151936 rows, 7B+ 152064): transformers' assisted generation needs equal sizes; the cost is ~0.1%
@@ -337,10 +417,13 @@ def build_pair(shape: str, draft_shape: Optional[str], device: str, dtype=None, 
 
 
 def format_rows(rows: list[dict], hf: dict, shape: str, draft_shape: str) -> str:
-    lines = [f"| variant | category | runs | tokens | τ | acceptance | tok/s | plain tok/s | speedup |",
-             "|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    """A markdown table, with a temperature column where the rows have more than one."""
+    temps = len({r["temp"] for r in rows}) > 1
+    lines = [f"| variant | category |{' T |' if temps else ''} runs | tokens | τ | acceptance | tok/s | "
+             f"plain tok/s | speedup |", "|---|---|" + "---:|" * (8 if temps else 7)]
     for r in rows:
-        lines.append(f"| {r['variant']} | {r['category']} | {r['runs']} | {r['tokens']} | {r['tau']} | "
+        temp = f" {r['temp']:g} |" if temps else ""
+        lines.append(f"| {r['variant']} | {r['category']} |{temp} {r['runs']} | {r['tokens']} | {r['tau']} | "
                      f"{r['acceptance']} | {r['tokens_per_s']} | {r['plain_tokens_per_s']} | {r['speedup']}x |")
     head = f"replayed on random weights: target {shape}, draft {draft_shape}"
     tail = [f"transformers on the same weights: {k} {v}" + (" tok/s" if isinstance(v, (int, float)) else "")
@@ -348,16 +431,25 @@ def format_rows(rows: list[dict], hf: dict, shape: str, draft_shape: str) -> str
     return "\n".join([head] + lines + tail) + "\n"
 
 
+def hf_lengths(doc: dict) -> tuple[int, int]:
+    """The prompt length (the runs' mean) and output length (the trace's -n, else 64) transformers' generate
+    is timed at."""
+    runs = doc["runs"]
+    n_prompt = int(sum(r["prompt_tokens"] for r in runs) / len(runs)) if runs else 1
+    return n_prompt, int((doc.get("settings") or {}).get("n_predict") or 64)
+
+
 def cmd_replay(args) -> int:
     import sys
 
     import torch
 
+    from .api import check_threads
     from .backends.torch import resolve_device
+    from .bench import writable_file
 
     doc = read_trace(args.trace)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    check_threads(args.threads, "--threads")
     device = resolve_device(args.device)
     cats = [c for c in args.categories.split(",") if c] if args.categories else None
     variants = [v for v in args.variants.split(",") if v] if args.variants else None
@@ -367,6 +459,11 @@ def cmd_replay(args) -> int:
         raise SettingsError(f"--k takes a comma list of draft lengths, e.g. 2,4,6; got {args.k!r}") from None
     if any(not 1 <= k <= 32 for k in ks):
         raise SettingsError(f"--k: draft lengths must be in [1, 32], got {args.k!r}")
+    select_runs(doc, cats, variants, ks)  # before the models are built
+    if args.json:
+        writable_file(args.json, "--json")
+    if args.threads:
+        torch.set_num_threads(args.threads)
     longest = max((int(r["prompt_tokens"]) + int(r["generated_tokens"]) for r in doc["runs"]), default=0)
     target, draft = build_pair(args.shape, args.draft_shape, device, args.dtype, args.rows,
                                False if args.no_graphs else None, n_ctx=longest + 128)
@@ -374,9 +471,7 @@ def cmd_replay(args) -> int:
     result = replay(doc, target, draft, categories=cats, variants=variants, ks=ks, log=log)
     hf = {}
     if not args.no_hf:
-        n_prompt = int(sum(r["prompt_tokens"] for r in doc["runs"]) / len(doc["runs"]))
-        hf = hf_generate_speed(target.model, draft.model if draft else None, n_prompt,
-                               int(doc["settings"].get("n_predict") or 64), target.device)
+        hf = hf_generate_speed(target.model, draft.model if draft else None, *hf_lengths(doc), target.device)
     result.update({"shape": args.shape, "draft_shape": args.draft_shape, "device": str(target.device),
                    "dtype": str(target.dtype).replace("torch.", ""), "target_rows": args.rows,
                    "graphs": target.graphs, "hf": hf, "trace": str(args.trace)})

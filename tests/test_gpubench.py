@@ -71,3 +71,13 @@ def test_the_costs_step_fails_when_a_setup_failed(monkeypatch):
     rows = failed.value.result["tiny-draft"]
     assert "stream is capturing" in rows["ours eager, 16 rows"]["failed"]
     assert set(rows["transformers eager sdpa"]) == set(gpubench.PASS_SIZES)  # the other rows stay
+
+
+def test_a_bad_thread_count_is_refused(tmp_path, capsys):
+    from speculant import gpubench
+
+    with pytest.raises(SystemExit) as e:
+        gpubench.main(["--smoke", "-t", "-1", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--threads must be 1..512, got -1" in err and "Traceback" not in err

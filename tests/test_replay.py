@@ -158,3 +158,151 @@ def test_bench_trace_records_every_step(tmp_path):
                 pos += accepted + 1
         else:
             assert "agree" not in run
+
+
+def fixture_doc() -> dict:
+    return json.loads(FIXTURE.read_text())
+
+
+def write(tmp_path, doc) -> str:
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps(doc))
+    return str(path)
+
+
+TINY = ["--shape", "tiny", "--draft-shape", "tiny-draft", "--device", "cpu", "--rows", "8", "-t", "1"]
+
+
+def _runs_not_objects(doc):
+    doc["runs"] = [1, 2]
+
+
+def _no_prompt_tokens(doc):
+    del doc["runs"][2]["prompt_tokens"]
+
+
+def _no_categories(doc):
+    for r in doc["runs"]:
+        del r["category"]
+
+
+def _short_step(doc):
+    doc["runs"][1]["steps"][2] = ["draft", 4, 4, 5, 4]
+
+
+def _too_few_steps(doc):
+    doc["runs"][1]["steps"] = doc["runs"][1]["steps"][:2]
+
+
+def _bad_agreement(doc):
+    doc["runs"][1]["agree"] = [1, 0]
+
+
+@pytest.mark.parametrize("spoil, message", [
+    (_runs_not_objects, "run 1 is int, not an object"),
+    (_no_prompt_tokens, "run 3 has no prompt_tokens"),
+    (_no_categories, "run 1 has no category"),
+    (_short_step, "run 2 step 3 is not [source, k, accepted, target_pass, draft_steps, draft_catchup]"),
+    (_too_few_steps, "run 2 has steps that make 10 tokens, fewer than its generated_tokens (16)"),
+    (_bad_agreement, "run 2 has an agree that is not one 0 or 1 per generated token"),
+])
+def test_a_malformed_trace_is_refused_when_read(spoil, message, tmp_path, capsys):
+    doc = fixture_doc()
+    spoil(doc)
+    assert main(["replay", write(tmp_path, doc), *TINY, "--no-hf"]) == 1
+    err = capsys.readouterr().err
+    assert "is not a valid speculant trace: " + message in err and "Traceback" not in err
+
+
+def test_a_trace_without_settings_replays(tmp_path, capsys):
+    doc = fixture_doc()
+    del doc["settings"]
+    assert main(["replay", write(tmp_path, doc), *TINY, "--categories", "coding"]) == 0
+    assert "hf_generate" in capsys.readouterr().out
+
+
+def test_a_run_that_ended_at_once_replays():
+    """The first token was the end token: no output, one target pass (a real engine's trace)."""
+    doc = fixture_doc()
+    doc["runs"].append({**doc["runs"][1], "prompt_id": "99", "generated_tokens": 0,
+                        "steps": [["draft", 4, 0, 5, 4, 0]]})
+    target, draft = random_backend("tiny", rows=8), random_backend("tiny-draft")
+    res = replay(doc, target, draft, warmup=False)
+    row = next(r for r in res["rows"] if r["category"] == "summarization")
+    assert row["runs"] == 2 and row["tokens"] == 16 and row["speedup"] > 0
+
+
+def _plain_only(tmp_path):
+    doc = fixture_doc()
+    doc["runs"] = [r for r in doc["runs"] if r["method"] == "plain"]
+    return [write(tmp_path, doc)]
+
+
+def _under_a_file(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    return [str(FIXTURE), "--json", str(tmp_path / "a-file" / "r.json")]
+
+
+@pytest.mark.parametrize("argv, message", [
+    (lambda tmp: [str(FIXTURE), "--categories", "codng"], "it has categories coding, summarization"),
+    (lambda tmp: [str(FIXTURE), "--variants", "nope"], "and variants draft-k4"),
+    (_plain_only, "it has only plain runs"),
+    (_under_a_file, "--json"),
+    (lambda tmp: [str(FIXTURE), "-t", "-1"], "--threads must be 1..512, got -1"),
+], ids=["category-typo", "unknown-variant", "plain-only", "json-unwritable", "threads"])
+def test_the_models_are_built_only_when_something_can_be_replayed(argv, message, tmp_path, capsys, monkeypatch):
+    import speculant.replay as replay_module
+
+    def built(*args, **kwargs):
+        raise AssertionError("build_pair ran")
+
+    monkeypatch.setattr(replay_module, "build_pair", built)
+    assert main(["replay", *argv(tmp_path), *TINY[:-2], "--no-hf"]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err, err
+
+
+def test_replay_refuses_models_bigger_than_memory_on_cpu(monkeypatch, capsys):
+    import speculant.replay as replay_module
+
+    monkeypatch.setattr(replay_module, "available_ram", lambda: 2**16, raising=False)  # 64 KiB
+    assert main(["replay", str(FIXTURE), *TINY, "--no-hf"]) == 1
+    err = capsys.readouterr().err
+    assert "tiny + tiny-draft need" in err and "this machine has 0.0 GiB available" in err
+
+
+def test_temperatures_are_rows_of_their_own():
+    import copy
+
+    from speculant.replay import format_rows
+
+    doc = fixture_doc()
+    hot = [copy.deepcopy(r) for r in doc["runs"]]
+    for r in hot:
+        r["temp"] = 0.8
+        if r["method"] != "plain":
+            r["steps"] = [["draft", 4, 1, 5, 4, 0]] * 8  # a poorer acceptance than at T = 0
+    doc["runs"] += hot
+    target, draft = random_backend("tiny", rows=8), random_backend("tiny-draft")
+    res = replay(doc, target, draft, categories=["coding"], warmup=False)
+    rows = {r["temp"]: r for r in res["rows"]}
+    assert set(rows) == {0.0, 0.8} and rows[0.0]["tau"] == 4.0 and rows[0.8]["tau"] == 2.0
+    table = format_rows(res["rows"], {}, "tiny", "tiny-draft")
+    assert "| variant | category | T | runs |" in table and "| draft-k4 | coding | 0.8 | 1 | 16 |" in table
+    assert "| T |" not in format_rows(res["rows"][:1], {}, "tiny", "tiny-draft")
+
+
+def test_plain_decoding_pays_the_pass_that_produced_the_end_token():
+    from speculant.replay import at_k, replay_plain
+
+    target = random_backend("tiny", rows=8)
+    doc = fixture_doc()
+    spec = doc["runs"][1]  # 16 tokens at the -n limit
+    assert replay_plain(spec, target)["target_passes"] == 16
+    ended = {**spec, "generated_tokens": 14}  # the same steps, ended by the end token and a draft after it
+    assert replay_plain(ended, target)["target_passes"] == 15
+    plain = doc["runs"][0]
+    assert replay_plain({**plain, "generated_tokens": 15}, target)["target_passes"] == 16
+    for run, passes in ((spec, 16), (ended, 15)):  # a fixed k makes the end token too
+        run = {**run, "agree": [1] * run["generated_tokens"]}
+        assert sum(s[2] + 1 for s in at_k(run, 4)["steps"]) == passes

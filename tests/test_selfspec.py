@@ -161,6 +161,75 @@ def test_calibrate_tiny(tiny, tmp_path, monkeypatch):
     assert r.tokens == Engine(tiny).generate(PROMPT, max_tokens=12).tokens
 
 
+
+def test_calibrate_refuses_to_choose_when_nothing_was_drafted(tiny):
+    """One token per prompt leaves nothing to draft: no subset may be saved as beating plain decoding."""
+    from speculant import calibrate
+    from speculant.errors import SpeculantError
+
+    with pytest.raises(SpeculantError, match="no layer subset had a drafted token accepted"):
+        calibrate.calibrate(tiny, prompts=[PROMPT], max_tokens=1, draft_max=3)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["-n", "1"], "-n must be >= 2"),
+    (["--draft-max", "100"], "--draft-max must be in [1, 63], got 100"),
+    (["-t", "-1"], "--threads must be 1..512, got -1"),
+])
+def test_calibrate_flags_are_checked_before_the_model_loads(flags, message, capsys):
+    from speculant.cli import main
+
+    assert main(["calibrate", "-m", "no-such-model", *flags]) == 1
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+
+
+def test_the_torch_backend_refuses_a_bad_thread_count():
+    from speculant.backends.torch import load_torch_backend
+
+    with pytest.raises(SettingsError, match="--threads must be 1..512, got -1"):
+        load_torch_backend("no-such-model", threads=-1)
+
+
+@pytest.mark.parametrize("text", ['{"n_layers": 4, "layers": [0,1,2', '[0, 1]', '{"n_layers": 4, "layers": ["a"]}',
+                                  '{"n_layers": 4, "layers": [1, 2]}'])
+def test_a_corrupt_calibration_names_its_file(tiny, tmp_path, monkeypatch, text):
+    from speculant import calibrate
+    from speculant.api import load_drafter
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    path = calibrate.config_paths(tiny)[-1]
+    path.parent.mkdir(parents=True)
+    path.write_text(text)
+    with pytest.raises(SettingsError, match="rerun `speculant calibrate` or delete it") as e:
+        SelfSpecDrafter.from_config(tiny)
+    assert str(path) in str(e.value)
+    with pytest.raises(SettingsError, match="self-spec calibration"):
+        load_drafter(tiny, None, self_spec=True)
+
+
+def test_self_spec_reads_a_named_calibration(tiny, tmp_path):
+    """`calibrate -o FILE` writes a calibration that load_drafter / load_engine read with self_spec_config."""
+    import json
+
+    from speculant.api import load_drafter
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"n_layers": tiny.n_layers, "layers": [0, 1, 3]}))
+    d = load_drafter(tiny, None, self_spec_config=mine, lookup=False)
+    assert isinstance(d, SelfSpecDrafter) and d.layers == [0, 1, 3]
+    d.close()
+    with pytest.raises(SettingsError, match="does not exist"):
+        load_drafter(tiny, None, self_spec_config=tmp_path / "missing.json")
+    with pytest.raises(SettingsError, match="not both"):
+        load_drafter(tiny, None, self_spec_config=mine, self_spec_exit=2)
+    mine.write_text(json.dumps({"n_layers": 6, "layers": [0, 1]}))
+    with pytest.raises(SettingsError, match="is for a model of 6 layers"):
+        load_drafter(tiny, None, self_spec_config=mine)
+
+
 def test_smollm2_greedy_identity():
     from speculant import models
 

@@ -530,6 +530,9 @@ def load_torch_backend(model_name_or_path: str | os.PathLike, dtype=None, device
     """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from ..api import check_threads
+
+    check_threads(threads, "--threads")
     if threads:
         torch.set_num_threads(threads)
     device = resolve_device(device)

@@ -134,7 +134,8 @@ class SelfSpecDrafter(ModelDrafter):
 
     @classmethod
     def from_config(cls, target, path: Optional[str | os.PathLike] = None, p_min: float = 0.0) -> "SelfSpecDrafter":
-        """Use the calibrated layer set (<model>.selfspec.json); half the layers by early exit when there is none."""
+        """Use the calibrated layer set (`path`, else <model>.selfspec.json); half the layers by early exit
+        when there is none (a named file must exist)."""
         from ..calibrate import load_config
 
         cfg = load_config(target, path)
