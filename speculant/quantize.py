@@ -125,13 +125,16 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
         raise SettingsError(f"{model} already holds quantized weights ({kinds}); requantizing them loses some "
                             "quality: pass --allow-requantize to do it anyway (for a draft model it only affects "
                             "acceptance, never the output, which the target verifies exactly)")
+    named = name
     name = name or default_name(model, type_name, output_tensor_type, token_embedding_type)
     known = models.REGISTRY.get(name)
     if known and known.derived_from == model and known.quant_type == type_name.upper() and not output \
-            and known.output_type == (output_tensor_type or "").upper() and not token_embedding_type:
-        return name, models.pull(name, quiet=not progress)  # a registered derived model: made where pull makes it
+            and known.output_type == (output_tensor_type or "").upper() and not token_embedding_type \
+            and not imatrix:  # a registered derived model: made where and as pull makes it
+        return name, models.pull(name, quiet=not progress, threads=threads)
     if name in models.REGISTRY:
-        raise SettingsError(f"--name {name!r} is a registered model's name; choose another")
+        raise SettingsError(f"{'--name' if named else 'the default name'} {name!r} is a registered model's name; "
+                            "choose another with --name")
     final = Path(output).expanduser() if output else models.home() / "models" / f"{name}.gguf"
     if final.resolve() == src.resolve():
         raise SettingsError(f"the output {final} is the input file; choose another -o")
@@ -298,6 +301,8 @@ def read_imatrix(path) -> dict[str, "np.ndarray"]:
     from gguf import GGUFReader
 
     path = Path(path).expanduser()
+    if path.is_dir():
+        raise SettingsError(f"--imatrix {path} is a directory; pass llama-imatrix's output file (.gguf or .dat)")
     if not path.is_file():
         raise SettingsError(f"--imatrix {path}: no such file")
     bad = f"--imatrix {path} is not an importance matrix (llama-imatrix's .gguf or .dat)"
@@ -447,7 +452,8 @@ def cmd_quantize(args) -> int:
                           allow_requantize=args.allow_requantize, output_tensor_type=args.output_tensor_type,
                           token_embedding_type=args.token_embedding_type, threads=args.threads,
                           imatrix=args.imatrix, progress=not args.quiet)
-    entry = models.local_entries()[name]
+    entry = models.local_entries().get(name) or {  # a registered derived model, made as `speculant pull` makes it
+        "size": path.stat().st_size, "sha256": models.sha256_file(path), "requantized": True}
     note = " (requantized: a draft's quality only affects acceptance, never the output)" if entry["requantized"] else ""
     print(f"{name}: {path} ({entry['size'] / 2**20:.0f} MiB, sha256 {entry['sha256'][:16]}…){note}")
     return 0

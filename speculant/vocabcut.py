@@ -97,21 +97,40 @@ def write_cut(src: Path, dst: Path, n: int) -> Path:
     return dst
 
 
+MIN_KEPT = 256  # the smallest --draft-vocab
+
+
+def check_draft_vocab(n: int) -> None:
+    """--draft-vocab N: 0 (the full vocabulary) or at least MIN_KEPT ids."""
+    if n != 0 and n < MIN_KEPT:
+        raise SettingsError(f"--draft-vocab must be 0 (the full vocabulary) or at least {MIN_KEPT}, got {n}")
+
+
+def _stamp(path: Path) -> Optional[dict]:
+    """The source record a cut was made from (None: absent, empty or corrupt: the cut is made again)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
 def cut_model(src: Path, n: int) -> Path:
     """The cut copy of `src` under $SPECULANT_HOME/cut/, made once (rebuilt if the source changes)."""
     from . import models
 
-    if n < 256:
-        raise SettingsError(f"--draft-vocab must be 0 (the full vocabulary) or at least 256, got {n}")
+    if n < MIN_KEPT:
+        raise SettingsError(f"--draft-vocab must be 0 (the full vocabulary) or at least {MIN_KEPT}, got {n}")
     out_dir = models.home() / "cut"
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / f"{src.stem}.top{n}.gguf"
     stamp = dst.with_suffix(".json")
     source = {"source": str(src), "size": src.stat().st_size, "mtime": src.stat().st_mtime, "n": n}
-    if dst.exists() and stamp.exists() and json.loads(stamp.read_text()) == source:
+    if dst.exists() and _stamp(stamp) == source:
         return dst
     write_cut(src, dst, n)
-    stamp.write_text(json.dumps(source))
+    tmp = stamp.with_name(stamp.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(source), encoding="utf-8")
+    os.replace(tmp, stamp)
     return dst
 
 

@@ -91,3 +91,79 @@ def test_next_pull_sweeps_killed_pulls_but_not_live_ones(home, monkeypatch):
     (folder / "tiny.gguf").write_bytes(b"GGUF")
     models.pull("tiny", quiet=True)
     assert sorted(p.name for p in folder.glob(".pull-*")) == [".pull-x-live", ".pull-x-new"]
+
+
+# -- damaged files and malformed index entries (audit findings) --------------------------------------------------
+
+SMALL = "smollm2-135m-instruct"
+
+
+def _real_small():
+    import os
+    from pathlib import Path
+
+    path = Path(os.environ.get("SPECULANT_HOME") or Path.home() / ".cache" / "speculant") / "models" / \
+        models.REGISTRY[SMALL].filename
+    if not path.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    return path
+
+
+@pytest.fixture()
+def small_home(tmp_path, monkeypatch):
+    real = _real_small()  # before SPECULANT_HOME moves
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    return tmp_path, real
+
+
+def test_a_truncated_model_is_named_by_resolve_models_and_doctor(small_home):
+    home, real = small_home
+    (home / "models").mkdir()
+    with open(real, "rb") as f:
+        (home / "models" / real.name).write_bytes(f.read(50 << 20))
+    with pytest.raises(ModelError, match=rf"damaged or incomplete .*run `speculant pull {SMALL}`"):
+        models.resolve(SMALL)
+    row = next(r for r in models.list_models() if r[0] == SMALL)
+    assert not row[2] and "damaged or incomplete" in row[1]
+    from speculant import doctor
+
+    facts = doctor.collect()
+    assert SMALL in facts["damaged_models"] and "speculant pull" in doctor.render(facts)
+
+
+def test_an_explicit_pull_checks_the_sha256_and_fetches_a_damaged_file_again(small_home, monkeypatch, capsys):
+    home, real = small_home
+    (home / "models").mkdir()
+    path = home / "models" / real.name
+    data = bytearray(real.read_bytes())
+    middle = len(data) // 2
+    data[middle:middle + (8 << 20)] = bytes(8 << 20)  # same size, wrong bytes
+    path.write_bytes(bytes(data))
+    assert models.pull(SMALL, quiet=True) == path  # a plain pull (resolve's) trusts the size
+    calls = []
+
+    class Failed:
+        returncode, stderr = 1, "ERROR: no network here"
+
+    monkeypatch.setattr(models.subprocess, "run", lambda cmd, **kw: calls.append(cmd) or Failed())
+    with pytest.raises(ModelError, match=f"download of {SMALL} failed"):
+        models.pull(SMALL, quiet=True, verify=True)
+    assert calls and "damaged or incomplete" in capsys.readouterr().err
+    assert path.read_bytes() == bytes(data)  # the failed fetch left the old file as it was, nothing beside it
+    assert _leftovers(home) == [path]
+
+
+def test_local_entries_without_a_path_are_left_out_with_a_warning(home, capsys):
+    import json
+
+    (home / "models").mkdir()
+    (home / "models" / models.LOCAL_INDEX).write_text(json.dumps({"foo": {"description": "x"}, "bar": 3,
+                                                                  "ok": {"path": "/nowhere.gguf"}}))
+    assert list(models.local_entries()) == ["ok"]
+    assert "'bar', 'foo'" in capsys.readouterr().err
+    assert [r[0] for r in models.list_models()][-1] == "ok" and models.spec_of("foo") is None
+    with pytest.raises(ModelError, match="unknown model 'foo'"):
+        models.resolve("foo")
+    from speculant import doctor
+
+    assert doctor.collect()["local_models"] == {"ok": None}

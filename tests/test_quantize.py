@@ -281,3 +281,32 @@ def test_low_bit_types_need_an_importance_matrix_and_a_readable_one(home, tmp_pa
     assert_clean_error(run("quantize", SMALL, "--type", "IQ2_XXS", "--imatrix", str(other), "--allow-requantize",
                            "-q", env=env), "quantizer failed", "imatrix size 64 is different from tensor size 576")
     assert not [p for p in (home / "models").iterdir() if p.name.startswith(".quantize-") or "iq2" in p.name]
+
+
+def test_quantize_to_a_registered_derived_model_makes_it_as_pull_does(home, monkeypatch, capsys):
+    """A type whose default name is a registered derived model's is made by pull, with the threads asked for."""
+    import dataclasses
+
+    from speculant import cli, quantize
+
+    name = f"{SMALL}-q8_0"
+    spec = dataclasses.replace(models.REGISTRY[SMALL], name=name, filename=f"{name}.gguf", parts=(),
+                               derived_from=SMALL, quant_type="Q8_0")
+    monkeypatch.setitem(models.REGISTRY, name, spec)
+    monkeypatch.setenv("SPECULANT_HOME", str(home))
+    threads = []
+    real_make = quantize.make
+    monkeypatch.setattr(quantize, "make", lambda *a, **kw: threads.append(kw.get("threads")) or real_make(*a, **kw))
+    assert cli.main(["quantize", SMALL, "--type", "Q8_0", "--allow-requantize", "-q", "-t", "1"]) == 0
+    out = capsys.readouterr().out
+    path = home / "models" / f"{name}.gguf"
+    assert out.startswith(f"{name}: {path} (") and models.sha256_file(path)[:16] in out
+    assert threads == [1] and name not in models.local_entries()  # registered: no local entry
+
+
+def test_an_imatrix_directory_is_named_a_directory(tmp_path):
+    from speculant import quantize
+    from speculant.errors import SettingsError
+
+    with pytest.raises(SettingsError, match="is a directory"):
+        quantize.read_imatrix(tmp_path)

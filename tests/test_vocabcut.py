@@ -135,3 +135,21 @@ def test_cut_model_is_made_once(tmp_path, monkeypatch, small_target):
     assert not list(first.parent.glob("*.tmp*"))
     with pytest.raises(SettingsError):
         cut_model(src, 100)
+
+
+@pytest.mark.parametrize("stamp_text", ["", "{not json"])
+def test_a_bad_stamp_is_made_again(tmp_path, monkeypatch, stamp_text):
+    """An empty or corrupt stamp (a crash while writing it) counts as none: the cut is made again."""
+    import json
+
+    from speculant.vocabcut import cut_model
+
+    src = models.cached_path(SMALL)
+    if not src.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    first = cut_model(src, 4096)
+    stamp = first.with_suffix(".json")
+    stamp.write_text(stamp_text)
+    assert cut_model(src, 4096) == first
+    assert json.loads(stamp.read_text())["n"] == 4096 and not list(first.parent.glob("*.tmp*"))
