@@ -223,6 +223,6 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
                    help=f"how many built-in prompts (default {len(DEFAULT_PROMPTS)})")
     p.add_argument("-o", "--output", default=None,
                    help="where to save (default <model>.selfspec.json next to the model, else under "
-                        "$SPECULANT_HOME/selfspec/: where --self-spec looks; another file is read only when "
-                        "named, as load_engine(self_spec_config=FILE) does)")
+                        "$SPECULANT_HOME/selfspec/: where --self-spec looks; another file is read with "
+                        "--self-spec-config FILE)")
     p.set_defaults(handler=cmd_calibrate)

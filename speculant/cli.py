@@ -75,6 +75,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("--self-spec", action="store_true",
                    help="draft with the target's own first layers (torch target; `speculant calibrate` picks them)")
     p.add_argument("--self-spec-exit", type=int, default=None, help="self-spec: exit after this many layers")
+    p.add_argument("--self-spec-config", metavar="FILE", default=None,
+                   help="self-spec: the layers saved by `speculant calibrate -o FILE` (default: those it saved "
+                        "for the model in its default place)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096,
                    help="context window in tokens; 0: the model's training context (default 4096)")
     p.add_argument("-cd", "--ctx-size-draft", type=int, default=None,
@@ -135,7 +138,15 @@ def check_model_flags(args) -> None:
     check_threads(args.threads_draft, "--threads-draft")
     if args.draft_vocab is not None and args.draft_vocab < 0:
         raise SettingsError(f"--draft-vocab must be >= 0, got {args.draft_vocab}")
+    if args.draft_vocab:
+        from .vocabcut import check_draft_vocab
+
+        check_draft_vocab(args.draft_vocab)
     draft = args.model_draft
+    if args.self_spec_config is not None:
+        if args.self_spec_exit is not None:
+            raise SettingsError("choose --self-spec-config or --self-spec-exit, not both")
+        args.self_spec = True
     self_spec = args.self_spec or args.self_spec_exit is not None
     if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
         raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
@@ -304,8 +315,8 @@ def engine_from_args(args):
                        ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min, n_ctx=args.ctx_size,
                        threads=args.threads, backend=args.backend, draft_backend=args.backend_draft,
                        dtype=args.dtype, device=args.device, self_spec=args.self_spec,
-                       self_spec_exit=args.self_spec_exit, draft_vocab=args.draft_vocab,
-                       draft_threads=args.threads_draft,
+                       self_spec_exit=args.self_spec_exit, self_spec_config=args.self_spec_config,
+                       draft_vocab=args.draft_vocab, draft_threads=args.threads_draft,
                        history=getattr(args, "history", False), parallel=getattr(args, "parallel", 1),
                        **rpc_kwargs(args))
 
@@ -459,8 +470,11 @@ def cmd_generate(args) -> int:
 
 
 def cmd_pull(args) -> int:
-    for name in args.names or [models.DEFAULT_TARGET, models.DEFAULT_DRAFT]:
-        path = models.pull(name, quiet=args.quiet)
+    names = args.names or [models.DEFAULT_TARGET, models.DEFAULT_DRAFT]
+    for name in names:  # every name checked before anything is downloaded
+        models.registered(name)
+    for name in names:  # a present file is checked against its sha256 (seconds), fetched again if damaged
+        path = models.pull(name, quiet=args.quiet, verify=True)
         if not args.quiet:
             print(f"{name}: {path}")
     return 0
@@ -503,7 +517,8 @@ def cmd_demo(args) -> int:
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,
                            threads=args.threads_draft or args.threads, draft_backend=args.backend_draft, dtype=args.dtype, device=args.device,
                            self_spec=args.self_spec, self_spec_exit=args.self_spec_exit,
-                           draft_vocab=args.draft_vocab, history=args.history)
+                           self_spec_config=args.self_spec_config, draft_vocab=args.draft_vocab,
+                           history=args.history)
     plain = Engine(target)
     spec = Engine(target, drafter, draft_max=args.draft_max, adaptive=args.adapt, draft_min=args.draft_min)
     params = SamplingParams(args.temp, seed=0)

@@ -473,6 +473,11 @@ def test_torch_methods_registered_expand_and_flags():
     assert cfg("--methods", "draft", "--memory").memory is True
     with pytest.raises(SettingsError, match="--self-spec-exit applies to the self-spec method"):
         cfg("--methods", "mixed", "--self-spec-exit", "3")
+    assert cfg("--methods", "self-spec", "--self-spec-config", "c.json").extra == {"self_spec_config": "c.json"}
+    with pytest.raises(SettingsError, match="--self-spec-config applies to the self-spec method"):
+        cfg("--methods", "mixed", "--self-spec-config", "c.json")
+    with pytest.raises(SettingsError, match="not both"):
+        cfg("--methods", "self-spec", "--self-spec-config", "c.json", "--self-spec-exit", "3")
     with pytest.raises(SettingsError, match="--dtype and --device apply to the torch-target methods"):
         cfg("--methods", "draft", "--dtype", "bf16")
 

@@ -256,6 +256,8 @@ def test_every_flag_has_help_and_calibrate_lists_only_its_own():
     (["-n", "-5"], "token limit"),
     (["--seed", "-2"], "--seed must be >= 0, or -1"),
     (["--self-spec"], "add --backend torch"),
+    (["--self-spec-config", "x.json"], "add --backend torch"),
+    (["--self-spec-config", "x.json", "--self-spec-exit", "3", "--backend", "torch"], "not both"),
 ])
 def test_impossible_llama_cpp_flags_are_refused_before_loading(args, fragment):
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *args), fragment)
@@ -442,3 +444,23 @@ def test_chat_without_a_template_is_warned_about():
     assert "has no chat template" in missing_template_warning(None, "/m/base.gguf")
     assert "base.gguf" in missing_template_warning("", "/m/base.gguf")
     assert missing_template_warning("{% for m in messages %}{% endfor %}", "x") is None
+
+
+# -- audit findings: pull checks every name first and verifies; --draft-vocab's range up front ---------------------
+
+def test_pull_checks_every_name_before_downloading_and_verifies_present_files(monkeypatch, capsys):
+    from speculant import cli
+
+    pulled = []
+    monkeypatch.setattr(models, "pull", lambda name, **kw: pulled.append((name, kw)) or models.home() / name)
+    for bad in ("", "no-such-model"):
+        assert cli.main(["pull", SMALL, bad]) == 1
+        assert f"unknown model {bad!r}" in capsys.readouterr().err and pulled == []
+    assert cli.main(["pull", "-q", SMALL]) == 0
+    assert pulled == [(SMALL, {"quiet": True, "verify": True})]  # an explicit pull checks the sha256
+
+
+@pytest.mark.parametrize("n", ["1", "255"])
+def test_a_draft_vocabulary_too_small_is_refused_before_loading(n):
+    assert_clean_error(run("generate", "-m", "no-such-model", "-md", "no-such-draft", "-p", "hi", "--draft-vocab", n),
+                       "--draft-vocab must be 0 (the full vocabulary) or at least 256")

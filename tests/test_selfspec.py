@@ -243,3 +243,29 @@ def test_smollm2_greedy_identity():
     plain = Engine(t).generate(prompt, max_tokens=12)
     spec = Engine(t, SelfSpecDrafter(t, exit_layer=20), draft_max=3).generate(prompt, max_tokens=12)
     assert spec.tokens == plain.tokens and spec.stats.drafted > 0
+
+
+def test_generate_reads_the_calibration_named_by_self_spec_config(tmp_path):
+    """`calibrate -o FILE` then `generate --self-spec-config FILE`: those layers draft, and the output is plain
+    decoding's."""
+    import json
+    import subprocess
+    import sys
+
+    from speculant import models
+
+    if not models.cached_path("smollm2-135m-instruct").exists():
+        pytest.skip("smollm2-135m-instruct is not pulled")
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps({"n_layers": 30, "layers": list(range(24))}))
+    base = [sys.executable, "-m", "speculant", "generate", "-m", "smollm2-135m-instruct", "--backend", "torch",
+            "--device", "cpu", "-t", "1", "-p", "def add(a, b):", "-n", "12", "--json"]
+    runs = [subprocess.run(base + extra, capture_output=True, text=True, timeout=240)
+            for extra in ([], ["--self-spec-config", str(mine), "--no-lookup"])]
+    for r in runs:
+        assert r.returncode == 0, r.stderr
+    plain, spec = (json.loads(r.stdout) for r in runs)
+    assert spec["tokens"] == plain["tokens"] and spec["stats"]["drafted"] > 0
+    mine.write_text(json.dumps({"n_layers": 12, "layers": [0, 1]}))  # read, and refused: not this model's
+    r = subprocess.run(base + ["--self-spec-config", str(mine)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 1 and "is for a model of 12 layers" in r.stderr and "Traceback" not in r.stderr

@@ -76,6 +76,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--self-spec-exit", type=int, default=None,
                    help="self-spec: exit after this many layers (default: the saved `speculant calibrate` "
                         "layers, else half the layers)")
+    p.add_argument("--self-spec-config", metavar="FILE", default=None,
+                   help="self-spec: the layers saved by `speculant calibrate -o FILE`")
     p.add_argument("--memory", action=argparse.BooleanOptionalAction, default=None,
                    help="measure each method's peak RSS, its models loaded alone in a child process (default: on "
                         "when a torch-target method is selected)")
@@ -132,8 +134,11 @@ def config_from_args(args):
     torch_names = [v.method.name for v in variants if v.method.backend == "torch"]
     if (args.dtype or args.device) and not torch_names:
         raise SettingsError("--dtype and --device apply to the torch-target methods (plain-torch, self-spec, mixed)")
-    if args.self_spec_exit is not None and "self-spec" not in torch_names:
-        raise SettingsError("--self-spec-exit applies to the self-spec method: add it to --methods")
+    for flag, value in (("--self-spec-exit", args.self_spec_exit), ("--self-spec-config", args.self_spec_config)):
+        if value is not None and "self-spec" not in torch_names:
+            raise SettingsError(f"{flag} applies to the self-spec method: add it to --methods")
+    if args.self_spec_exit is not None and args.self_spec_config is not None:
+        raise SettingsError("choose --self-spec-config or --self-spec-exit, not both")
     if args.rpc and args.interleave == "step":
         raise SettingsError("--interleave step loads the target once per method, and an RPC worker serves one "
                             "client at a time: use --interleave prompt with --rpc")
@@ -143,6 +148,7 @@ def config_from_args(args):
                        threads=args.threads, cost_repeats=args.cost_repeats, warmup=not args.no_warmup,
                        suite=str(args.suite) if args.suite else "builtin", dtype=args.dtype, device=args.device,
                        extra={**({"self_spec_exit": args.self_spec_exit} if args.self_spec_exit is not None else {}),
+                              **({"self_spec_config": args.self_spec_config} if args.self_spec_config else {}),
                               **({"draft_vocab": args.draft_vocab} if any(v.method.cut for v in variants) else {})},
                        memory=bool(torch_names) if args.memory is None else args.memory,
                        target_rpc=_rpc_kwargs(args),

@@ -163,17 +163,19 @@ def _composed(ctx):
 
 
 def _self_spec(ctx):
-    """The target's own first layers: --self-spec-exit when given, else the saved calibration, else the
-    SelfSpecDrafter default (half the layers)."""
+    """The target's own first layers: --self-spec-exit when given, else --self-spec-config's calibration, else
+    the saved one, else the SelfSpecDrafter default (half the layers)."""
     from ..calibrate import _describe, load_config
     from ..drafters.selfspec import SelfSpecDrafter
 
     target, exit_layer = ctx.torch(), ctx.options.get("self_spec_exit")
+    config = ctx.options.get("self_spec_config")
     if exit_layer is not None:
         d, source = SelfSpecDrafter(target, exit_layer=exit_layer, p_min=ctx.draft_p_min), "--self-spec-exit"
     else:
-        source = "calibration" if load_config(target) else "default (no calibration: run `speculant calibrate`)"
-        d = SelfSpecDrafter.from_config(target, p_min=ctx.draft_p_min)
+        source = (config if config else "calibration" if load_config(target)
+                  else "default (no calibration: run `speculant calibrate`)")
+        d = SelfSpecDrafter.from_config(target, config, p_min=ctx.draft_p_min)
     n = target.n_layers
     ctx.notes["self-spec"] = f"{len(d.layers)}/{n} layers ({_describe(d.layers, n)}), from {source}"
     return d
