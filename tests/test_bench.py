@@ -693,3 +693,11 @@ def test_tools_suite(tmp_path):
         s.write_text('{"question_id": 1, "category": "x", "turns": ["t"], ' + bad + '}\n')
         with pytest.raises(SettingsError, match=fragment):
             read_suite(s)
+
+
+def test_costs_refuses_a_trace_it_would_not_write(tmp_path, capsys):
+    from speculant import cli
+
+    assert cli.main(["bench", "--costs", "-m", SMALL, "--trace", str(tmp_path / "t.json")]) == 1
+    assert "--costs times passes only" in capsys.readouterr().err
+    assert not (tmp_path / "t.json").exists()

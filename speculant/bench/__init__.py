@@ -170,6 +170,10 @@ def cmd_bench(args) -> int:
     if args.costs:
         from . import costs
 
+        if args.trace:
+            raise SettingsError("--trace records the steps of decoding runs; --costs times passes only, it "
+                                "decodes nothing")
+
         return costs.run_cli(args)
 
     cfg = config_from_args(args)
