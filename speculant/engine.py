@@ -460,6 +460,8 @@ class Engine:
                 if drafter:
                     _observe(policy, draft, n_accepted, next_token, draft_time, verify_time, sharing)
                 if (yield from out.emit(new_tokens, n_accepted, draft.source, new_logprobs)):
+                    if out.taken < len(new_tokens):  # it ended inside the accepted drafts: count what it took
+                        stats.end_inside_step(draft.source, len(draft), n_accepted, draft.keys, out.taken)
                     return
         finally:
             stats.decode_time = time.perf_counter() - out.t_decode
@@ -555,6 +557,7 @@ class _Output:
         self.result, self.text, self.n_top, self.max_tokens = result, text, n_top, max_tokens
         self.lp_given = 0  # result.logprobs handed out with events
         self.t_decode = time.perf_counter()
+        self.taken = 0  # of the last emit's tokens, how many the output took (the one that ended it included)
 
     def emit(self, new_tokens: list[int], n_accepted: int, source: str,
              new_logprobs: Optional[list]) -> Iterator[TokenEvent]:
@@ -562,6 +565,7 @@ class _Output:
         generation ended with them."""
         result, stats, text, n_top = self.result, self.result.stats, self.text, self.n_top
         for i, token in enumerate(new_tokens):
+            self.taken = i + 1
             if text.backend.is_eog(token):
                 stats.ended_by_eog = True
                 result.finish_reason = "stop"

@@ -36,25 +36,39 @@ class SpecStats:
         self.target_calls += 1
         self.draft_time += draft_time
         self.verify_time += verify_time
-        self.drafted += n_drafted
-        self.accepted += n_accepted
         self.draft_lengths.append(n_drafted)
+        self._tally(source, n_drafted, n_accepted, keys, 1)
+
+    def end_inside_step(self, source: str, n_drafted: int, n_accepted: int, keys: Sequence[str], taken: int) -> None:
+        """The output ended at the last recorded step's token `taken` (counted from 1, taken <= n_accepted: an
+        end-of-generation token or a stop string among its accepted drafts): count only the drafts it took, not
+        those accepted past its end."""
+        self._tally(source, n_drafted, n_accepted, keys, -1)
+        self._tally(source, taken, taken, keys[:taken], 1)
+        self.draft_lengths[-1] = taken
+
+    def _tally(self, source: str, n_drafted: int, n_accepted: int, keys: Sequence[str], sign: int) -> None:
+        self.drafted += sign * n_drafted
+        self.accepted += sign * n_accepted
         grow = n_drafted - len(self.drafted_by_position)
         if grow > 0:
             self.drafted_by_position += [0] * grow
             self.accepted_by_position += [0] * grow
         for i in range(n_drafted):
-            self.drafted_by_position[i] += 1
+            self.drafted_by_position[i] += sign
         for i in range(n_accepted):
-            self.accepted_by_position[i] += 1
-        if n_drafted:
-            self.drafted_by_source[source] += n_drafted
-        if n_accepted:
-            self.accepted_by_source[source] += n_accepted
+            self.accepted_by_position[i] += sign
+        for counter, n in ((self.drafted_by_source, n_drafted), (self.accepted_by_source, n_accepted)):
+            if n:
+                counter[source] += sign * n
+                if not counter[source]:
+                    del counter[source]
         for i, key in enumerate(keys[: n_accepted + 1]):
             cell = self.by_confidence.setdefault(f"{source}:{key}", [0, 0])
-            cell[0] += 1
-            cell[1] += i < n_accepted
+            cell[0] += sign
+            cell[1] += sign * (i < n_accepted)
+            if cell == [0, 0]:
+                del self.by_confidence[f"{source}:{key}"]
 
     @property
     def acceptance_rate(self) -> Optional[float]:

@@ -387,3 +387,22 @@ def test_a_bias_that_bans_every_token_is_refused(temperature):
                                                          draft_max=3)):
         with pytest.raises(SettingsError, match="bans them all"):
             eng.generate([1, 2, 3], max_tokens=4, params=params)
+
+
+@pytest.mark.parametrize("end", ["eog", "stop"])
+def test_drafts_accepted_past_the_end_are_not_counted(end):
+    """Drafts the target accepts after an end-of-generation token or a stop string never reach the output:
+    accepted (and so usage's accepted_prediction_tokens and the metrics) count only the drafts the output took,
+    as τ counts only the tokens it took."""
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=40)
+    idx = next(i for i in range(2, 8) if plain.tokens[i] not in plain.tokens[:i])
+    tok = plain.tokens[idx]
+    target = TableBackend(V, seed=0, eos=tok if end == "eog" else None)
+    eng = Engine(target, ModelDrafter(TableBackend(V, seed=0), V), draft_max=8, adaptive=False)
+    r = eng.generate(PROMPT, max_tokens=40, stop=[_spelled(target, [tok])] if end == "stop" else [])
+    s = r.stats
+    assert r.tokens == plain.tokens[:idx] and s.target_calls == 1  # the one step drafted 8, all accepted
+    assert s.accepted == s.drafted == s.produced_tokens == idx + 1  # idx tokens, and the one that ended it
+    assert sum(s.accepted_by_source.values()) == sum(s.accepted_by_position) == s.accepted
+    assert sum(s.drafted_by_source.values()) == sum(s.drafted_by_position) == s.drafted
+    assert s.draft_lengths == [idx + 1] and s.mean_accepted_length == idx + 1
