@@ -143,11 +143,11 @@ def check_model_flags(args) -> None:
 
         check_draft_vocab(args.draft_vocab)
     draft = args.model_draft
-    if args.self_spec_config is not None:
-        if args.self_spec_exit is not None:
-            raise SettingsError("choose --self-spec-config or --self-spec-exit, not both")
-        args.self_spec = True
-    self_spec = args.self_spec or args.self_spec_exit is not None
+    if args.self_spec_config is not None and args.self_spec_exit is not None:
+        raise SettingsError("choose --self-spec-config or --self-spec-exit, not both")
+    if args.self_spec_config is not None or args.self_spec_exit is not None:
+        args.self_spec = True  # either one means self-speculation
+    self_spec = args.self_spec
     if self_spec and args.backend != "torch" and not os.path.isdir(os.path.expanduser(args.model)):
         raise SettingsError("--self-spec drafts with the target's own layers, which needs the torch backend for "
                             "the target: add --backend torch")

@@ -327,10 +327,14 @@ def pull(name: str, *, quiet: bool = False, verify: bool = False, threads: Optio
     sweep_stale_pulls(final.parent)
     if final.exists():
         why = damage(name)
-        if not why and verify and sha256_file(final) != spec.sha256:
-            why = "its sha256 is not the recorded one"
-            if spec.derived_from:  # another llama.cpp may quantize to other bytes: made again, seconds
-                why += " (or another llama.cpp made it)"
+        if not why and verify:
+            if spec.derived_from:  # another llama.cpp may quantize to other bytes (_derive): its structure, then
+                try:
+                    check_gguf(final)
+                except ModelError as e:
+                    why = str(e)
+            elif sha256_file(final) != spec.sha256:
+                why = "its sha256 is not the recorded one"
         if not why:
             return final
         print(f"speculant: {name} ({final}) is damaged or incomplete ({why}): "

@@ -464,3 +464,14 @@ def test_pull_checks_every_name_before_downloading_and_verifies_present_files(mo
 def test_a_draft_vocabulary_too_small_is_refused_before_loading(n):
     assert_clean_error(run("generate", "-m", "no-such-model", "-md", "no-such-draft", "-p", "hi", "--draft-vocab", n),
                        "--draft-vocab must be 0 (the full vocabulary) or at least 256")
+
+
+@pytest.mark.parametrize("flag", [["--self-spec-exit", "3"], ["--self-spec-config", "c.json"], ["--self-spec"]])
+def test_every_self_spec_flag_means_self_speculation(flag):
+    """So `demo --self-spec-exit 3` does not pick the default draft model as well (it was refused: 'do not also
+    pass a draft model', which the user had not)."""
+    from speculant.cli import build_parser, check_model_flags
+
+    args = build_parser().parse_args(["demo", "--backend", "torch", *flag])
+    check_model_flags(args)
+    assert args.self_spec is True

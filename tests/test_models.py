@@ -167,3 +167,20 @@ def test_local_entries_without_a_path_are_left_out_with_a_warning(home, capsys):
     from speculant import doctor
 
     assert doctor.collect()["local_models"] == {"ok": None}
+
+
+def test_an_explicit_pull_keeps_a_derived_model_another_llama_cpp_made(tmp_path, monkeypatch):
+    """A derived model is made here by llama.cpp's quantizer, whose bytes may differ by version (_derive warns
+    and keeps it): pull checks its structure, not the recorded sha256, or it would remake it at every pull."""
+    import dataclasses
+
+    spec = models.REGISTRY[models.DEFAULT_DRAFT]
+    real = models.cached_path(spec.name)
+    if not spec.derived_from or not real.exists():
+        pytest.skip(f"{spec.name} is not a pulled derived model")
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    (tmp_path / "models").mkdir()
+    (tmp_path / "models" / real.name).symlink_to(real)
+    monkeypatch.setitem(models.REGISTRY, spec.name, dataclasses.replace(spec, sha256="0" * 64))
+    monkeypatch.setattr(models, "_derive", lambda *a, **k: pytest.fail("remade a whole derived model"))
+    assert models.pull(spec.name, quiet=True, verify=True) == tmp_path / "models" / real.name
