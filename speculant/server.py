@@ -785,9 +785,12 @@ class Metrics:
         for role, m in planned.items():
             self.model_memory.labels(role, m["model"]).set(m["planned_mb"] * 2 ** 20)
 
-    def record(self, stats) -> None:
-        self.prompt_tokens.inc(stats.prompt_tokens)
-        self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
+    def record(self, stats, prompt: bool = True) -> None:
+        """Count a finished generation; prompt=False for a further choice of a prompt (n > 1), which took the
+        first choice's processing and counts no prompt tokens of its own (as usage does)."""
+        if prompt:
+            self.prompt_tokens.inc(stats.prompt_tokens)
+            self.cached_prompt_tokens.inc(stats.cached_prompt_tokens)
         self.completion_tokens.inc(stats.generated_tokens)
         self.drafted.inc(stats.drafted)
         self.accepted.inc(stats.accepted)
@@ -1041,7 +1044,7 @@ class Worker:
                 result.stats.cached_prompt_tokens = cached or 0
             if job.max_tokens == 0:  # echo only: the prompt scored, nothing generated
                 result.stats.prompt_tokens, result.finish_reason = len(job.tokens), "length"
-                self.metrics.record(result.stats)
+                self.metrics.record(result.stats, prompt=job.after is None)
                 finished = True
                 return
             first_step = True
@@ -1095,7 +1098,7 @@ class Worker:
                     executor.submit(gen.close)
                 except RuntimeError:  # the executor is already shut down (a cancellation at exit)
                     pass
-                self.metrics.record(result.stats)
+                self.metrics.record(result.stats, prompt=job.after is None)
             self.free.append(slot)
             self.metrics.in_progress.set(self.in_progress)
             self.slots.release()

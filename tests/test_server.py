@@ -668,6 +668,14 @@ def test_metrics(server, client):
         r = _post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "stream": stream})
         assert r.status_code == 200 and r.content
         assert _metrics(server)["speculant_time_to_first_token_seconds_count"] == before + 1
+    # n choices share their prompt's processing: the counters add what usage says, once
+    before = _metrics(server)
+    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=4,
+                                  temperature=1.0, seed=3)
+    after = _metrics(server)
+    assert after["speculant_prompt_tokens_total"] - before["speculant_prompt_tokens_total"] == r.usage.prompt_tokens
+    assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] == \
+        r.usage.completion_tokens
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
