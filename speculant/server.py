@@ -147,7 +147,7 @@ class Job:
     # and take its cache (Worker.run)
     started: Any = None  # asyncio.Event
     after: Any = None  # asyncio.Event
-    rides_along: bool = False  # a further choice or prompt of an admitted request: not checked against the queue
+    rides_along: bool = False  # a further choice or prompt of an admitted request: counted, not checked, in the queue
     admission: Any = None  # the request's place among those admitted (Worker.admit), given back when it ends
 
 
@@ -926,7 +926,10 @@ class Worker:
         Synchronous, so requests arriving in one event-loop turn are counted one by one (a check against the
         slots' semaphore let a burst through and refused others at random); called as a request arrives,
         before its prompt is tokenized, so a stream is refused before its 200."""
-        if job.rides_along or job.admission is not None:
+        if job.admission is not None:
+            return
+        if job.rides_along:  # a further choice or prompt of an admitted request: it holds a slot too, so counted
+            job.admission = _Admission(self)
             return
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -989,7 +992,7 @@ class Worker:
         finally:
             if job.started is not None:  # however it ended, the other choices stop waiting
                 job.started.set()
-            if job.admission is not None and not job.rides_along:
+            if job.admission is not None:
                 job.admission.release()
 
     async def _run(self, job: Job, result, is_disconnected) -> AsyncIterator:

@@ -969,6 +969,29 @@ def test_a_full_queue_is_a_503_that_says_when_to_retry():
         _stop(proc)
 
 
+def test_the_choices_of_a_request_count_against_the_queue():
+    """-np 2 --max-queue 0: a streamed n = 2 request takes both slots, so the next request is refused (it was
+    admitted and waited: only a request's first choice was counted), and /health counts it as nothing queued."""
+    proc, url = _start("-np", "2", "--max-queue", "0")
+    try:
+        with httpx.stream("POST", url + "/v1/completions", timeout=60,
+                          json={"model": MODEL, "prompt": "Once upon a time", "max_tokens": 480, "n": 2,
+                                "temperature": 1.0, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # until it generates
+            deadline = time.monotonic() + 60
+            while httpx.get(url + "/health").json()["in_progress"] < 2 and time.monotonic() < deadline:
+                time.sleep(0.02)
+            health = httpx.get(url + "/health").json()
+            busy = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2},
+                              timeout=60)
+        assert health["in_progress"] == 2 and health["queue_depth"] == 0
+        assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_overloaded"
+    finally:
+        _stop(proc)
+
+
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog. " * 150  # ~1500 tokens: seconds of prompt processing
 
 
