@@ -1125,15 +1125,23 @@ def _message(result) -> dict:
     return {"message": result.message} if result.message else {}
 
 
-def log_request(request, status: str, t0: float, stats=None, max_tokens: Optional[int] = None) -> None:
-    """One info line per /v1 request: what was asked, what it cost, how speculation did."""
+def log_request(request, status: str, t0: float, stats=None, max_tokens: Optional[int] = None,
+                n: int = 1) -> None:
+    """One info line per /v1 request: what was asked, what it cost, how speculation did. stats: one
+    generation's, or a list of its choices' (n per prompt), summed as usage sums them."""
     if not _LOG.isEnabledFor(logging.INFO):
         return
     line = f"{request.method} {request.url.path} {status} {time.perf_counter() - t0:.2f}s"
-    if stats is not None and stats.target_calls:
-        tau = stats.mean_accepted_length
-        line += (f" prompt={stats.prompt_tokens} completion={stats.generated_tokens}/{max_tokens} "
-                 f"drafted={stats.drafted} accepted={stats.accepted} tau={tau:.2f} tok/s={stats.tokens_per_s:.1f}")
+    every = stats if isinstance(stats, list) else [stats] if stats is not None else []
+    calls = sum(s.target_calls for s in every)
+    if calls:
+        produced, generated = sum(s.produced_tokens for s in every), sum(s.generated_tokens for s in every)
+        decode_s = sum(s.decode_time for s in every)
+        limit = f"{len(every)}x{max_tokens}" if len(every) > 1 else max_tokens  # choices x max_tokens
+        line += (f" prompt={sum(s.prompt_tokens for s in every[::n])} completion={generated}/{limit}"
+                 f" drafted={sum(s.drafted for s in every)} "
+                 f"accepted={sum(s.accepted for s in every)} tau={produced / calls:.2f}"
+                 f" tok/s={generated / decode_s if decode_s > 0 else 0.0:.1f}")
     client = request.client
     _LOG.info("%s%s", line, f" client={client.host}" if client else "")
 
@@ -1569,7 +1577,7 @@ def create_app(engine, cfg: ServerConfig):
         def done_metrics(status: str) -> None:
             metrics.requests.labels(endpoint, status).inc()
             metrics.latency.observe(time.perf_counter() - t0)
-            log_request(request, status, t0, results[0].stats, job.max_tokens)
+            log_request(request, status, t0, [r.stats for r in results], job.max_tokens, job.n)
 
         def cut_error() -> APIError:
             return APIError(503, "the server shut down before this generation finished", type="server_error",

@@ -1151,6 +1151,7 @@ def test_one_log_line_per_request_and_the_context_full_message():
         client = OpenAI(base_url=url + "/v1", api_key="none", max_retries=0, timeout=120)
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3)
         _post(url, "/v1/completions", {"model": MODEL, "prompt": 42}, key=None)
+        both = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, n=2, temperature=1.0, seed=1)
         httpx.get(url + "/health")
         r = _post(url, "/v1/completions", {"model": MODEL, "prompt": "1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,",
                                                   "max_tokens": 64}, key=None)
@@ -1160,9 +1161,12 @@ def test_one_log_line_per_request_and_the_context_full_message():
         _stop(proc)
     out = proc.stdout.read()
     lines = [line for line in out.splitlines() if " /v1/" in line]
-    assert len(lines) == 3, out
+    assert len(lines) == 4, out
     assert lines[0].startswith("speculant: POST /v1/completions 200 ") and "completion=3/3" in lines[0]
     assert "tau=" in lines[0] and "400 invalid_type" in lines[1]
+    # n = 2: both choices (it showed the first one's only)
+    assert f"completion={both.usage.completion_tokens}/2x3 " in lines[2], lines[2]
+    assert f"prompt={both.usage.prompt_tokens} " in lines[2]
     assert out.count("serving") == 1 and "Uvicorn running" not in out
     assert f"serving {MODEL} with draft {MODEL} (prompt lookup first) on {url}/v1" in out  # the default chain
 
