@@ -12,6 +12,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -327,14 +328,10 @@ def pull(name: str, *, quiet: bool = False, verify: bool = False, threads: Optio
     sweep_stale_pulls(final.parent)
     if final.exists():
         why = damage(name)
-        if not why and verify:
-            if spec.derived_from:  # another llama.cpp may quantize to other bytes (_derive): its structure, then
-                try:
-                    check_gguf(final)
-                except ModelError as e:
-                    why = str(e)
-            elif sha256_file(final) != spec.sha256:
-                why = "its sha256 is not the recorded one"
+        if not why and verify and sha256_file(final) != (_made_digest(final) or spec.sha256):
+            # a derived model is checked against the digest it was made with here (another llama.cpp may
+            # quantize to other bytes: _derive); one made before that was kept is made again, once
+            why = "its sha256 is not the one " + ("it was made with" if _made_digest(final) else "recorded")
         if not why:
             return final
         print(f"speculant: {name} ({final}) is damaged or incomplete ({why}): "
@@ -399,11 +396,28 @@ def _derive(spec: ModelSpec, final: Path, quiet: bool, threads: Optional[int] = 
          output_tensor_type=tensor_type(spec.output_type, "output_type") if spec.output_type else -1,
          desc=f"quantizing {spec.derived_from} to {spec.quant_type}")
     digest = sha256_file(final)
+    record = _made_digest_path(final)  # what a later `pull` checks it against
+    tmp = record.with_name(record.name + f".tmp{os.getpid()}")
+    tmp.write_text(digest + "\n")
+    os.replace(tmp, record)
     if (final.stat().st_size, digest) != (spec.size, spec.sha256):
         print(f"speculant: warning: {spec.name} came out as {final.stat().st_size:,} bytes sha256 {digest[:16]}…, "
               f"not the recorded {spec.size:,} bytes sha256 {spec.sha256[:16]}… (another llama.cpp version "
               f"quantizes differently); it is a valid {spec.quant_type} draft all the same", file=sys.stderr)
     return final
+
+
+def _made_digest_path(final: Path) -> Path:
+    return final.with_name(final.name + ".sha256")
+
+
+def _made_digest(final: Path) -> Optional[str]:
+    """The sha256 a derived model had when _derive made it on this machine; None where it was not recorded."""
+    try:
+        digest = _made_digest_path(final).read_text().strip()
+    except OSError:
+        return None
+    return digest if re.fullmatch(r"[0-9a-f]{64}", digest) else None
 
 
 def _find_wheel(folder: Path, part: WheelPart) -> Path:

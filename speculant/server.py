@@ -147,8 +147,8 @@ class Job:
     # and take its cache (Worker.run)
     started: Any = None  # asyncio.Event
     after: Any = None  # asyncio.Event
-    rides_along: bool = False  # a further choice or prompt of an admitted request: counted, not checked, in the queue
-    admission: Any = None  # the request's place among those admitted (Worker.admit), given back when it ends
+    admission: Any = None  # the request's places among those admitted (Worker.admit), given back as they end
+    choice: int = 0  # n > 1: which generation of its prompt this is (the first processes the prompt)
 
 
 def _is_int(v) -> bool:
@@ -639,7 +639,8 @@ def _choice_job(job: Job, i: int, engine) -> Job:
     """Choice i of a request with n > 1: the same prompt, its own seed (the request's + i) and grammar state."""
     seed = job.params.seed
     params = dataclasses.replace(job.params, seed=None if seed is None else (seed + i) % (1 << 64))
-    return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False, admission=None)
+    return dataclasses.replace(job, params=params, constraint=_constraint(job, engine), cut=False, admission=None,
+                               choice=i)
 
 
 def _constraint(job: Job, engine):
@@ -840,17 +841,24 @@ SHUTDOWN_BACKSTOP_S = 30.0  # past --shutdown-timeout, what a pass in flight get
 
 
 class _Admission:
-    """A request's place among the admitted ones (Worker.admitted), given back once: when its run ends, or when
-    the request is dropped before one started (an invalid prompt, a stream never begun)."""
+    """A request's places among the admitted ones (Worker.admitted): one per generation it runs (its prompts x
+    n), each given back when that generation's run ends; what is left, when the request is dropped (an invalid
+    prompt, a stream never begun)."""
 
-    def __init__(self, worker: "Worker"):
-        self._worker = worker
-        worker.admitted += 1
+    def __init__(self, worker: "Worker", places: int = 1):
+        self._worker, self._left = worker, places
+        worker.admitted += places
 
-    def release(self) -> None:
-        worker, self._worker = self._worker, None
-        if worker is not None:
-            worker.admitted -= 1
+    def release(self, places: Optional[int] = None) -> None:
+        """Give back `places` of them (default: all that are left)."""
+        worker = self._worker
+        if worker is None:
+            return
+        n = self._left if places is None else min(places, self._left)
+        self._left -= n
+        worker.admitted -= n
+        if not self._left:
+            self._worker = None
 
     __del__ = release
 
@@ -926,10 +934,7 @@ class Worker:
         Synchronous, so requests arriving in one event-loop turn are counted one by one (a check against the
         slots' semaphore let a burst through and refused others at random); called as a request arrives,
         before its prompt is tokenized, so a stream is refused before its 200."""
-        if job.admission is not None:
-            return
-        if job.rides_along:  # a further choice or prompt of an admitted request: it holds a slot too, so counted
-            job.admission = _Admission(self)
+        if job.admission is not None:  # admitted already, or a further generation of an admitted request
             return
         if self.closing:
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
@@ -937,7 +942,7 @@ class Worker:
             queued = self.queued
             raise APIError(503, f"the server is busy ({queued} request{'s' if queued != 1 else ''} queued); retry "
                                 f"later", type="server_error", code="server_overloaded")
-        job.admission = _Admission(self)
+        job.admission = _Admission(self, job.n * (1 + len(job.more_prompts)))  # every generation holds a slot
 
     def begin_shutdown(self, grace_s: float) -> None:
         self.deadline = min(self.deadline, time.monotonic() + grace_s)
@@ -993,7 +998,7 @@ class Worker:
             if job.started is not None:  # however it ended, the other choices stop waiting
                 job.started.set()
             if job.admission is not None:
-                job.admission.release()
+                job.admission.release(1)
 
     async def _run(self, job: Job, result, is_disconnected) -> AsyncIterator:
         if self.closing:
@@ -1047,7 +1052,7 @@ class Worker:
                 result.stats.cached_prompt_tokens = cached or 0
             if job.max_tokens == 0:  # echo only: the prompt scored, nothing generated
                 result.stats.prompt_tokens, result.finish_reason = len(job.tokens), "length"
-                self.metrics.record(result.stats, prompt=job.after is None)
+                self.metrics.record(result.stats, prompt=job.choice == 0)
                 finished = True
                 return
             first_step = True
@@ -1101,7 +1106,7 @@ class Worker:
                     executor.submit(gen.close)
                 except RuntimeError:  # the executor is already shut down (a cancellation at exit)
                     pass
-                self.metrics.record(result.stats, prompt=job.after is None)
+                self.metrics.record(result.stats, prompt=job.choice == 0)
             self.free.append(slot)
             self.metrics.in_progress.set(self.in_progress)
             self.slots.release()
@@ -1548,8 +1553,8 @@ def create_app(engine, cfg: ServerConfig):
             for other in jobs[a + 1:a + job.n]:
                 other.after = jobs[a].started
         _wait_for_shared_prefixes(jobs[::job.n])
-        for other in jobs[1:]:  # --max-queue admits requests: the first job decides for all of them
-            other.rides_along = True
+        for other in jobs[1:]:  # --max-queue admits requests: the first job's admission holds a place for each
+            other.admission = job.admission
         results = [Result("", [], SpecStats()) for _ in jobs]
         formats = [LogprobsFormat(engine.target, chat) if job.logprobs is not None else None for _ in jobs]
         echoed = [_echo_text(j, engine) if j.echo else "" for j in jobs]

@@ -46,6 +46,8 @@ class SpecStats:
         self._tally(source, n_drafted, n_accepted, keys, -1)
         self._tally(source, taken, taken, keys[:taken], 1)
         self.draft_lengths[-1] = taken
+        while self.drafted_by_position and not self.drafted_by_position[-1]:  # positions no step drafted at
+            del self.drafted_by_position[-1], self.accepted_by_position[-1]
 
     def _tally(self, source: str, n_drafted: int, n_accepted: int, keys: Sequence[str], sign: int) -> None:
         self.drafted += sign * n_drafted

@@ -406,3 +406,4 @@ def test_drafts_accepted_past_the_end_are_not_counted(end):
     assert sum(s.accepted_by_source.values()) == sum(s.accepted_by_position) == s.accepted
     assert sum(s.drafted_by_source.values()) == sum(s.drafted_by_position) == s.drafted
     assert s.draft_lengths == [idx + 1] and s.mean_accepted_length == idx + 1
+    assert s.acceptance_by_position == [1.0] * (idx + 1)  # no position past the end, as if none was drafted

@@ -169,9 +169,10 @@ def test_local_entries_without_a_path_are_left_out_with_a_warning(home, capsys):
     assert doctor.collect()["local_models"] == {"ok": None}
 
 
-def test_an_explicit_pull_keeps_a_derived_model_another_llama_cpp_made(tmp_path, monkeypatch):
+def test_an_explicit_pull_checks_a_derived_model_against_the_digest_it_was_made_with(tmp_path, monkeypatch):
     """A derived model is made here by llama.cpp's quantizer, whose bytes may differ by version (_derive warns
-    and keeps it): pull checks its structure, not the recorded sha256, or it would remake it at every pull."""
+    and keeps it): pull checks it against the sha256 it was made with (recorded beside it), not the registry's,
+    or it would remake it at every pull; a file whose bytes changed since is made again."""
     import dataclasses
 
     spec = models.REGISTRY[models.DEFAULT_DRAFT]
@@ -180,7 +181,13 @@ def test_an_explicit_pull_keeps_a_derived_model_another_llama_cpp_made(tmp_path,
         pytest.skip(f"{spec.name} is not a pulled derived model")
     monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
     (tmp_path / "models").mkdir()
-    (tmp_path / "models" / real.name).symlink_to(real)
-    monkeypatch.setitem(models.REGISTRY, spec.name, dataclasses.replace(spec, sha256="0" * 64))
-    monkeypatch.setattr(models, "_derive", lambda *a, **k: pytest.fail("remade a whole derived model"))
-    assert models.pull(spec.name, quiet=True, verify=True) == tmp_path / "models" / real.name
+    final = tmp_path / "models" / real.name
+    final.symlink_to(real)
+    record = final.with_name(final.name + ".sha256")
+    record.write_text(models.sha256_file(real) + "\n")  # as _derive records it
+    monkeypatch.setitem(models.REGISTRY, spec.name, dataclasses.replace(spec, sha256="0" * 64))  # "another llama.cpp"
+    remade = []
+    monkeypatch.setattr(models, "_derive", lambda spec, final, *a: remade.append(final) or final)
+    assert models.pull(spec.name, quiet=True, verify=True) == final and not remade
+    record.write_text("1" * 64 + "\n")  # the file's bytes are not those it was made with: damaged
+    assert models.pull(spec.name, quiet=True, verify=True) == final and remade == [final]

@@ -302,6 +302,8 @@ def test_quantize_to_a_registered_derived_model_makes_it_as_pull_does(home, monk
     path = home / "models" / f"{name}.gguf"
     assert out.startswith(f"{name}: {path} (") and models.sha256_file(path)[:16] in out
     assert threads == [1] and name not in models.local_entries()  # registered: no local entry
+    # the digest it was made with is recorded beside it: what a later `pull` checks it against
+    assert (home / "models" / f"{name}.gguf.sha256").read_text().strip() == models.sha256_file(path)
 
 
 def test_an_imatrix_directory_is_named_a_directory(tmp_path):

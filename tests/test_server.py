@@ -670,12 +670,16 @@ def test_metrics(server, client):
         assert _metrics(server)["speculant_time_to_first_token_seconds_count"] == before + 1
     # n choices share their prompt's processing: the counters add what usage says, once
     before = _metrics(server)
-    r = client.completions.create(model=MODEL, prompt=[PROMPT, "Once upon a time"], n=2, max_tokens=4,
-                                  temperature=1.0, seed=3)
-    after = _metrics(server)
-    assert after["speculant_prompt_tokens_total"] - before["speculant_prompt_tokens_total"] == r.usage.prompt_tokens
-    assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] == \
-        r.usage.completion_tokens
+    shared = "A long preamble that both prompts of the batch begin with, word for word. " * 4  # > REUSE_MIN
+    for prompts in ([PROMPT, "Once upon a time"], [shared + "One", shared + "Two"]):  # the second waits for the
+        r = client.completions.create(model=MODEL, prompt=prompts, n=2, max_tokens=4,  # first's cache
+                                      temperature=1.0, seed=3)
+        after = _metrics(server)
+        assert after["speculant_prompt_tokens_total"] - before["speculant_prompt_tokens_total"] == \
+            r.usage.prompt_tokens
+        assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] == \
+            r.usage.completion_tokens
+        before = after
 
 
 # -- bad input ------------------------------------------------------------------------------------------------
@@ -972,6 +976,8 @@ def test_a_full_queue_is_a_503_that_says_when_to_retry():
 def test_the_choices_of_a_request_count_against_the_queue():
     """-np 2 --max-queue 0: a streamed n = 2 request takes both slots, so the next request is refused (it was
     admitted and waited: only a request's first choice was counted), and /health counts it as nothing queued."""
+    import asyncio
+
     proc, url = _start("-np", "2", "--max-queue", "0")
     try:
         with httpx.stream("POST", url + "/v1/completions", timeout=60,
@@ -988,6 +994,18 @@ def test_the_choices_of_a_request_count_against_the_queue():
                               timeout=60)
         assert health["in_progress"] == 2 and health["queue_depth"] == 0
         assert busy.status_code == 503 and busy.json()["error"]["code"] == "server_overloaded"
+
+        async def burst():  # arriving together, the second is refused before the first's choices run
+            async with httpx.AsyncClient(timeout=120) as client:
+                async def one():
+                    r = await client.post(url + "/v1/completions", json={
+                        "model": MODEL, "prompt": "Once upon a time", "max_tokens": 24, "n": 2, "temperature": 1.0})
+                    return r.status_code
+                return sorted(await asyncio.gather(one(), one()))
+
+        for _ in range(3):
+            assert asyncio.run(burst()) == [200, 503]
+        assert httpx.get(url + "/health").json()["queue_depth"] == 0  # every place given back
     finally:
         _stop(proc)
 
