@@ -43,7 +43,12 @@ def exponentials(seed: int, positions, ids: torch.Tensor) -> torch.Tensor:
     z = z * _signed(verify._M2)
     z = z ^ _shr(z, 31)
     w = (_shr(z, 12).to(torch.float64) + 0.5) * 2.0 ** -52  # (0, 1)
-    return -torch.log(w)
+    return verify.neg_log(w, _torch_frexp, torch.where)
+
+
+def _torch_frexp(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    f, e = torch.frexp(w)
+    return f, e.to(torch.float64)
 
 
 def coupled_draws(probs: torch.Tensor, seed: int, positions) -> torch.Tensor:

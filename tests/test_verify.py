@@ -160,6 +160,19 @@ def test_coupled_draws_match_the_reference_and_are_independent_across_positions(
     assert sps.kstest(e, "expon").pvalue > 1e-4
 
 
+def test_the_noises_log_is_libm_accurate_and_made_of_basic_operations_only():
+    """neg_log, the noise's -log W, is within a few ulps of numpy's log over the whole (0, 1) and at its edges;
+    it uses only IEEE additions, multiplications and divisions (so every library and device rounds it alike:
+    tests/test_verify_torch.py checks torch's bits against numpy's)."""
+    from speculant.verify import _np_frexp, neg_log
+
+    w = np.concatenate([np.random.default_rng(3).random(1_000_000), 2.0 ** -np.arange(1, 1000, 7),
+                        [0.5 * 2.0 ** -52, 1 - 2.0 ** -53, 0.5, np.sqrt(0.5), np.nextafter(np.sqrt(0.5), 1)]])
+    w = w[w > 0]
+    got, want = neg_log(w.copy(), _np_frexp, np.where), -np.log(w)
+    assert np.max(np.abs(got - want) / np.spacing(want)) <= 4
+
+
 def test_a_coupled_draft_is_accepted_at_least_as_the_coupling_bound():
     """A draft drawn with the target's noise from q equals the target's draw from p with probability at least
     (1 - TV) / (1 + TV) (Daliri et al. 2024); rejection sampling's is 1 - TV. And q = p always agrees."""
