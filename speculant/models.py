@@ -328,10 +328,11 @@ def pull(name: str, *, quiet: bool = False, verify: bool = False, threads: Optio
     sweep_stale_pulls(final.parent)
     if final.exists():
         why = damage(name)
-        if not why and verify and sha256_file(final) != (_made_digest(final) or spec.sha256):
+        made = _made_digest(final) if verify else None
+        if not why and verify and sha256_file(final) != (made or spec.sha256):
             # a derived model is checked against the digest it was made with here (another llama.cpp may
             # quantize to other bytes: _derive); one made before that was kept is made again, once
-            why = "its sha256 is not the one " + ("it was made with" if _made_digest(final) else "recorded")
+            why = "its sha256 is not the one " + ("it was made with" if made else "recorded")
         if not why:
             return final
         print(f"speculant: {name} ({final}) is damaged or incomplete ({why}): "

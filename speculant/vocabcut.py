@@ -118,8 +118,9 @@ def cut_model(src: Path, n: int) -> Path:
     """The cut copy of `src` under $SPECULANT_HOME/cut/, made once (rebuilt if the source changes)."""
     from . import models
 
-    if n < MIN_KEPT:
-        raise SettingsError(f"--draft-vocab must be 0 (the full vocabulary) or at least {MIN_KEPT}, got {n}")
+    if n == 0:
+        raise SettingsError("--draft-vocab 0 is the full vocabulary: nothing to cut")
+    check_draft_vocab(n)
     out_dir = models.home() / "cut"
     out_dir.mkdir(parents=True, exist_ok=True)
     dst = out_dir / f"{src.stem}.top{n}.gguf"
