@@ -90,7 +90,7 @@ def test_qwen_pair_greedy_identity_with_a_cut_draft(qwen_target):
 
     if not models.cached_path(models.DEFAULT_DRAFT).exists():
         pytest.skip("draft not pulled")
-    drafter = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2, draft_vocab=32768)
+    drafter = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2, draft_vocab=32768, lookup=False)
     try:
         assert drafter.keep is not None and drafter.backend.n_vocab == len(drafter.keep) < qwen_target.n_vocab
         assert drafter.to_draft is None and drafter.backend.embed is not None  # reads every id exactly
@@ -101,7 +101,7 @@ def test_qwen_pair_greedy_identity_with_a_cut_draft(qwen_target):
         assert r.tokens == plain.tokens and r.stats.accepted > 0
     finally:
         drafter.close()
-    full = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2)  # the default keeps every id
+    full = load_drafter(qwen_target, models.DEFAULT_DRAFT, threads=2, lookup=False)  # the default keeps every id
     try:
         assert full.keep is None and full.backend.n_vocab >= qwen_target.n_vocab - 128
     finally:
