@@ -368,6 +368,24 @@ def _kernel_setting(setter: str, value: int, restore: int):
         fn(restore)
 
 
+def set_plain_as_repacked() -> bool:
+    """From now on, in this process, unrepacked (plain) rows of the types llama.cpp repacks on this CPU take the
+    repacked kernels' arithmetic (native/src/speculant-mm.c), so a model gives the logits of its default, repacked
+    load. For RPC: a worker holds its layers plain (RPC offers no repacked buffers) and the process that drives it
+    keeps its own layers repacked. False on a build without the switch."""
+    fn = _variant_fn("speculant_mm_set_plain_as_repacked")
+    if fn is None:
+        return False
+    fn.argtypes = [ctypes.c_int64]
+    fn(1)
+    return True
+
+
+def plain_as_repacked():
+    """Within this block plain rows take the repacked kernels' arithmetic (set_plain_as_repacked), for tests."""
+    return _kernel_setting("speculant_mm_set_plain_as_repacked", 1, 0)
+
+
 def ggml_kernels():
     """Within this block every pass in this process takes ggml's own kernels, as in llama.cpp's default build
     (not exact): an A/B of the kernels over the very same weights in memory. Yields False (and changes nothing)

@@ -244,7 +244,7 @@ def serve_worker(host: str, port: int, threads: int) -> None:
     import llama_cpp as ll
 
     from .backends import llamacpp  # noqa: F401  (llama.cpp's log callback, backend init, the CPU variant)
-    from .native import exactness_problems, loaded_variant
+    from .native import exactness_problems, loaded_variant, set_plain_as_repacked
 
     start = _rpc_fn("ggml_backend_rpc_start_server", None,
                     [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_size_t, ctypes.c_size_t,
@@ -259,6 +259,9 @@ def serve_worker(host: str, port: int, threads: int) -> None:
     endpoint = f"{address}:{port}"
     print(f"speculant: worker on {endpoint}: llama.cpp CPU backend {loaded_variant() or ''}, {threads} "
           f"thread{'s' if threads != 1 else ''} (llama.cpp {ll.__version__})", file=sys.stderr, flush=True)
+    # the layers arrive plain (RPC offers no repacked buffers): they compute with the repacked layout's arithmetic,
+    # as the client's own layers, loaded repacked, do
+    set_plain_as_repacked()
     problems = exactness_problems()
     if problems:  # the layers computed here would not give a local run's bits
         print(f"speculant: warning: this worker's llama.cpp cannot promise exact greedy output: "

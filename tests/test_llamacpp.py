@@ -6,6 +6,7 @@ import dataclasses
 import numpy as np
 import pytest
 
+from speculant import native
 from speculant.drafters.model import ModelDrafter
 from speculant.backends.base import common_prefix
 from speculant.engine import Engine
@@ -79,23 +80,36 @@ def test_pass_sizes_are_bit_identical_qwen_unrepacked():
 
 
 def test_repacked_weights_compute_what_the_file_holds(qwen_target):
-    """The repacked layouts (ggml's repack, then our Q6_K order) against the file's own layout through other
-    kernels. The float sums run in another order, and over 28 layers that moves the logits by 0.07 on average
-    (at most 0.74; measured with both Q6_K orders, which give the same bits); a weight read from the wrong place
-    would move them by whole units and change the top token almost everywhere."""
+    """The weights repacked at load (ggml's repack, then our Q6_K order) against the file's own layout, unrepacked.
+    By default plain rows keep ggml's dot-product arithmetic: the float sums run in another order, which over 28
+    layers moves the logits by 0.07 on average (a weight read from the wrong place would move them by whole units
+    and change the top token almost everywhere). With plain_as_repacked on (RPC workers and the process driving them)
+    plain Q4_K and Q6_K rows take the repacked kernels' float steps (one token: rep1_rows; more: our own copy of the
+    repacked layout, made per pass), and the logits of a prompt, one token and a verify pass are the same bits."""
     from conftest import TARGET, _backend
 
-    toks = qwen_target.tokenize(LONG_TEXT)[:24]
+    toks = qwen_target.tokenize(LONG_TEXT)[:40]
+
+    def logits(b):
+        b.rewind(0)
+        prompt = b.eval(toks[:24], n_logits=24)
+        one = b.eval(toks[24:25], n_logits=1)
+        verify = b.eval(toks[25:33], n_logits=8)
+        return np.concatenate([prompt, one, verify])
+
     plain = _backend(TARGET, n_ctx=512, repack=False)
     try:
-        plain.rewind(0)
-        expected = plain.eval(toks, n_logits=len(toks))
+        expected = logits(plain)
+        with native.plain_as_repacked() as switched:
+            assert switched
+            as_repacked = logits(plain)
     finally:
         plain.close()
-    qwen_target.rewind(0)
-    got = qwen_target.eval(toks, n_logits=len(toks))
+    got = logits(qwen_target)
     assert np.abs(got - expected).mean() < 0.2
     assert (got.argmax(-1) == expected.argmax(-1)).mean() >= 0.9
+    assert got.tobytes() != expected.tobytes()
+    assert got.tobytes() == as_repacked.tobytes(), float(np.abs(got - as_repacked).max())
 
 
 def test_pass_sizes_are_bit_identical_qwen_draft(qwen_draft_shipped):
@@ -258,8 +272,8 @@ def test_repacked_experts_compute_the_product_of_plain_ones(moe_models):
     only our kernels read) give the logits of the same file run unrepacked, within rounding. Every expert here is
     the dense feed-forward, so the router's near ties, which rounding can flip, change nothing. Before our kernels
     took llama.cpp's mul_mat_id, its generic gemv read those Q6_K experts in ggml's order: max diff ~60 of ~80, the
-    top token the same at 1 position in 14. (Rounding alone moves this small model's logits by up to ~1.3, the
-    dense SmolLM2 in Q4_K_M repacked or not alike: repacked rows round as ggml's gemv, plain ones as its vec_dot.)"""
+    top token the same at 1 position in 14. (Rounding alone moves this small model's logits by up to ~1.3: plain
+    expert rows round as ggml's vec_dot, repacked ones as its gemv.)"""
     from speculant.backends.llamacpp import LlamaCppBackend
 
     logits = {}

@@ -256,6 +256,46 @@ def test_multi_token_kernel_is_bit_identical_to_the_one_token_one(repacked, qtyp
         np.testing.assert_allclose(single, ref, rtol=2e-4, atol=2e-4 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("qtype", REPACKED, ids=[NAMES[t] for t in REPACKED])
+def test_plain_rows_of_a_repacked_type_give_the_repacked_bits(qtype):
+    """Plain rows of a type llama.cpp repacks on this CPU (a model loaded with SPECULANT_REPACK=0; an RPC worker's
+    layers, which RPC cannot repack) take the repacked kernels' arithmetic (mode 2 of the test entry is the path
+    speculant_mm_rows takes for them): every token count and grouping gives the bits of the repacked rows, on every
+    ISA level this CPU runs. So a model's logits do not depend on its weights' layout, and a split target's output
+    is a local run's."""
+    _kernel_lib()
+    rng = np.random.default_rng(31 + qtype)
+    ran = []
+    for variant, lib in _isa_libs():
+        fn = _bind(lib)
+        if qtype == Q2_K and "avx512f" not in VARIANT_NEEDS[variant]:
+            continue  # llama.cpp repacks Q2_K on AVX-512 CPUs only
+        # 70 superblocks: rows of 17920 values, whose scales the Q4_K copy gathers in two parts
+        for nb in BLOCK_COUNTS[BLOCK_VALUES[qtype]] + ((70,) if BLOCK_VALUES[qtype] == 256 else ()):
+            x = _random_weights(rng, qtype, nb)
+            for ncols in (1, 2, 5, 9, 17):
+                y, _ = _random_columns(rng, qtype, ncols, nb)
+                repacked, _ = _mm(fn, qtype, 1, x, y, ncols, group=fn.max_group(qtype, 1))
+                for group in sorted({1, 3, fn.max_group(qtype, 1)}):
+                    plain, _ = _mm(fn, qtype, 2, x, y, ncols, group=group)
+                    assert plain.tobytes() == repacked.tobytes(), (variant, nb, ncols, group)
+        ran.append(variant)
+    assert ran
+
+
+def test_the_plain_as_repacked_check_sees_a_reordered_sum():
+    """The comparison above can fail: plain Q4_K and Q6_K rows summed in another order differ from the repacked bits."""
+    fn = _kernel_lib()
+    rng = np.random.default_rng(9)
+    for qtype in (Q4_K, Q6_K):
+        x = _random_weights(rng, qtype, 6)
+        y, _ = _random_columns(rng, qtype, 4, 6)
+        repacked, _ = _mm(fn, qtype, 1, x, y, 4, group=4)
+        reordered, _ = _mm(fn, qtype, 2, x, y, 4, group=4, reorder=1)
+        assert reordered.tobytes() != repacked.tobytes(), NAMES[qtype]
+        np.testing.assert_allclose(reordered, repacked, rtol=1e-4, atol=1e-6 * np.abs(repacked).max())
+
+
 def test_q8_0_q5_0_and_q4_0_rows_take_8_tokens_per_pass_with_avx512_vnni():
     """Where the variant has AVX-512 VNNI (icelake, zen4), plain Q8_0, Q5_0 and Q4_0 rows take up to 8 tokens per
     pass over the weights (two per 512-bit register; a 5-token verify pass of a Q8_0 target read its weights twice);

@@ -120,8 +120,10 @@ def test_greedy_output_equals_local_decoding(workers):
 
 def test_repacked_weight_types_give_the_same_tokens_whatever_the_split(workers):
     """Q4_0 rows (the default draft's file as a target) are repacked when loaded locally, but RPC workers hold them
-    plain, and the two layouts' sums round differently: the output changed with --tensor-split. Over RPC every
-    layer is plain, so each split gives the tokens of a local run without repacking."""
+    plain. Workers and the process driving them give plain rows of a type llama.cpp repacks the repacked kernels'
+    bits (native.set_plain_as_repacked), so every split (the layers kept here load repacked) gives the tokens and
+    log-probabilities of a default local run. (Before, the two layouts' sums rounded differently and the output
+    changed with --tensor-split; then the layers kept here were plain too, which made verify passes cost more.)"""
     from speculant.api import load_engine
     from speculant.backends.llamacpp import LlamaCppBackend
     from speculant.engine import Engine
@@ -132,7 +134,7 @@ def test_repacked_weight_types_give_the_same_tokens_whatever_the_split(workers):
         pytest.skip(f"{name} not pulled")
     greedy = SamplingParams(0.0, 0, 1.0, 0.0, 0)
     prompt = "def fibonacci(n):"
-    local = Engine(LlamaCppBackend(models.cached_path(name), n_ctx=512, n_threads=1, repack=False))
+    local = Engine(LlamaCppBackend(models.cached_path(name), n_ctx=512, n_threads=1, repack=True))
     try:
         expected = local.generate(prompt, max_tokens=24, params=greedy, logprobs=0)
     finally:

@@ -2483,6 +2483,125 @@ static void repack_group(enum ggml_type type, const void * x, int nb, void * out
     }
 }
 
+// -- the same layouts, made per pass from plain rows (plain_repacked_rows): word moves and bit tricks instead of
+// the byte loops above, whose Q4_K scale packing alone cost more than a one-token pass over the rows --
+
+// a[r] byte j -> a[j] byte r
+static inline void transpose8x8_bytes(uint64_t a[8]) {
+    for (int r = 0; r < 8; r += 2) {
+        const uint64_t t = ((a[r] >> 8) ^ a[r + 1]) & 0x00FF00FF00FF00FFull;
+        a[r + 1] ^= t;
+        a[r] ^= t << 8;
+    }
+    for (int r = 0; r < 8; r += (r % 4 == 1) ? 3 : 1) {  // 0, 1, 4, 5
+        const uint64_t t = ((a[r] >> 16) ^ a[r + 2]) & 0x0000FFFF0000FFFFull;
+        a[r + 2] ^= t;
+        a[r] ^= t << 16;
+    }
+    for (int r = 0; r < 4; ++r) {
+        const uint64_t t = ((a[r] >> 32) ^ a[r + 4]) & 0x00000000FFFFFFFFull;
+        a[r + 4] ^= t;
+        a[r] ^= t << 32;
+    }
+}
+
+static inline uint64_t load_u64(const void * p) {
+    uint64_t v;
+    memcpy(&v, p, 8);
+    return v;
+}
+
+// Each reads its 8 rows one after the other, front to back (one block of memory, which hardware prefetchers follow:
+// reading the 8 rows side by side ran at a quarter of the memory's speed on Zen 4), and scatters them into the group.
+#define PACK_MAX_BLOCKS 64  // superblocks per row whose scales are gathered on the stack (16384 values); more: in parts
+
+static void q4_Kx8_pack_fast(const block_q4_K * rows, int nb, q4_Kx8 * out) {
+    for (int i0 = 0; i0 < nb; i0 += PACK_MAX_BLOCKS) {
+        const int n = nb - i0 < PACK_MAX_BLOCKS ? nb - i0 : PACK_MAX_BLOCKS;
+        uint64_t s[PACK_MAX_BLOCKS][8], m[PACK_MAX_BLOCKS][8];  // [i][r] byte j: row r's scale (min) of sub-block j
+        for (int r = 0; r < 8; ++r) {
+            for (int i = 0; i < n; ++i) {
+                const block_q4_K * in = rows + (size_t) r * nb + i0 + i;
+                prefetch_stream(in, sizeof(*in));  // on into the next rows and group: one stream
+                prefetch_stream_l2(in, sizeof(*in));
+                q4_Kx8 * o = out + i0 + i;
+                o->d[r] = in->d;
+                o->dmin[r] = in->dmin;
+                k_scales_mins64(in->scales, &s[i][r], &m[i][r]);
+                for (int k = 0; k < 16; ++k) memcpy(o->qs + 64 * k + 8 * r, in->qs + 8 * k, 8);
+            }
+        }
+        for (int i = 0; i < n; ++i) {
+            transpose8x8_bytes(s[i]);  // s[i][j] byte r
+            transpose8x8_bytes(m[i]);
+            for (int j = 0; j < 8; ++j) {  // q4_Kx8_pack's packing, 4 rows per 32-bit word (every value < 64)
+                const uint32_t slo = (uint32_t) s[i][j], shi = (uint32_t) (s[i][j] >> 32);
+                const uint32_t mlo = (uint32_t) m[i][j], mhi = (uint32_t) (m[i][j] >> 32);
+                const uint32_t p[3] = {slo | (((shi >> 4) & 0x03030303u) << 6), mlo | (((mhi >> 4) & 0x03030303u) << 6),
+                                       (shi & 0x0F0F0F0Fu) | ((mhi & 0x0F0F0F0Fu) << 4)};
+                memcpy(out[i0 + i].scales + 12 * j, p, 12);
+            }
+        }
+    }
+}
+
+// q6_Kx8_pack followed by speculant_mm_q6_Kx8_reorder, written in the final order at once
+static void q6_Kx8_pack_fast(const block_q6_K * rows, int nb, q6_Kx8 * out) {
+    for (int r = 0; r < 8; ++r) {
+        for (int i = 0; i < nb; ++i) {
+            const block_q6_K * in = rows + (size_t) r * nb + i;
+            q6_Kx8 * o = out + i;
+            for (int h = 0; h < 2; ++h) {
+                for (int kk = 0; kk < 4; ++kk) {
+                    uint8_t * step = o->q + 192 * (4 * h + kk) + 8 * r;
+                    memcpy(step, in->ql + 8 * (8 * h + kk), 8);
+                    memcpy(step + 64, in->ql + 8 * (8 * h + 4 + kk), 8);
+                    memcpy(step + 128, in->qh + 8 * (4 * h + kk), 8);
+                }
+            }
+            // scales[8g + r]: row r's scale g (transposed below), d[r]
+            memcpy(o->scales + 8 * r, in->scales, 8);
+            memcpy(o->scales + 64 + 8 * r, in->scales + 8, 8);
+            o->d[r] = in->d;
+        }
+    }
+    for (int i = 0; i < nb; ++i) {
+        uint64_t lo[8], hi[8];  // lo[r]: row r's scales 0..7, as copied above
+        memcpy(lo, out[i].scales, 64);
+        memcpy(hi, out[i].scales + 64, 64);
+        transpose8x8_bytes(lo);
+        transpose8x8_bytes(hi);
+        memcpy(out[i].scales, lo, 64);
+        memcpy(out[i].scales + 64, hi, 64);
+    }
+}
+
+static void q4_0x8_pack_fast(const block_q4_0 * rows, int nb, uint64_t xor_mask, q4_0x8 * out) {
+    for (int r = 0; r < 8; ++r) {
+        for (int i = 0; i < nb; ++i) {
+            const block_q4_0 * in = rows + (size_t) r * nb + i;
+            prefetch_stream(in, sizeof(*in));
+            prefetch_stream_l2(in, sizeof(*in));
+            out[i].d[r] = in->d;
+            for (int b = 0; b < 2; ++b) {  // chunk 8b + r: bytes 8b..8b+7 of row r
+                const uint64_t v = load_u64(in->qs + 8 * b) ^ xor_mask;
+                memcpy(out[i].qs + 8 * (8 * b + r), &v, 8);
+            }
+        }
+    }
+}
+
+// repack_group's layouts, faster
+static void repack_group_fast(enum ggml_type type, const void * x, int nb, void * out) {
+    switch (type) {
+        case GGML_TYPE_Q4_K: q4_Kx8_pack_fast(x, nb, out); break;
+        case GGML_TYPE_Q6_K: q6_Kx8_pack_fast(x, nb, out); break;
+        case GGML_TYPE_Q4_0: q4_0x8_pack_fast(x, nb, 0x8888888888888888ull, out); break;
+        case GGML_TYPE_IQ4_NL: q4_0x8_pack_fast(x, nb, 0, out); break;
+        default: repack_group(type, x, nb, out); break;
+    }
+}
+
 static void mxfp4x8_pack(const block_mxfp4 * rows, int nb, mxfp4x8 * out) {
     for (int i = 0; i < nb; ++i) {
         mxfp4x8 * o = out + i;
@@ -3315,10 +3434,212 @@ bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_t
         && ggml_is_contiguous(src1) && src0->ne[0] % ggml_blck_size(src0->type) == 0;
 }
 
+// -- one token over plain Q4_K and Q6_K rows with the repacked kernels' float steps (plain_as_repacked) --
+//
+// Per superblock the integer totals (Q4_K: of the scaled products and of the mins' products; Q6_K: of the scaled
+// products, its -32 offset folded in), converted to float and added with one fused multiply-add by x.d * y.d (and
+// x.dmin * y.d) in superblock order: q4_Kx8_cols's and q6_Kx8_cols's operations. The integers are those of the
+// plain kernels (dot_q4_K, dot_q6_K). Eight superblocks' lane sums are reduced together (a tree of horizontal adds),
+// which a total per superblock would make cost as much as the products.
+
+enum { REP1_BATCH = 8 };
+
+// the totals of 8 vectors of 8 int32 lanes, in order
+static inline __m256i sum8x8_epi32(const __m256i v[REP1_BATCH]) {
+    const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
+    const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
+}
+
+// the totals of 8 vectors of 4 int32 lanes, in order
+static inline __m256i sum8x4_epi32(const __m128i v[REP1_BATCH]) {
+    const __m128i lo = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
+    const __m128i hi = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
+    return _mm256_set_m128i(hi, lo);
+}
+
+static float q4_K_rep1(const int nb, const block_q4_K * x, const block_q8_K * y) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    float acc = 0.0f, acc_min = 0.0f;
+    for (int i0 = 0; i0 < nb; i0 += REP1_BATCH) {
+        const int n = nb - i0 < REP1_BATCH ? nb - i0 : REP1_BATCH;
+        __m256i sums[REP1_BATCH];
+        __m128i mins_sums[REP1_BATCH];
+        float d[REP1_BATCH], dmin[REP1_BATCH];
+        for (int k = 0; k < REP1_BATCH; ++k) {
+            if (k >= n) {
+                sums[k] = _mm256_setzero_si256();
+                mins_sums[k] = _mm_setzero_si128();
+                continue;
+            }
+            const int i = i0 + k;
+            prefetch_stream(x + i, sizeof(*x));
+            uint32_t u[4];
+            k_scales_mins(x[i].scales, u);
+            const __m128i mins = _mm256_extracti128_si256(_mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0])), 1);
+            const uint8_t * sc = (const uint8_t *) u;
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+            mins_sums[k] = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
+                                                               _mm256_extracti128_si256(q8sums, 1)));
+            __m256i sumi = _mm256_setzero_si256();
+            for (int j = 0; j < QK_K / 64; ++j) {
+                const __m256i q4bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
+                const __m256i q4l = _mm256_and_si256(q4bits, m4);
+                const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+                const int8_t * q8 = y[i].qs + 64 * j;
+                const __m256i p16l = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]),
+                                                       _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *) q8)));
+                const __m256i p16h = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]),
+                                                       _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
+                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            }
+            sums[k] = sumi;
+            d[k] = fp16_to_fp32(x[i].d) * y[i].d;
+            dmin[k] = fp16_to_fp32(x[i].dmin) * y[i].d;
+        }
+        float total[REP1_BATCH], total_min[REP1_BATCH];
+        _mm256_storeu_ps(total, _mm256_cvtepi32_ps(sum8x8_epi32(sums)));
+        _mm256_storeu_ps(total_min, _mm256_cvtepi32_ps(sum8x4_epi32(mins_sums)));
+        for (int k = 0; k < n; ++k) {
+            acc = fmaf(total[k], d[k], acc);
+            acc_min = fmaf(total_min[k], dmin[k], acc_min);
+        }
+    }
+    return acc - acc_min;
+}
+
+static float q6_K_rep1(const int nb, const block_q6_K * x, const block_q8_K * y) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    float acc = 0.0f;
+    for (int i0 = 0; i0 < nb; i0 += REP1_BATCH) {
+        const int n = nb - i0 < REP1_BATCH ? nb - i0 : REP1_BATCH;
+        __m256i sums[REP1_BATCH];
+        float d[REP1_BATCH];
+        for (int k = 0; k < REP1_BATCH; ++k) {
+            if (k >= n) {
+                sums[k] = _mm256_setzero_si256();
+                continue;
+            }
+            const int i = i0 + k;
+            prefetch_stream(x + i, sizeof(*x));
+            const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
+            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
+            __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
+            for (int j = 0; j < QK_K / 128; ++j) {
+                const __m256i bits1 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * j));
+                const __m256i bits2 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * j + 32));
+                const __m256i bitsH = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * j));
+                __m256i q6[4];
+                q6[0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4));
+                q6[1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2));
+                q6[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), _mm256_and_si256(bitsH, _mm256_set1_epi8(48)));
+                q6[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15),
+                                        _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2));
+                const int8_t * q8 = y[i].qs + 128 * j;
+                for (int t = 0; t < 4; ++t) {
+                    const int m = 4 * j + t;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
+                    const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[2 * m + 1]), _mm_set1_epi16(x[i].scales[2 * m]));
+                    const __m256i p16 = _mm256_maddubs_epi16(q6[t], _mm256_loadu_si256((const __m256i *) (q8 + 32 * t)));
+                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, p16));
+                }
+            }
+            sums[k] = sumi;
+            d[k] = fp16_to_fp32(x[i].d) * y[i].d;
+        }
+        float total[REP1_BATCH];
+        _mm256_storeu_ps(total, _mm256_cvtepi32_ps(sum8x8_epi32(sums)));
+        for (int k = 0; k < n; ++k) acc = fmaf(total[k], d[k], acc);
+    }
+    return acc;
+}
+
+// nrows plain Q4_K or Q6_K rows x ncols columns (q8_K, row_size bytes apart), one column at a time per row (the row
+// stays in cache for the others), with the repacked kernels' bits; column c's results at out + c * out_stride
+static void rep1_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
+                      size_t row_size, int ncols, float * out, size_t out_stride) {
+    const int nb = n / QK_K;
+    for (int64_t r = 0; r < nrows; ++r) {
+        const void * row = x + r * x_stride;
+        for (int c = 0; c < ncols; ++c) {
+            const block_q8_K * y = (const block_q8_K *) (ycols + (size_t) c * row_size);
+            out[c * out_stride + r] = type == GGML_TYPE_Q4_K ? q4_K_rep1(nb, row, y) : q6_K_rep1(nb, row, y);
+        }
+    }
+}
+
+// Where switched on (speculant_mm_set_plain_as_repacked: RPC workers, which hold their layers plain, and the process
+// that drives them), plain rows of a type llama.cpp repacks on this CPU take the repacked layout's arithmetic, so a
+// split target gives a local run's bits. A pass of several tokens lays each group of 8 rows out as the repack does,
+// in a per-thread buffer that stays in cache for all its tokens, and runs the repacked kernels on it; one token over
+// Q4_K or Q6_K rows takes rep1_rows. Off, the default, plain rows keep ggml's dot-product arithmetic (a local
+// SPECULANT_REPACK=0 run, as before). Qwen 1.5B Q4_K_M, Zen 4, ms a pass over 1 / 2 / 4 / 5 / 8 tokens after 100:
+// plain with ggml's arithmetic 45.5 / 59.8 / 96.7 / 125.0 / 164.5, with the repacked one 48.7 / 86.7 / 110.0 / 119.0
+// / 151.8 (its Q6_K copy costs more than the plain kernels at 2-4 tokens), repacked 36.2 / 41.0 / 48.5 / 54.6 / 76.1.
+static int64_t plain_as_repacked_on = 0;
+
+void speculant_mm_set_plain_as_repacked(int64_t on) {
+    plain_as_repacked_on = on;
+}
+
+static _Thread_local char * plain_group_buf;  // one group of 8 rows, repacked (kept: every matrix of a pass needs one)
+static _Thread_local size_t plain_group_buf_bytes;
+
+static bool plain_as_repacked(const struct ggml_tensor * src0) {
+    return plain_as_repacked_on && speculant_mm_repacked_supported(src0->type, 8, 8) && src0->ne[1] % 8 == 0
+        && src0->nb[1] == ggml_row_size(src0->type, src0->ne[0]);
+}
+
+// nrows (a multiple of 8) plain rows at x (x_stride bytes apart) x ncols columns, with the repacked kernels' bits;
+// `group` columns per weight unpacking, column c's results at out + c * out_stride
+static void plain_repacked_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows,
+                                const char * ycols, size_t row_size, int ncols, int group, const int * order,
+                                float * out, size_t out_stride) {
+    // one token over Q4_K or Q6_K rows: without the copy, which a single token does not repay (Qwen 1.5B, Zen 4, a
+    // pass 55 ms copied against 47); the test's reordered sum takes the copy
+    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && ncols == 1 && !order) {
+        rep1_rows(type, n, x, x_stride, nrows, ycols, row_size, ncols, out, out_stride);
+        return;
+    }
+    const size_t group_bytes = repacked_group_bytes(type, n);
+    if (plain_group_buf_bytes < group_bytes) {
+        free(plain_group_buf);
+        plain_group_buf = aligned_alloc(64, (group_bytes + 63) / 64 * 64);
+        GGML_ASSERT(plain_group_buf);
+        plain_group_buf_bytes = group_bytes;
+    }
+    int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];
+    int32_t * ysums = NULL;
+#ifdef LUT4X8_SUMS
+    const bool sums = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+#else
+    const bool sums = type == GGML_TYPE_Q4_0;
+#endif
+    if (sums) {
+        const size_t need = (size_t) ncols * (n / QK8_0);
+        ysums = need <= sizeof(stack_sums) / sizeof(int32_t) ? stack_sums : malloc(sizeof(int32_t) * need);
+        q8_0_block_sums(n / QK8_0, ycols, row_size, ncols, ysums);
+    }
+    const int nb = n / ggml_blck_size(type);
+    for (int64_t g = 0; g < nrows / 8; ++g) {
+        repack_group_fast(type, x + 8 * g * x_stride, nb, plain_group_buf);
+        repacked_group(type, n, plain_group_buf, ycols, row_size, ncols, group, ysums, order, out + 8 * g, out_stride);
+    }
+    if (ysums != stack_sums) {
+        free(ysums);
+    }
+}
+
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     const int64_t ne00 = src0->ne[0];
     const int64_t ncols = dst->ne[1];
+    if (plain_as_repacked(src0)) {  // ir0, ir1: multiples of 8 (speculant_mm_chunk_rows)
+        plain_repacked_rows(src0->type, (int) ne00, (const char *) src0->data + ir0 * src0->nb[1], src0->nb[1],
+                            ir1 - ir0, wdata, row_size, (int) ncols, REPACKED_COLS, NULL,
+                            (float *) ((char *) dst->data + ir0 * dst->nb[0]), dst->nb[1] / sizeof(float));
+        return;
+    }
     if (ggml_blck_size(src0->type) == QK8_0) {
         q0_rows(src0->type, (int) ne00, (const char *) src0->data + ir0 * src0->nb[1], src0->nb[1], ir1 - ir0, wdata,
                 row_size, (int) ncols, plain_group(src0->type), NULL, (float *) ((char *) dst->data + ir0 * dst->nb[0]),
@@ -3411,9 +3732,9 @@ int speculant_mm_max_group(int type, int repacked) {
 int speculant_mm_test(int type, int repacked, int n, const void * x, const void * y, size_t row_size, int ncols,
                       int group, int reorder, float * out, float * out_ggml) {
     const enum ggml_type t = (enum ggml_type) type;
-    const int max_group = speculant_mm_max_group(type, repacked);
+    const int max_group = speculant_mm_max_group(type, repacked != 0);
     if (!(repacked ? speculant_mm_repacked_supported(t, 8, 8) : plain_supported(t)) || group < 1 || group > max_group
-        || n % ggml_blck_size(t)) {
+        || n % ggml_blck_size(t) || repacked < 0 || repacked > 2) {
         return -1;
     }
     const int nb = n / ggml_blck_size(t);
@@ -3423,7 +3744,10 @@ int speculant_mm_test(int type, int repacked, int n, const void * x, const void 
         for (int i = 0; i < nb; ++i) order[i] = nb - 1 - i;
     }
     int rc = 0;
-    if (!repacked) {  // 8 plain rows, row after row
+    if (repacked == 2) {  // plain rows as speculant_mm_rows takes them (plain_as_repacked): no ggml kernel to compare
+        plain_repacked_rows(t, n, x, ggml_row_size(t, n), 8, y, row_size, ncols, group, order, out, 8);
+        rc = 1;
+    } else if (!repacked) {  // 8 plain rows, row after row
         const size_t x_stride = ggml_row_size(t, n);
         if (ggml_blck_size(t) == QK8_0) {
             q0_rows(t, n, x, x_stride, 8, y, row_size, ncols, group, order, out, 1, 8);
@@ -3481,6 +3805,10 @@ void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1) {
     (void) src0; (void) wdata; (void) row_size; (void) dst; (void) ir0; (void) ir1;
     abort();  // speculant_mm_supported() is false on this build
+}
+
+void speculant_mm_set_plain_as_repacked(int64_t on) {
+    (void) on;  // no kernels, no plain rows of ours
 }
 
 bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows) {

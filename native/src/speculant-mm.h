@@ -52,6 +52,12 @@ bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_t
 void speculant_mm_rows(const struct ggml_tensor * src0, const void * wdata, size_t row_size,
                        struct ggml_tensor * dst, int64_t ir0, int64_t ir1);
 
+// on != 0: from now on plain rows of a type llama.cpp repacks on this CPU (Q4_K, Q6_K, Q4_0, IQ4_NL, MXFP4; Q2_K with
+// AVX-512), in matrices of a multiple of 8 rows, get the bits of the repacked kernels (speculant_mm_repacked_rows)
+// instead of ggml's dot products', so the layout does not change a model's logits (RPC workers cannot repack their
+// layers). 0 (the default): ggml's arithmetic, as in a stock build. Process-wide; set it before any pass.
+GGML_BACKEND_API void speculant_mm_set_plain_as_repacked(int64_t on);
+
 // Mixture-of-experts matrices (ggml's mul_mat_id): true when speculant_mm_expert_rows handles src0's type, plain
 // or repacked (interleave/rows as for speculant_mm_repacked_supported; 0/0 for plain rows)
 bool speculant_mm_expert_supported(enum ggml_type type, int interleave, int rows);
@@ -85,8 +91,10 @@ void speculant_mm_repacked_rows(enum ggml_type type, int n, const void * x, int6
 // where the build happened to place its code.
 void speculant_mm_q6_Kx8_reorder(void * block);
 
-// For tests: 8 weight rows of n values of `type` (x: row after row; with repacked != 0 the test repacks them as
-// ggml does) against ncols (<= 64) quantized columns (y, row_size bytes apart), `group` columns per weight
+// For tests: 8 weight rows of n values of `type` (x: row after row; with repacked == 1 the test repacks them as
+// ggml does; repacked == 2: the plain rows as speculant_mm_rows computes a type llama.cpp repacks with
+// speculant_mm_set_plain_as_repacked on: the repacked kernels' bits, and no ggml kernel to compare with) against ncols (<= 64) quantized columns (y, row_size
+// bytes apart), `group` columns per weight
 // unpacking (1..speculant_mm_max_group(type, repacked)); reorder != 0 deliberately sums the blocks in another order
 // (a test must be able to see that). out[8c + r] is row r x column c; out_ggml (may be NULL) gets ggml's own one-token kernel.
 // Returns 0; 1 when ggml has no kernel to compare with (repacked Q6_K); -1 for an unsupported type or build.

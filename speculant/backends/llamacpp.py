@@ -8,7 +8,9 @@ kernels (native/src/speculant-mm.c): weights load repacked 8 rows at a time (`re
 layout on x86) and Q4_K/Q6_K/Q4_0/IQ4_NL go through our multi-token kernels (per column the bits of ggml's
 one-token kernel), Q2_K (repacked on AVX-512 CPUs only) through ggml's one-token kernel column by column there;
 Q8_0/Q5_0/Q4_1/Q5_1/Q2_K/Q3_K/Q5_K/IQ4_XS, the IQ2/IQ3 types, and unrepacked Q4_K/Q6_K/Q4_0/IQ4_NL (`repack=False`: less memory,
-slower) through our plain-layout multi-token kernels, other types through ggml's dot products column by column; llamafile's sgemm and the tiled kernels are kept off those passes. So decode and verify passes give
+slower) through our plain-layout multi-token kernels (with ggml's dot-product arithmetic; RPC workers and the process
+driving them: with the repacked kernels', native.set_plain_as_repacked), other types through ggml's dot products
+column by column; llamafile's sgemm and the tiled kernels are kept off those passes. So decode and verify passes give
 bit-identical logits (tests/test_llamacpp.py); longer passes, which only prompt processing makes, keep
 llama.cpp's fast batched kernels (llamafile's sgemm for the attention products included).
 

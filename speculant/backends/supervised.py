@@ -48,16 +48,23 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
     os.dup2(log, 1)
     try:
         from .. import rpc
-        from ..native import gguf_block_count
+        from ..api import repack_weights
+        from ..native import gguf_block_count, gguf_tensors, set_plain_as_repacked
         from .llamacpp import LlamaCppBackend
 
         n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
-        # the workers hold their layers in the plain layout (RPC offers no repacked buffers), and the repacked
-        # kernels' sums round differently: layers kept here are plain too, so the output is the same whatever the split
+        # The workers hold their layers in the plain layout (RPC offers no repacked buffers), and compute plain rows
+        # of the types llama.cpp repacks with the repacked kernels' arithmetic (`speculant worker`), as this process
+        # does from here on: the layers kept here load repacked as a local run's do, and every split gives a default
+        # local run's output. Not so a mixture of experts' expert matrices (a plain expert with one token of a pass
+        # runs ggml's own dot product): such a target keeps its layers here plain, as the workers do, and gives the
+        # same output whatever the split, though not a local run's.
+        set_plain_as_repacked()
+        experts = any(len(t.shape) == 3 for t in gguf_tensors(path))
         devices = rpc.rpc_devices(endpoints)  # every worker has answered (a busy one would not)
         conn.send(("connected", None))
         backend = LlamaCppBackend(path, devices=devices, n_device_layers=n_device_layers,
-                                  device_split=split, repack=False, **kwargs)
+                                  device_split=split, repack=repack_weights() and not experts, **kwargs)
         backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
         info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,
