@@ -31,6 +31,25 @@ def uses_static_torch(device: Optional[str], self_spec: bool = False) -> bool:
     return resolve_device(device).startswith("cuda") and not self_spec
 
 
+def on_torch(model: Optional[str], backend: Optional[str]) -> bool:
+    """Whether a model given with this backend setting runs on torch (auto: a transformers directory does)."""
+    if not model or model in FREE_DRAFTERS:
+        return False
+    return backend == "torch" or (backend in (None, "auto") and os.path.isdir(os.path.expanduser(model)))
+
+
+def check_torch_settings(model: str, backend: str, draft_model: Optional[str], draft_backend: str,
+                         dtype: Optional[str], device: Optional[str], self_spec: bool = False) -> None:
+    """--dtype / --device need a model on torch: the target, or a draft model (which may be on torch under a
+    llama.cpp target)."""
+    if not (dtype or device) or on_torch(model, backend):
+        return
+    if not self_spec and on_torch(draft_model, draft_backend):
+        return
+    raise SettingsError("--dtype and --device apply to the torch backend only: add --backend torch (the target) "
+                        "or --backend-draft torch (the draft model), or leave them out")
+
+
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashes inside its thread pool
 
 
@@ -216,9 +235,20 @@ def load_drafter(target: Backend, draft_model: Optional[str], *, lookup: Optiona
     if parallel > 1 and draft_vocab:
         raise SettingsError("a draft with a cut vocabulary (--draft-vocab) serves one request at a time: use "
                             "--parallel 1 or --draft-vocab 0")
+    draft_on_torch = on_torch(draft_model, draft_backend)
+    torch_backends = sys.modules.get("speculant.backends.torch")  # loaded when the target runs on torch
+    taken = (torch_backends.torch.get_num_threads()
+             if draft_on_torch and torch_backends is not None and isinstance(target, torch_backends.TorchBackend)
+             else None)
+    if taken is not None:  # torch's thread count is one per process: the target's (-t) stays
+        if threads is not None and threads != taken:
+            print(f"speculant: warning: --threads-draft {threads} has no effect when the target and the draft "
+                  f"both run on torch (its thread count is one per process): both use the target's {taken} "
+                  f"(-t)", file=sys.stderr)
+        threads = None
     draft = load_backend(draft_model, n_ctx=target.n_ctx, threads=threads, role="draft", backend=draft_backend,
-                         dtype=dtype if draft_backend == "torch" else None,
-                         device=device if draft_backend == "torch" else None, parallel=parallel)
+                         dtype=dtype if draft_on_torch else None,
+                         device=device if draft_on_torch else None, parallel=parallel)
     keep = None
     try:
         same_vocab = same_vocabulary(target, draft)
@@ -279,7 +309,11 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
     if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
         raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
-    target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend, dtype=dtype, device=device,
+    check_torch_settings(model, backend, draft_model, draft_backend, dtype, device,
+                         self_spec or self_spec_exit is not None)
+    target_on_torch = on_torch(model, backend)
+    target = load_backend(model, n_ctx=n_ctx, threads=threads, backend=backend,
+                          dtype=dtype if target_on_torch else None, device=device if target_on_torch else None,
                           rpc=rpc, tensor_split=tensor_split, parallel=parallel,
                           self_spec=self_spec or self_spec_exit is not None)
     try:
@@ -304,7 +338,10 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
              history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
              repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
-             logprobs: Optional[int] = None, suffix: Optional[str] = None) -> Result:
+             logprobs: Optional[int] = None, suffix: Optional[str] = None, backend: str = "auto",
+             draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
+             self_spec: bool = False, self_spec_exit: Optional[int] = None,
+             self_spec_config: Optional[str | os.PathLike] = None, draft_threads: Optional[int] = None) -> Result:
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`, except that
     sampling is untruncated unless asked (top_k 0, top_p 1, min_p 0, as OpenAI's API; the CLI and the server's
     defaults take llama-cli's 40 / 0.95 / 0.05).
@@ -312,7 +349,9 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
     logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N
     fills result.logprobs with each token's log-probability and N alternatives. suffix: fill in the middle
-    between prompt and suffix (a code model with FIM tokens; Engine.fim_prompt)."""
+    between prompt and suffix (a code model with FIM tokens; Engine.fim_prompt). backend, draft_backend, dtype,
+    device, self_spec, self_spec_exit, self_spec_config, draft_threads: as load_engine's (--backend,
+    --backend-draft, --dtype, --device, --self-spec, --self-spec-exit, --self-spec-config, -td)."""
     params = SamplingParams(temperature, top_k, top_p, min_p, seed,
                             logit_bias=logit_bias or (),
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
@@ -320,7 +359,10 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:  # before anything loads
         raise SettingsError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
-                         adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history)
+                         adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history,
+                         backend=backend, draft_backend=draft_backend, dtype=dtype, device=device,
+                         self_spec=self_spec, self_spec_exit=self_spec_exit, self_spec_config=self_spec_config,
+                         draft_threads=draft_threads)
     try:
         if suffix is not None and chat:
             raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")

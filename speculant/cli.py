@@ -29,10 +29,13 @@ class _Parser(argparse.ArgumentParser):
 
 # flags that only act with a drafter: None means "not given" (warned about when they would do nothing)
 DRAFT_DEFAULTS = {"draft_max": None, "draft_min": 1, "draft_p_min": 0.0, "adapt": True, "draft_vocab": 0,
-                  "lookup_ngram_max": 4, "lookup_ngram_min": 2, "threads_draft": None, "ctx_size_draft": None}
+                  "lookup_ngram_max": 4, "lookup_ngram_min": 2, "threads_draft": None, "ctx_size_draft": None,
+                  "backend_draft": "auto"}
 NO_GPU_OFFLOAD = ("no GPU offload in the llama.cpp backend: speculant builds it for the CPU, where batched "
                   "and one-token logits are bit-identical; pass -ngl 0 or leave it out (a GPU: --backend torch "
                   "--device cuda)")
+NO_NGL_ON_TORCH = ("the torch backend places the whole model with --device (cpu, cuda or cuda:N) and does not use "
+                   "-ngl; leave -ngl out")
 
 
 def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> None:
@@ -68,8 +71,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                    help="prompt lookup: shortest n-gram matched (default 2: single-token matches rarely pay)")
     p.add_argument("--backend", choices=("auto", "llama.cpp", "torch"), default="auto",
                    help="runtime of the target (auto: torch for a transformers directory, else llama.cpp)")
-    p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default="auto",
-                   help="runtime of the draft model (may differ from the target's)")
+    p.add_argument("--backend-draft", choices=("auto", "llama.cpp", "torch"), default=None,
+                   help="runtime of the draft model (may differ from the target's; default auto: torch for a "
+                        "transformers directory, else llama.cpp)")
     p.add_argument("--dtype", default=None, help="torch backend: bf16 | fp32 | fp16 (default bf16 where native)")
     p.add_argument("--device", default=None, help="torch backend: cpu | cuda | cuda:N (default cuda if present)")
     p.add_argument("--self-spec", action="store_true",
@@ -128,7 +132,9 @@ def check_model_flags(args) -> None:
     """Refuse flags that cannot work, warn about flags that do nothing in this combination, then fill in the
     defaults of the drafter flags (None = not given). Runs before anything is loaded."""
     if args.gpu_layers != 0:
-        raise SettingsError(f"-ngl {args.gpu_layers}: {NO_GPU_OFFLOAD}")
+        on_torch = args.backend == "torch" or (args.backend == "auto" and args.model
+                                                and os.path.isdir(os.path.expanduser(args.model)))
+        raise SettingsError(f"-ngl {args.gpu_layers}: {NO_NGL_ON_TORCH if on_torch else NO_GPU_OFFLOAD}")
     if args.ctx_size_draft not in (None, 0, args.ctx_size):
         raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
                             f"{args.ctx_size}), as it holds the same tokens; leave -cd out")
@@ -169,12 +175,12 @@ def check_model_flags(args) -> None:
             alone = {LOOKUP: "prompt lookup alone (-md lookup)", None: "a prediction alone"}.get(
                 draft, "history drafting alone (-md history)")
             idle.update((n, f"with {alone}: it applies to a draft model")
-                        for n in given & {"draft_p_min", "draft_vocab", "threads_draft"})
+                        for n in given & {"draft_p_min", "draft_vocab", "threads_draft", "backend_draft"})
         elif args.lookup is False:
             idle.update((n, "with --no-lookup") for n in given & {"lookup_ngram_max", "lookup_ngram_min"})
         if self_spec:
             idle.update((n, "with --self-spec (the target drafts for itself)")
-                        for n in given & {"draft_vocab", "threads_draft"})
+                        for n in given & {"draft_vocab", "threads_draft", "backend_draft"})
         if args.adapt is False and "draft_min" in given:
             idle["draft_min"] = "with --no-adapt (every step drafts --draft-max)"
     for name, why in sorted(idle.items()):
@@ -502,7 +508,7 @@ def demo_draft(model: str, predicted: bool = True) -> Optional[str]:
 
 
 def cmd_demo(args) -> int:
-    from .api import load_backend, load_drafter
+    from .api import check_torch_settings, load_backend, load_drafter, on_torch
     from .engine import Engine
     from .native import one_request_pages
     from .verify import SamplingParams
@@ -510,8 +516,13 @@ def cmd_demo(args) -> int:
     one_request_pages()
     if args.model_draft is None and not args.self_spec:
         args.model_draft = demo_draft(args.model, predicted=args.prompt is None)
+    self_spec = args.self_spec or args.self_spec_exit is not None
+    check_torch_settings(args.model, args.backend, args.model_draft, args.backend_draft, args.dtype, args.device,
+                         self_spec)
+    target_on_torch = on_torch(args.model, args.backend)  # else --dtype / --device are the draft's only
     target = load_backend(args.model, n_ctx=args.ctx_size, threads=args.threads, backend=args.backend,
-                          dtype=args.dtype, device=args.device,
+                          dtype=args.dtype if target_on_torch else None,
+                          device=args.device if target_on_torch else None,
                           self_spec=args.self_spec or args.self_spec_exit is not None, **rpc_kwargs(args))
     drafter = load_drafter(target, args.model_draft, lookup=args.lookup, draft_p_min=args.draft_p_min,
                            ngram_max=args.lookup_ngram_max, ngram_min=args.lookup_ngram_min,

@@ -1759,6 +1759,17 @@ LOG_LEVELS = ["critical", "error", "warning", "info", "debug"]
 DEFAULT_PARALLEL = 2  # two requests at once cost ~1.2 target steps a pass instead of 2 (BENCHMARKS.md)
 
 
+SELF_SPEC = "self-spec"  # the drafter named in /health, /v1/models and the banner under --self-spec
+
+
+def draft_label(args) -> Optional[str]:
+    """What drafts, as /health's and /v1/models' draft_model and the banner name it: the draft model (or
+    'lookup' / 'history'), or 'self-spec' when the target drafts with its own layers; None: nothing."""
+    if args.self_spec or args.self_spec_exit is not None or args.self_spec_config is not None:
+        return SELF_SPEC
+    return args.model_draft
+
+
 def serves_parallel(args) -> bool:
     """Whether these model flags can serve concurrent requests (a local llama.cpp target and draft)."""
     torch = args.backend == "torch" or os.path.isdir(os.path.expanduser(args.model)) \
@@ -1833,7 +1844,7 @@ def cmd_serve(args) -> int:
         raise SpeculantError(f"--logit-bias: token id {bad[0]} is outside the vocabulary "
                              f"(0..{engine.target.n_vocab - 1})")
     cfg = ServerConfig(
-        model_id=args.served_model_name or args.model, draft_id=args.model_draft, api_key=args.api_key or None,
+        model_id=args.served_model_name or args.model, draft_id=draft_label(args), api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
@@ -1859,7 +1870,8 @@ def cmd_serve(args) -> int:
         async def startup(self, sockets=None):
             await super().startup(sockets)
             if self.started:
-                drafts = f" with draft {cfg.draft_id}" if cfg.draft_id else ""
+                drafts = (f" with {SELF_SPEC}" if cfg.draft_id == SELF_SPEC  # the target drafts with its own layers
+                          else f" with draft {cfg.draft_id}" if cfg.draft_id else "")
                 if drafts and getattr(args, "lookup", False):
                     drafts += " (prompt lookup first)"
                 print(f"speculant: serving {cfg.model_id}{drafts} on {where}", file=sys.stderr, flush=True)

@@ -1189,6 +1189,23 @@ def test_one_log_line_per_request_and_the_context_full_message():
     assert f"serving {MODEL} with draft {MODEL} (prompt lookup first) on {url}/v1" in out  # the default chain
 
 
+def test_self_spec_is_named_as_the_drafter():
+    """--self-spec: /health, /v1/models and the banner name it (they said no drafter: draft_model null)."""
+    pytest.importorskip("torch")
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    proc, url = spawn_local(["-m", MODEL, "--backend", "torch", "--device", "cpu", "--self-spec-exit", "15", "-c",
+                             str(CTX), "-t", "1"], timeout=240, exe=SPECULANT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT)
+    try:
+        assert httpx.get(url + "/health").json()["draft_model"] == "self-spec"
+        assert httpx.get(url + "/v1/models").json()["data"][0]["draft_model"] == "self-spec"
+    finally:
+        _stop(proc)
+    out = proc.stdout.read()
+    assert f"serving {MODEL} with self-spec (prompt lookup first) on {url}/v1" in out, out
+
+
 def test_serve_help_says_what_n_means():
     out = subprocess.run([SPECULANT, "serve", "--help"], capture_output=True, text=True).stdout
     assert "max_tokens of requests that do not set it" in " ".join(out.split())

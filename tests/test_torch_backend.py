@@ -130,3 +130,52 @@ def test_fill_in_the_middle_tokens_agree_with_llama_cpp(tb, lb):
     must not find some either (a suffix is then refused on both runtimes alike)."""
     assert tb.fim_tokens() == lb.fim_tokens()
     assert tb.fim_repo_tokens() == lb.fim_repo_tokens()
+
+
+def test_training_context_cap_is_warned_about_as_on_llama_cpp(tb, capsys):
+    """-c above the training context: the same warning as the llama.cpp backend's, then the training context."""
+    from speculant.backends.torch import TorchBackend
+
+    capped = TorchBackend(tb.model, tb.tokenizer, name=tb.name, n_ctx=100000, specials=tb.specials)
+    assert capped.n_ctx == 8192
+    assert (f"speculant: warning: --ctx-size 100000 is more than {tb.name}'s training context (8192 tokens); "
+            f"using 8192") in capsys.readouterr().err
+    TorchBackend(tb.model, tb.tokenizer, name=tb.name, n_ctx=0, specials=tb.specials)
+    assert "warning" not in capsys.readouterr().err  # 0: the training context, nothing to say
+
+
+def test_threads_of_a_torch_target_stay_when_the_draft_is_on_torch_too(capsys):
+    """torch's thread count is one per process: the draft (loaded last) must not replace the target's -t."""
+    from speculant.api import load_engine
+    from speculant.backends.torch import TorchBackend
+
+    try:
+        engine = load_engine(MODEL, MODEL, backend="torch", draft_backend="torch", device="cpu", threads=1,
+                             draft_threads=2, lookup=False, n_ctx=512)
+        try:
+            assert isinstance(engine.target, TorchBackend) and isinstance(engine.drafter.backend, TorchBackend)
+            assert torch.get_num_threads() == 1
+        finally:
+            engine.close()
+        assert ("speculant: warning: --threads-draft 2 has no effect when the target and the draft both run on "
+                "torch") in capsys.readouterr().err
+    finally:
+        torch.set_num_threads(1)
+
+
+def test_python_generate_reaches_the_torch_backend(plain):
+    """speculant.generate takes the CLI's --backend, --device, --dtype, --backend-draft and --self-spec-exit."""
+    import speculant
+    from speculant.errors import SettingsError
+
+    r = speculant.generate(PROMPT, model=MODEL, backend="torch", device="cpu", threads=1, max_tokens=N_GEN)
+    assert r.tokens == plain[0]
+    r = speculant.generate(PROMPT, model=MODEL, backend="torch", device="cpu", threads=1, max_tokens=N_GEN,
+                           self_spec_exit=15, lookup=False, adaptive=False)
+    assert r.tokens == plain[0] and r.stats.drafted > 0
+    # a torch draft under the llama.cpp target: the draft takes the device
+    r = speculant.generate(PROMPT, model=MODEL, draft_model=MODEL, draft_backend="torch", device="cpu",
+                           threads=1, max_tokens=N_GEN, lookup=False, adaptive=False)
+    assert r.tokens == plain[1] and r.stats.drafted > 0
+    with pytest.raises(SettingsError, match="--dtype and --device apply to the torch backend only"):
+        speculant.generate(PROMPT, model=MODEL, dtype="fp32", threads=1, max_tokens=2)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 from functools import lru_cache
 from pathlib import Path
@@ -157,6 +158,37 @@ def _convert_gguf(path: Path, cache_dir: Path) -> Path:
     return cache_dir
 
 
+def _gguf_value(reader, key: str):
+    field = reader.fields.get(key)
+    if field is None or not field.data:
+        return None
+    part = field.parts[field.data[0]]
+    return bytes(part).decode("utf-8", "replace") if field.types and field.types[0].name == "STRING" else part[0]
+
+
+def check_gguf_supported(gguf: Path) -> None:
+    """Refuse, from the GGUF's metadata and before any conversion, a model the torch backend cannot run: it
+    computes full causal attention in every layer (blocked_attention) and no logit soft-capping, so a model
+    with sliding-window layers (Gemma 3, Gemma 2) or soft-capping would give wrong logits (TorchBackend
+    checks the converted config again)."""
+    try:
+        from gguf import GGUFReader
+
+        reader = GGUFReader(str(gguf))
+    except Exception:  # unreadable metadata: the conversion reports what is wrong with the file
+        return
+    arch = _gguf_value(reader, "general.architecture")
+    if not arch:
+        return
+    fix = "run it on the llama.cpp backend (--backend llama.cpp, or --backend-draft llama.cpp for a draft)"
+    window = _gguf_value(reader, f"{arch}.attention.sliding_window")
+    if window:
+        raise ModelError(f"{gguf.name}: the torch backend runs full-attention models only, and this {arch} model "
+                         f"has sliding-window attention layers (window {int(window)}); {fix}")
+    if any(_gguf_value(reader, f"{arch}.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")):
+        raise ModelError(f"{gguf.name}: logit soft-capping ({arch}) is not supported by the torch backend; {fix}")
+
+
 def resolve_model_dir(model: str | os.PathLike) -> Path:
     """A registered name, a GGUF path or a transformers model directory -> a transformers model directory."""
     p = Path(model).expanduser()
@@ -167,6 +199,7 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
     from .. import models
 
     gguf = models.resolve(str(model))
+    check_gguf_supported(gguf)  # before a conversion of tens of seconds and a cache of a GB
     cache_dir = models.home() / "torch" / gguf.name
     src = cache_dir / "source.json"
     if src.exists():
@@ -303,6 +336,9 @@ class TorchBackend(Backend):
             raise ModelError(f"{name}: only full-attention models are supported (layer types {set(cfg.layer_types)})")
         self.n_vocab = int(model.get_output_embeddings().weight.shape[0])
         n_train = int(getattr(cfg, "max_position_embeddings", 0) or 0)
+        if 0 < n_train < n_ctx:  # positions past it are ones the model never saw (as the llama.cpp backend says)
+            print(f"speculant: warning: --ctx-size {n_ctx} is more than {name}'s training context ({n_train} "
+                  f"tokens); using {n_train}", file=sys.stderr)
         self.n_ctx = min(n_ctx or n_train, n_train) if n_train > 0 else n_ctx  # 0: the model's context
         if getattr(cfg, "attn_logit_softcapping", None) or getattr(cfg, "final_logit_softcapping", None):
             raise ModelError(f"{name}: logit soft-capping is not supported by the torch backend")
