@@ -51,6 +51,7 @@ def load_config(target, path: Optional[str | os.PathLike] = None) -> Optional[di
             continue
         cfg = _read_config(p)
         if cfg["n_layers"] == target.n_layers:
+            _warn_if_other_model(p, cfg, target)
             return cfg
         if path:
             raise SettingsError(f"self-spec calibration {p} is for a model of {cfg['n_layers']} layers; "
@@ -58,8 +59,28 @@ def load_config(target, path: Optional[str | os.PathLike] = None) -> Optional[di
     return None
 
 
+_warned: set = set()  # (file, target) pairs already warned about: a bench reads a calibration more than once
+
+
+def _warn_if_other_model(p: Path, cfg: dict, target) -> None:
+    """A calibration records the model it was measured on (`model`: the target's name, the GGUF's file name
+    or the transformers directory's); another model of as many layers can read it, but its subset was not
+    chosen for this one. Files without `model` (written by hand) are taken as they are."""
+    recorded = cfg.get("model")
+    if not isinstance(recorded, str) or not recorded:
+        return
+    mine = Path(str(getattr(target, "name", "") or "")).name
+    theirs = Path(recorded).name
+    if not mine or theirs == mine or (p, mine) in _warned:
+        return
+    _warned.add((p, mine))
+    print(f"speculant: warning: self-spec calibration {p} was measured on {theirs}, not {mine}: its layers "
+          f"may not pay off here (calibrate this model: `speculant calibrate -m MODEL`)", file=sys.stderr)
+
+
 def _read_config(p: Path) -> dict:
-    """A calibration file -> its dict (n_layers, and layers: a valid subset of them)."""
+    """A calibration file -> its dict (n_layers, and layers: a valid subset of them, one layer at least
+    left out)."""
     fix = "rerun `speculant calibrate` or delete it"
     try:
         cfg = json.loads(p.read_text())
@@ -71,6 +92,9 @@ def _read_config(p: Path) -> dict:
             or any(not isinstance(i, int) or not 0 <= i < n for i in layers)):
         raise SettingsError(f"self-spec calibration {p} is not a calibration (n_layers and a list of layers "
                             f"among them, 0 included): {fix}")
+    if len(set(layers)) >= n:
+        raise SettingsError(f"self-spec calibration {p} lists all {n} layers, so the draft would be the whole "
+                            f"target: leave at least one layer out (or rerun `speculant calibrate`)")
     return cfg
 
 
@@ -189,6 +213,9 @@ def cmd_calibrate(args) -> int:
         raise SettingsError(f"--draft-max must be in [1, {MAX_DRAFT}], got {args.draft_max}")
     if args.n_predict < 2:
         raise SettingsError(f"-n must be >= 2 (after one token nothing is left to draft), got {args.n_predict}")
+    if not (args.ctx_size == 0 or args.ctx_size >= 16):  # load_backend's check: before the model is converted
+        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, "
+                            f"got {args.ctx_size}")
     check_threads(args.threads, "--threads")
     target = load_torch_backend(args.model, dtype=args.dtype, device=args.device, n_ctx=args.ctx_size,
                                 threads=args.threads)

@@ -37,6 +37,23 @@ def missing_template_warning(template: Optional[str], model: str) -> Optional[st
     return (f"{os.path.basename(str(model))} has no chat template (a base model?): chat is formatted as ChatML "
             f"(<|im_start|>role ... <|im_end|>), which it may not know")
 
+IM_END = "<|im_end|>"  # where a CHATML turn ends
+
+
+def fallback_stop_strings(backend) -> list[str]:
+    """The stop strings a chat request needs besides its own: [IM_END] when the model has no template (render
+    falls back to CHATML) and IM_END is not one end-of-generation token of its vocabulary. Such a model
+    (gemma-3-270m) writes IM_END as plain text, which ends nothing: without the stop string a chat answer runs
+    until max_tokens. Empty for a model with a template, or whose IM_END token ends a generation already."""
+    if backend.chat_template():
+        return []
+    try:
+        ids = backend.tokenize(IM_END, add_special=False)
+    except Exception:  # no tokenizer (a transformers directory without one): its chat fails elsewhere
+        return []
+    return [] if len(ids) == 1 and backend.is_eog(ids[0]) else [IM_END]
+
+
 def render(template: str | None, messages: list[dict], *, bos_token: str = "", eos_token: str = "",
            add_generation_prompt: bool = True, tools: Optional[list[dict]] = None) -> str:
     """Render `messages` ([{"role", "content"}], plus an assistant's "tool_calls" and a tool result's

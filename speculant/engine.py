@@ -367,6 +367,9 @@ class Engine:
         if not all(isinstance(s, str) for s in stop):
             raise SettingsError(f"stop must be a string or a list of strings, got {stop!r}")
         stop = [s for s in stop if s]
+        if is_chat:  # a model without a chat template gets ChatML, whose turn end it may write as plain text
+            from .chat import fallback_stop_strings
+            stop += [s for s in fallback_stop_strings(self.target) if s not in stop]
         if params.couples and params.seed is None:  # coupled draws asked for without a seed: a random one
             params = dataclasses.replace(params, seed=int(np.random.SeedSequence().generate_state(1, np.uint64)[0]))
         context = self.tokenize_prompt(prompt, is_chat=is_chat)

@@ -249,6 +249,7 @@ def test_every_flag_has_help_and_calibrate_lists_only_its_own():
 
 @pytest.mark.parametrize("args,fragment", [
     (["-ngl", "99"], "no GPU offload in the llama.cpp backend"),
+    (["-ngl", "99", "--backend", "torch"], "the torch backend places the whole model with --device"),
     (["-cd", "100", "-c", "200", "-md", "lookup"], "the draft's context is always the target's"),
     (["-cnv"], "-cnv (interactive conversation) is not supported"),
     (["--lookup"], "for prompt lookup alone pass -md lookup"),
@@ -446,6 +447,56 @@ def test_chat_without_a_template_is_warned_about():
     assert missing_template_warning("{% for m in messages %}{% endfor %}", "x") is None
 
 
+class _Vocab:
+    """A backend's template and vocabulary, as chat.fallback_stop_strings sees them."""
+
+    def __init__(self, template, im_end_ids, eog=()):
+        self.template, self.ids, self.eog = template, im_end_ids, set(eog)
+
+    def chat_template(self):
+        return self.template
+
+    def tokenize(self, text, add_special=True):
+        assert text == "<|im_end|>" and not add_special
+        return list(self.ids)
+
+    def is_eog(self, token):
+        return token in self.eog
+
+
+def test_the_chatml_fallback_stops_at_im_end_written_as_text():
+    """No template and no <|im_end|> token (gemma-3-270m): the model writes it as text, which ends nothing, so
+    it is a stop string; not with a template, nor where <|im_end|> is the model's own end-of-generation token."""
+    from speculant.chat import fallback_stop_strings
+
+    assert fallback_stop_strings(_Vocab(None, [236820, 236909, 548])) == ["<|im_end|>"]
+    assert fallback_stop_strings(_Vocab("", [7], eog=())) == ["<|im_end|>"]  # one token, but it ends nothing
+    assert fallback_stop_strings(_Vocab(None, [2], eog=[2])) == []  # SmolLM2, Qwen: their EOG
+    assert fallback_stop_strings(_Vocab("{{ messages }}", [236820, 236909])) == []  # its own template
+
+
+def test_gemma_chat_without_a_template_ends_at_the_chatml_turn_end():
+    """gemma-3-270m ships no template and has no <|im_end|> token: a chat answer (is_chat, as the CLI's --chat and
+    the server's chat endpoint ask) ends where it writes one, instead of running to max_tokens; the caller passes no
+    stop string (the engine adds fallback_stop_strings)."""
+    if not models.cached_path("gemma-3-270m").exists():
+        pytest.skip("gemma-3-270m not pulled")
+    from speculant.api import load_engine
+    from speculant.chat import fallback_stop_strings
+    from speculant.verify import SamplingParams
+
+    engine = load_engine("gemma-3-270m", threads=1, n_ctx=256, lookup=False)
+    try:
+        prompt = engine.chat_prompt([{"role": "user", "content": "Count from 1 to 20, separated by commas."}])
+        stop = fallback_stop_strings(engine.target)
+        r = engine.generate(prompt, max_tokens=48, params=SamplingParams(0.0), is_chat=True)
+    finally:
+        engine.close()
+    assert stop == ["<|im_end|>"]
+    assert r.finish_reason == "stop" and r.stop_string == "<|im_end|>" and r.stats.generated_tokens < 48
+    assert "<|im_end|>" not in r.text
+
+
 # -- audit findings: pull checks every name first and verifies; --draft-vocab's range up front ---------------------
 
 def test_pull_checks_every_name_before_downloading_and_verifies_present_files(monkeypatch, capsys):
@@ -475,3 +526,47 @@ def test_every_self_spec_flag_means_self_speculation(flag):
     args = build_parser().parse_args(["demo", "--backend", "torch", *flag])
     check_model_flags(args)
     assert args.self_spec is True
+
+
+def test_device_and_dtype_go_to_whichever_model_runs_on_torch(small):
+    """A torch draft under a llama.cpp target takes --device / --dtype; with no model on torch they are refused."""
+    pytest.importorskip("torch")
+    proc = run("generate", "-m", small, "-md", small, "--backend-draft", "torch", "--device", "cpu", "--dtype", "fp32",
+               "-t", "1", "--no-adapt", "-n", "8", "-p", "The capital of France is", "--json")
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout)["stats"]["drafted"] > 0
+    assert_clean_error(run("generate", "-m", small, "-md", small, "--device", "cpu", "-t", "1", "-p", "hi"),
+                       "--dtype and --device apply to the torch backend only", "--backend-draft torch")
+
+
+def test_a_model_the_torch_backend_cannot_run_is_refused_before_converting(tmp_path):
+    """Gemma 3 (sliding-window layers): refused from the GGUF's metadata, not after a GB of dequantized cache."""
+    pytest.importorskip("torch")
+    if not models.cached_path("gemma-3-270m").exists():
+        pytest.skip("gemma-3-270m not pulled")
+    env = _home_with(tmp_path, "gemma-3-270m")
+    proc = run("generate", "--backend", "torch", "--device", "cpu", "-t", "1", "-m", "gemma-3-270m", "-n", "2",
+               "-p", "hi", env=env)
+    assert_clean_error(proc, "sliding-window", "llama.cpp backend")
+    assert not (tmp_path / "torch").exists() or not any((tmp_path / "torch").iterdir())  # nothing converted
+
+
+@pytest.mark.parametrize("flags, why", [
+    (["-md", "lookup", "--backend-draft", "torch"], "with prompt lookup alone (-md lookup)"),
+    (["-md", "history", "--backend-draft", "torch"], "with history drafting alone (-md history)"),
+    (["--backend", "torch", "--self-spec", "--backend-draft", "llama.cpp"], "with --self-spec"),
+    (["--backend-draft", "torch"], "without a drafter"),
+])
+def test_backend_draft_without_a_draft_model_is_warned_about(flags, why, capsys):
+    from speculant.cli import build_parser, check_model_flags
+
+    args = build_parser().parse_args(["generate", "-p", "hi", *flags])
+    check_model_flags(args)
+    assert f"speculant: warning: --backend-draft has no effect {why}" in capsys.readouterr().err
+    assert args.backend_draft in ("torch", "llama.cpp")  # still passed on as given
+    args = build_parser().parse_args(["generate", "-p", "hi", "-md", "some-draft", "--backend-draft", "torch"])
+    check_model_flags(args)
+    assert "warning" not in capsys.readouterr().err
+    args = build_parser().parse_args(["generate", "-p", "hi", "-md", "some-draft"])
+    check_model_flags(args)
+    assert args.backend_draft == "auto"

@@ -51,6 +51,20 @@ def test_layer_sets():
             normalize_layers(6, **bad)
 
 
+@pytest.mark.parametrize("draft, message", [
+    (dict(exit_layer=6), "--self-spec-exit must be in [1, 5] for a model of 6 layers"),
+    (dict(skip=[]), "skips no layer"),
+    (dict(), "skips no layer"),
+])
+def test_a_draft_of_every_layer_is_refused(draft, message):
+    """Every layer drafting is the target itself: a target pass per drafted token, nothing saved."""
+    from speculant.drafters.selfspec import normalize_layers
+
+    with pytest.raises(SettingsError) as e:
+        normalize_layers(6, **draft)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("draft", [dict(exit_layer=1), dict(exit_layer=2), dict(skip=[1, 2])])
 @pytest.mark.parametrize("k", [1, 4])
 def test_greedy_identity(tiny, draft, k):
@@ -67,7 +81,7 @@ def test_greedy_identity(tiny, draft, k):
 def test_all_layers_accepts_everything(tiny, k):
     from speculant.drafters.selfspec import SelfSpecDrafter
 
-    d = SelfSpecDrafter(tiny, exit_layer=tiny.n_layers)
+    d = SelfSpecDrafter(tiny, list(range(tiny.n_layers)))  # a layer list is taken as it is (--self-spec-exit refuses this)
     r = Engine(tiny, d, draft_max=k).generate(PROMPT, max_tokens=24)
     assert r.stats.acceptance_rate == 1.0
     assert r.stats.target_calls == -(-24 // (k + 1))
@@ -175,8 +189,16 @@ def test_calibrate_refuses_to_choose_when_nothing_was_drafted(tiny):
     (["-n", "1"], "-n must be >= 2"),
     (["--draft-max", "100"], "--draft-max must be in [1, 63], got 100"),
     (["-t", "-1"], "--threads must be 1..512, got -1"),
+    (["-c", "-5"], "--ctx-size must be 0 (the model's training context) or an integer >= 16, got -5"),
+    (["-c", "8"], "--ctx-size must be 0 (the model's training context) or an integer >= 16, got 8"),
 ])
-def test_calibrate_flags_are_checked_before_the_model_loads(flags, message, capsys):
+def test_calibrate_flags_are_checked_before_the_model_loads(flags, message, capsys, monkeypatch):
+    import speculant.backends.torch as torch_backends
+
+    def load(*a, **kw):
+        raise AssertionError("the model was loaded before the flags were checked")
+
+    monkeypatch.setattr(torch_backends, "load_torch_backend", load)
     from speculant.cli import main
 
     assert main(["calibrate", "-m", "no-such-model", *flags]) == 1
@@ -228,6 +250,44 @@ def test_self_spec_reads_a_named_calibration(tiny, tmp_path):
     mine.write_text(json.dumps({"n_layers": 6, "layers": [0, 1]}))
     with pytest.raises(SettingsError, match="is for a model of 6 layers"):
         load_drafter(tiny, None, self_spec_config=mine)
+
+
+def test_a_calibration_of_every_layer_is_refused(tiny, tmp_path):
+    import json
+
+    from speculant.api import load_drafter
+
+    every = tmp_path / "every.json"
+    every.write_text(json.dumps({"n_layers": tiny.n_layers, "layers": list(range(tiny.n_layers))}))
+    with pytest.raises(SettingsError, match="lists all 4 layers, so the draft would be the whole target") as e:
+        load_drafter(tiny, None, self_spec_config=every)
+    assert "\n" not in str(e.value)
+
+
+def test_a_calibration_of_another_model_is_warned_about(tiny, tmp_path, capsys):
+    """Same layer count, another model: used, with a warning naming both; none for this model's own file
+    (recorded by name or by path) or for a file without `model`."""
+    import json
+
+    from speculant.drafters.selfspec import SelfSpecDrafter
+
+    path = tmp_path / "cal.json"
+    for model, warned in (("other-model.gguf", True), (tiny.name, False), (f"/somewhere/{tiny.name}", False),
+                          (None, False)):
+        cfg = {"n_layers": tiny.n_layers, "layers": [0, 1]}
+        if model is not None:
+            cfg["model"] = model
+        path.write_text(json.dumps(cfg))
+        d = SelfSpecDrafter.from_config(tiny, path)
+        assert d.layers == [0, 1]
+        d.close()
+        err = capsys.readouterr().err
+        if warned:
+            lines = err.strip().splitlines()
+            assert len(lines) == 1 and lines[0].startswith("speculant: warning: "), err
+            assert "other-model.gguf" in err and tiny.name in err and str(path) in err
+        else:
+            assert err == "", err
 
 
 def test_smollm2_greedy_identity():

@@ -27,18 +27,25 @@ from .model import ModelDrafter
 def normalize_layers(n_layers: int, *, exit_layer: Optional[int] = None,
                      skip: Optional[Sequence[int]] = None) -> list[int]:
     """The layers a draft runs: the first `exit_layer`, or all but `skip`. Layer 0 is always run (the
-    caches take their length from it)."""
+    caches take their length from it), and at least one layer is left out: a draft of every layer is the
+    target itself, which costs a target pass per drafted token and saves none."""
     if exit_layer is not None and skip:
         raise SettingsError("choose an early-exit depth or a set of skipped layers, not both")
+    if n_layers < 2:
+        raise SettingsError(f"self-speculation needs a model of 2 layers or more; this one has {n_layers}: "
+                            "use plain decoding or a draft model")
     if exit_layer is not None:
-        if not 1 <= exit_layer <= n_layers:
-            raise SettingsError(f"self-spec exit layer must be in [1, {n_layers}], got {exit_layer}")
+        if not 1 <= exit_layer < n_layers:
+            raise SettingsError(f"--self-spec-exit must be in [1, {n_layers - 1}] for a model of {n_layers} "
+                                f"layers (exiting after all of them drafts with the whole target), got {exit_layer}")
         return list(range(exit_layer))
     skip_set = set(int(i) for i in (skip or ()))
     if any(not 0 <= i < n_layers for i in skip_set):
         raise SettingsError(f"self-spec skipped layers must be in [0, {n_layers}), got {sorted(skip_set)}")
     if 0 in skip_set:
         raise SettingsError("self-spec cannot skip layer 0")
+    if not skip_set:
+        raise SettingsError("self-spec skips no layer: the draft would be the whole target; skip at least one")
     return [i for i in range(n_layers) if i not in skip_set]
 
 
