@@ -261,8 +261,10 @@ def serve_worker(host: str, port: int, threads: int) -> None:
           f"thread{'s' if threads != 1 else ''} (llama.cpp {ll.__version__})", file=sys.stderr, flush=True)
     # the layers arrive plain (RPC offers no repacked buffers): they compute with the repacked layout's arithmetic,
     # as the client's own layers, loaded repacked, do
-    set_plain_as_repacked()
     problems = exactness_problems()
+    if not set_plain_as_repacked():
+        problems.append("this build cannot give plain rows the repacked layout's arithmetic, which the client's "
+                        "layers use (run the client's speculant build here)")
     if problems:  # the layers computed here would not give a local run's bits
         print(f"speculant: warning: this worker's llama.cpp cannot promise exact greedy output: "
               f"{'; '.join(problems)}", file=sys.stderr, flush=True)

@@ -179,3 +179,31 @@ def test_python_generate_reaches_the_torch_backend(plain):
     assert r.tokens == plain[1] and r.stats.drafted > 0
     with pytest.raises(SettingsError, match="--dtype and --device apply to the torch backend only"):
         speculant.generate(PROMPT, model=MODEL, dtype="fp32", threads=1, max_tokens=2)
+
+
+def test_a_sliding_window_past_the_training_context_is_not_refused(tmp_path):
+    """check_gguf_supported refuses sliding-window models (the torch backend's attention is full) from the GGUF's
+    metadata, but a window at least as long as the training context limits nothing (Phi-3 128k files carry one of
+    262144): such a model runs."""
+    from gguf import GGUFWriter
+
+    from speculant.backends.torch import check_gguf_supported
+    from speculant.errors import ModelError
+
+    def gguf(name, window):
+        path = tmp_path / f"{name}.gguf"
+        writer = GGUFWriter(str(path), "llama")
+        writer.add_context_length(4096)
+        if window is not None:
+            writer.add_uint32("llama.attention.sliding_window", window)
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        return path
+
+    check_gguf_supported(gguf("full", None))
+    check_gguf_supported(gguf("long-window", 262144))
+    check_gguf_supported(gguf("window-equal", 4096))
+    with pytest.raises(ModelError, match="sliding-window attention layers \\(window 512\\)"):
+        check_gguf_supported(gguf("short-window", 512))

@@ -59,12 +59,13 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
         # local run's output. Not so a mixture of experts' expert matrices (a plain expert with one token of a pass
         # runs ggml's own dot product): such a target keeps its layers here plain, as the workers do, and gives the
         # same output whatever the split, though not a local run's.
-        set_plain_as_repacked()
+        switched = set_plain_as_repacked()  # False: a build without the switch, whose workers would round as plain
         experts = any(len(t.shape) == 3 for t in gguf_tensors(path))
         devices = rpc.rpc_devices(endpoints)  # every worker has answered (a busy one would not)
         conn.send(("connected", None))
         backend = LlamaCppBackend(path, devices=devices, n_device_layers=n_device_layers,
-                                  device_split=split, repack=repack_weights() and not experts, **kwargs)
+                                  device_split=split, repack=repack_weights() and not experts and switched,
+                                  **kwargs)
         backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
         info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,

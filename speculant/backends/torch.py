@@ -182,7 +182,8 @@ def check_gguf_supported(gguf: Path) -> None:
         return
     fix = "run it on the llama.cpp backend (--backend llama.cpp, or --backend-draft llama.cpp for a draft)"
     window = _gguf_value(reader, f"{arch}.attention.sliding_window")
-    if window:
+    trained = _gguf_value(reader, f"{arch}.context_length")
+    if window and not (trained and int(window) >= int(trained)):  # a window past the training context limits nothing
         raise ModelError(f"{gguf.name}: the torch backend runs full-attention models only, and this {arch} model "
                          f"has sliding-window attention layers (window {int(window)}); {fix}")
     if any(_gguf_value(reader, f"{arch}.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")):
