@@ -847,12 +847,24 @@ static void iq_grid_row(enum ggml_type type, int n, const void * xrow, const cha
     }
 }
 
+// Q6_K values 128j .. 128j+127 of a block, as unsigned bytes 0..63: q6[k] holds values 128j + 32k .. + 31
+static inline __attribute__((always_inline)) void q6_K_values(const block_q6_K * x, int j, __m256i q6[4]) {
+    const __m256i m3 = _mm256_set1_epi8(3);
+    const __m256i m15 = _mm256_set1_epi8(15);
+    const __m256i bits1 = _mm256_loadu_si256((const __m256i *) (x->ql + 64 * j));
+    const __m256i bits2 = _mm256_loadu_si256((const __m256i *) (x->ql + 64 * j + 32));
+    const __m256i bitsH = _mm256_loadu_si256((const __m256i *) (x->qh + 32 * j));
+    q6[0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4));
+    q6[1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2));
+    q6[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), _mm256_and_si256(bitsH, _mm256_set1_epi8(48)));
+    q6[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15),
+                            _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2));
+}
+
 // Q6_K x q8_K for NC columns (see dot_q4_K).
 static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const int nb, const block_q6_K * x,
                                                           const block_q8_K * const * y, const int * order,
                                                           float * out) {
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m15 = _mm256_set1_epi8(15);
     __m256 acc[SPECULANT_MM_COLS];
     for (int c = 0; c < NC; ++c) acc[c] = _mm256_setzero_ps();
 
@@ -867,18 +879,9 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
             const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
             sumi[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
         }
-        const uint8_t * ql = x[i].ql;
-        const uint8_t * qh = x[i].qh;
         for (int j = 0; j < QK_K / 128; ++j) {
-            const __m256i bits1 = _mm256_loadu_si256((const __m256i *) (ql + 64 * j));
-            const __m256i bits2 = _mm256_loadu_si256((const __m256i *) (ql + 64 * j + 32));
-            const __m256i bitsH = _mm256_loadu_si256((const __m256i *) (qh + 32 * j));
             __m256i q6[4];
-            q6[0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4));
-            q6[1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2));
-            q6[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), _mm256_and_si256(bitsH, _mm256_set1_epi8(48)));
-            q6[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15),
-                                    _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2));
+            q6_K_values(x + i, j, q6);
             __m256i scale[4];
             for (int k = 0; k < 4; ++k) {
                 const int m = 4 * j + k;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
@@ -2342,6 +2345,26 @@ void ggml_gemv_iq4_nl_8x8_q8_0(int n, float * s, size_t bs, const void * vx, con
 void ggml_gemv_mxfp4_8x8_q8_0(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 void ggml_gemv_q2_K_8x8_q8_K(int n, float * s, size_t bs, const void * vx, const void * vy, int nr, int nc);
 
+// the q8_0 block sums of the columns where the repacked kernel of `type` reads them (Q4_0; IQ4_NL and MXFP4 where
+// LUT4X8_SUMS), in `stack` if `stack_len` holds them, else in a malloc'ed array (the caller frees what is not stack);
+// NULL for the other types
+static int32_t * repacked_ysums(enum ggml_type type, int n, const char * ycols, size_t row_size, int ncols,
+                                int32_t * stack, size_t stack_len) {
+#ifdef LUT4X8_SUMS
+    const bool sums = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
+#else
+    const bool sums = type == GGML_TYPE_Q4_0;
+#endif
+    if (!sums) {
+        return NULL;
+    }
+    const size_t need = (size_t) ncols * (n / QK8_0);
+    int32_t * ysums = need <= stack_len ? stack : malloc(sizeof(int32_t) * need);
+    GGML_ASSERT(ysums);
+    q8_0_block_sums(n / QK8_0, ycols, row_size, ncols, ysums);
+    return ysums;
+}
+
 static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nrows, const void * wdata,
                           size_t row_size, int ncols, int group, const int * order, float * dst, size_t dst_stride) {
     if ((type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4 || type == GGML_TYPE_Q2_K) && ncols == 1 && !order) {
@@ -2355,17 +2378,7 @@ static void repacked_rows(enum ggml_type type, int n, const void * x, int64_t nr
         return;
     }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];  // this runs per chunk of rows: no allocation if it fits
-    int32_t * ysums = NULL;
-#ifdef LUT4X8_SUMS
-    const bool sums = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
-#else
-    const bool sums = type == GGML_TYPE_Q4_0;
-#endif
-    if (sums) {
-        const size_t need = (size_t) ncols * (n / QK8_0);
-        ysums = need <= sizeof(stack_sums) / sizeof(int32_t) ? stack_sums : malloc(sizeof(int32_t) * need);
-        q8_0_block_sums(n / QK8_0, wdata, row_size, ncols, ysums);
-    }
+    int32_t * ysums = repacked_ysums(type, n, wdata, row_size, ncols, stack_sums, sizeof(stack_sums) / sizeof(int32_t));
     const size_t group_bytes = repacked_group_bytes(type, n);
 #ifdef SPECULANT_MM_AMX
     if (!order) {  // tile products for 16 rows at a time, where amx_rows takes the type and pass
@@ -3509,8 +3522,6 @@ static float q4_K_rep1(const int nb, const block_q4_K * x, const block_q8_K * y)
 }
 
 static float q6_K_rep1(const int nb, const block_q6_K * x, const block_q8_K * y) {
-    const __m256i m3 = _mm256_set1_epi8(3);
-    const __m256i m15 = _mm256_set1_epi8(15);
     float acc = 0.0f;
     for (int i0 = 0; i0 < nb; i0 += REP1_BATCH) {
         const int n = nb - i0 < REP1_BATCH ? nb - i0 : REP1_BATCH;
@@ -3527,15 +3538,8 @@ static float q6_K_rep1(const int nb, const block_q6_K * x, const block_q8_K * y)
             const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
             __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
             for (int j = 0; j < QK_K / 128; ++j) {
-                const __m256i bits1 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * j));
-                const __m256i bits2 = _mm256_loadu_si256((const __m256i *) (x[i].ql + 64 * j + 32));
-                const __m256i bitsH = _mm256_loadu_si256((const __m256i *) (x[i].qh + 32 * j));
                 __m256i q6[4];
-                q6[0] = _mm256_or_si256(_mm256_and_si256(bits1, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, m3), 4));
-                q6[1] = _mm256_or_si256(_mm256_and_si256(bits2, m15), _mm256_slli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(12)), 2));
-                q6[2] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits1, 4), m15), _mm256_and_si256(bitsH, _mm256_set1_epi8(48)));
-                q6[3] = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(bits2, 4), m15),
-                                        _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2));
+                q6_K_values(x + i, j, q6);
                 const int8_t * q8 = y[i].qs + 128 * j;
                 for (int t = 0; t < 4; ++t) {
                     const int m = 4 * j + t;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
@@ -3609,17 +3613,7 @@ static void plain_repacked_rows(enum ggml_type type, int n, const char * x, size
         plain_group_buf_bytes = group_bytes;
     }
     int32_t stack_sums[SCRATCH_BYTES / sizeof(int32_t)];
-    int32_t * ysums = NULL;
-#ifdef LUT4X8_SUMS
-    const bool sums = type == GGML_TYPE_Q4_0 || type == GGML_TYPE_IQ4_NL || type == GGML_TYPE_MXFP4;
-#else
-    const bool sums = type == GGML_TYPE_Q4_0;
-#endif
-    if (sums) {
-        const size_t need = (size_t) ncols * (n / QK8_0);
-        ysums = need <= sizeof(stack_sums) / sizeof(int32_t) ? stack_sums : malloc(sizeof(int32_t) * need);
-        q8_0_block_sums(n / QK8_0, ycols, row_size, ncols, ysums);
-    }
+    int32_t * ysums = repacked_ysums(type, n, ycols, row_size, ncols, stack_sums, sizeof(stack_sums) / sizeof(int32_t));
     const int nb = n / ggml_blck_size(type);
     for (int64_t g = 0; g < nrows / 8; ++g) {
         repack_group_fast(type, x + 8 * g * x_stride, nb, plain_group_buf);
