@@ -53,6 +53,12 @@ def check_torch_settings(model: str, backend: str, draft_model: Optional[str], d
 MAX_THREADS = 512  # ggml's GGML_MAX_N_THREADS: more crashes inside its thread pool
 
 
+def check_ctx_size(n_ctx) -> None:
+    """-c: 0 (the model's training context) or an integer >= 16."""
+    if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
+        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
+
+
 def check_threads(threads: Optional[int], flag: str) -> None:
     """None (all cores) or 1..MAX_THREADS."""
     if threads is not None and not 1 <= threads <= MAX_THREADS:
@@ -73,8 +79,7 @@ def load_backend(model: str, *, n_ctx: int = 4096, threads: Optional[int] = None
     (llama.cpp: sequences of one context, each n_ctx long; backend.slot(i) is request slot i). self_spec: the
     target will draft with its own layers (a torch target on CUDA then stays TorchBackend, see
     uses_static_torch)."""
-    if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
-        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
+    check_ctx_size(n_ctx)
     check_threads(threads, "--threads")
     if backend not in BACKENDS:
         raise SettingsError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")

@@ -203,7 +203,7 @@ def _describe(layers: Sequence[int], n: int) -> str:
 
 
 def cmd_calibrate(args) -> int:
-    from .api import check_threads
+    from .api import check_ctx_size, check_threads
     from .backends.torch import load_torch_backend
     from .engine import MAX_DRAFT
 
@@ -213,9 +213,7 @@ def cmd_calibrate(args) -> int:
         raise SettingsError(f"--draft-max must be in [1, {MAX_DRAFT}], got {args.draft_max}")
     if args.n_predict < 2:
         raise SettingsError(f"-n must be >= 2 (after one token nothing is left to draft), got {args.n_predict}")
-    if not (args.ctx_size == 0 or args.ctx_size >= 16):  # load_backend's check: before the model is converted
-        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, "
-                            f"got {args.ctx_size}")
+    check_ctx_size(args.ctx_size)  # load_backend's check, before the model is converted
     check_threads(args.threads, "--threads")
     target = load_torch_backend(args.model, dtype=args.dtype, device=args.device, n_ctx=args.ctx_size,
                                 threads=args.threads)

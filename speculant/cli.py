@@ -132,9 +132,10 @@ def check_model_flags(args) -> None:
     """Refuse flags that cannot work, warn about flags that do nothing in this combination, then fill in the
     defaults of the drafter flags (None = not given). Runs before anything is loaded."""
     if args.gpu_layers != 0:
-        on_torch = args.backend == "torch" or (args.backend == "auto" and args.model
-                                                and os.path.isdir(os.path.expanduser(args.model)))
-        raise SettingsError(f"-ngl {args.gpu_layers}: {NO_NGL_ON_TORCH if on_torch else NO_GPU_OFFLOAD}")
+        from .api import on_torch
+
+        torch_target = args.backend == "torch" or on_torch(args.model, args.backend)
+        raise SettingsError(f"-ngl {args.gpu_layers}: {NO_NGL_ON_TORCH if torch_target else NO_GPU_OFFLOAD}")
     if args.ctx_size_draft not in (None, 0, args.ctx_size):
         raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
                             f"{args.ctx_size}), as it holds the same tokens; leave -cd out")

@@ -285,8 +285,7 @@ def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_m
     prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed.
     parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache."""
     api.check_parallel(parallel)
-    if not isinstance(n_ctx, int) or not (n_ctx == 0 or n_ctx >= 16):
-        raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
+    api.check_ctx_size(n_ctx)
     n_ctx_train = gguf_facts(_pulled(target))["n_ctx_train"]
     if n_ctx == 0:  # the target's training context, as generate's -c 0
         n_ctx = n_ctx_train or 4096
