@@ -217,13 +217,16 @@ def top_ids(row: np.ndarray, n: int) -> np.ndarray:
 
 
 def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """Apply temperature, then top-k, top-p and min-p, and normalise.
+    """Keep the top-k, top-p and min-p tokens of the logits, then apply the temperature, and normalise.
 
     logits: [n, V] (or [V]) float; returns float64 of the same shape, rows summing to 1.
-    Order (as Hugging Face): scale by 1/T; keep the k largest; keep the smallest set of most likely tokens
-    whose mass reaches top_p; drop tokens below min_p * max prob. Ties at a cut-off are all kept.
-    With top-k a row is computed over the tokens it keeps, not the whole vocabulary: with llama-cli's top-k 40
-    a row costs ~0.3 ms instead of ~3-5 ms on a 152k vocabulary, and a verify pass has k+1 rows.
+    Order (llama.cpp's default sampler chain: top_k, top_p, min_p, temperature): keep the k largest; keep the
+    smallest set of most likely tokens whose mass reaches top_p; drop tokens below min_p * max prob (both on the
+    model's own probabilities, T = 1); then softmax(logits / T) over what is left. Ties at a cut-off are all kept.
+    (Hugging Face and vLLM scale by 1/T first: the same without truncation, else top-p and min-p keep more
+    tokens above T = 1 and fewer below.) With top-k a row is computed over the tokens it keeps, not the whole
+    vocabulary: with llama-cli's top-k 40 a row costs ~0.3 ms instead of ~3-5 ms on a 152k vocabulary, and a
+    verify pass has k+1 rows.
     """
     x = np.asarray(logits)
     squeeze = x.ndim == 1
@@ -235,34 +238,44 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
         top = row.max()
         if top == -np.inf:
             raise SettingsError("every token's logit is -inf (a logit bias or mask that bans them all)")
-        with np.errstate(over="ignore"):  # a tiny T sends the others to -inf, as it should: no warning
-            if params.top_k and params.top_k < v:
-                kth = np.partition(row, v - params.top_k)[v - params.top_k]  # the k-th largest (the order of x / T)
-                ids = np.flatnonzero(row >= kth)  # ties at the cut are all kept
-                dst[ids] = _filtered((row[ids].astype(np.float64) - top) / params.temperature, params)
-            else:
-                dst[:] = row  # as float64, before dividing
-                dst -= top
-                dst /= params.temperature
-                _filtered(dst, params)
+        if params.top_k and params.top_k < v:
+            kth = np.partition(row, v - params.top_k)[v - params.top_k]  # the k-th largest
+            ids = np.flatnonzero(row >= kth)  # ties at the cut are all kept
+            dst[ids] = _filtered(row[ids].astype(np.float64) - top, params)
+        else:
+            dst[:] = row  # as float64
+            dst -= top
+            _filtered(dst, params)
     return out[0] if squeeze else out
 
 
 def _filtered(x: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """x [n] float64 logits / T -> the row's probabilities after top-p and min-p, in place (x is returned)."""
-    top = x.max()
-    if top == -np.inf:
-        raise SettingsError("every token's logit is -inf (a logit bias or mask that bans them all)")
-    x -= top
-    probs = np.exp(x, out=x)
+    """x [n] float64 logits, maximum 0 -> the row's probabilities, in place (x is returned): top-p and min-p
+    on softmax(x), then softmax(x / T) over the tokens they keep."""
+    probs = np.exp(x)  # [n] the model's own probabilities (unnormalised: the maximum is 1)
     probs /= probs.sum()
+    keep = None
     if params.top_p < 1.0:
-        probs[probs < _nucleus_cut(probs, params.top_p)] = 0.0
-        probs /= probs.sum()
+        keep = probs >= _nucleus_cut(probs, params.top_p)
     if params.min_p > 0.0:
-        probs[probs < params.min_p * probs.max()] = 0.0
-        probs /= probs.sum()
-    return probs
+        # min-p after top-p: the most likely token survives top-p, so its threshold is the same either way
+        above = probs >= params.min_p * probs.max()
+        keep = above if keep is None else keep & above
+    if keep is None:
+        if params.temperature == 1.0:
+            x[:] = probs
+            return x
+        kept = x
+    else:
+        kept = x[keep]  # [m] (usually a few tokens: top-p and min-p keep the head)
+    with np.errstate(over="ignore"):  # a tiny T sends the others to -inf, as it should
+        kept /= params.temperature  # kept <= 0 with a maximum of 0: no overflow, exp(0) = 1 stays
+    np.exp(kept, out=kept)
+    kept /= kept.sum()
+    if keep is not None:
+        x[:] = 0.0
+        x[keep] = kept
+    return x
 
 
 def _nucleus_cut(probs: np.ndarray, top_p: float) -> float:

@@ -2,7 +2,7 @@
 a GPU target's logits never leave the GPU; only (n_accepted, next token) cross to the host, once per step.
 
 Same vocabulary and the same laws as verify.py (the numpy reference they are tested against): probabilities
-after temperature, top-k, top-p and min-p; greedy = the longest prefix equal to the target's argmax, then the
+after top-k, top-p and min-p, then temperature; greedy = the longest prefix equal to the target's argmax, then the
 target's token; sampled = modified rejection sampling with the recovered token from normalize(max(0, p - q))
 at the first rejection, or the bonus token from p_{k+1}. Probabilities are float64 as in the reference.
 The random draws of rejection sampling come from a torch.Generator on the device, so a seed gives a different
@@ -77,25 +77,30 @@ def verify_coupled(draft_tokens: torch.Tensor, target_probs: torch.Tensor, seed:
 
 
 def probs_from_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """logits [n, V] (any float) -> float64 probabilities [n, V], rows summing to 1 (verify.probs_from_logits)."""
+    """logits [n, V] (any float) -> float64 probabilities [n, V], rows summing to 1 (verify.probs_from_logits:
+    top-k, top-p and min-p on the model's own probabilities, then the temperature)."""
     x = logits.to(torch.float64)
-    x = (x - x.amax(-1, keepdim=True)) / params.temperature  # the maximum off first: x / T overflows for tiny T
+    x = x - x.amax(-1, keepdim=True)  # the maximum off first: x / T overflows for tiny T
     if params.top_k and params.top_k < x.shape[-1]:
         kth = torch.topk(x, params.top_k, dim=-1).values[:, -1:]  # [n, 1]; ties at the cut are all kept
         x = torch.where(x >= kth, x, torch.full_like(x, -float("inf")))
     probs = torch.exp(x)
     probs = probs / probs.sum(-1, keepdim=True)
+    keep = None  # [n, V] bool
     if params.top_p < 1.0:
         ordered = torch.sort(probs, dim=-1, descending=True, stable=True).values  # [n, V]
         cum = torch.cumsum(ordered, dim=-1)
         at = torch.searchsorted(cum, torch.full_like(cum[:, :1], params.top_p)).clamp_(max=x.shape[-1] - 1)
-        cut = ordered.gather(-1, at)  # [n, 1] the probability of the last token the nucleus needs
-        probs = torch.where(probs >= cut, probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(-1, keepdim=True)
+        keep = probs >= ordered.gather(-1, at)  # the probability of the last token the nucleus needs
     if params.min_p > 0.0:
-        probs = torch.where(probs >= params.min_p * probs.amax(-1, keepdim=True), probs, torch.zeros_like(probs))
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
+        above = probs >= params.min_p * probs.amax(-1, keepdim=True)
+        keep = above if keep is None else keep & above
+    if keep is None and params.temperature == 1.0:
+        return probs
+    if keep is not None:
+        x = torch.where(keep, x, torch.full_like(x, -float("inf")))
+    probs = torch.exp(x / params.temperature)  # x <= 0 with a maximum of 0 per row: no overflow
+    return probs / probs.sum(-1, keepdim=True)
 
 
 def sample(probs: torch.Tensor, generator: Optional[torch.Generator] = None) -> torch.Tensor:

@@ -194,8 +194,9 @@ def test_greedy_verification():
 
 
 def _reference_filter(logits, params):
-    """Sorting-based reference for temperature/top-k/top-p/min-p."""
-    x = np.asarray(logits, dtype=np.float64) / params.temperature
+    """Sorting-based reference for top-k/top-p/min-p on the model's probabilities, then the temperature
+    (llama.cpp's sampler order)."""
+    x = np.asarray(logits, dtype=np.float64)
     p = np.exp(x - x.max())
     p /= p.sum()
     order = np.argsort(-p, kind="stable")
@@ -207,12 +208,54 @@ def _reference_filter(logits, params):
     if params.top_p < 1:
         cum = np.cumsum(p[order])
         cut = p[order[min(np.searchsorted(cum, params.top_p), len(p) - 1)]]
-        p = np.where(p >= cut, p, 0)
+        keep &= p >= cut
+        p = np.where(keep, p, 0)
         p /= p.sum()
     if params.min_p:
-        p = np.where(p >= params.min_p * p.max(), p, 0)
-        p /= p.sum()
-    return p
+        keep &= p >= params.min_p * p.max()
+    z = np.where(keep, (x - x[keep].max()) / params.temperature, -np.inf)
+    p = np.exp(z)
+    return p / p.sum()
+
+
+def _llama_cpp_chain(logits, params):
+    """llama.cpp's own samplers (top_k, top_p, min_p, temp: its default chain's order) applied to one row of
+    float32 logits -> the probabilities its final `dist` sampler draws from."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    n = len(logits)
+    data = (ll.llama_token_data * n)()
+    for i, v in enumerate(logits):
+        data[i].id, data[i].logit, data[i].p = i, float(v), 0.0
+    arr = ll.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
+    samplers = [ll.llama_sampler_init_top_k(params.top_k), ll.llama_sampler_init_top_p(params.top_p, 1),
+                ll.llama_sampler_init_min_p(params.min_p, 1), ll.llama_sampler_init_temp(params.temperature)]
+    for s in samplers:
+        ll.llama_sampler_apply(s, ctypes.byref(arr))
+        ll.llama_sampler_free(s)
+    kept = {data[i].id: data[i].logit for i in range(arr.size)}
+    z = np.full(n, -np.inf)
+    z[list(kept)] = list(kept.values())
+    p = np.exp(z - z.max())
+    return p / p.sum()
+
+
+@pytest.mark.parametrize("v", [50, 3000])
+def test_probs_follow_llama_cpps_own_sampler_chain(v):
+    """`--temp 0.8` with llama-cli's top-k/top-p/min-p samples as llama-cli does: llama.cpp truncates on the
+    model's probabilities and applies the temperature last (Hugging Face scales first, which keeps other tokens:
+    the check fails on that order). The very tokens kept, and their probabilities up to float32 rounding."""
+    rng = np.random.default_rng(v)
+    for case in range(300):
+        logits = (rng.standard_normal(v) * rng.uniform(0.5, 6.0)).astype(np.float32)
+        params = SamplingParams(float(rng.choice([0.3, 0.8, 1.0, 1.5, 2.5])), int(rng.choice([0, 5, 40])),
+                                float(rng.choice([1.0, 0.95, 0.7, 0.3])), float(rng.choice([0.0, 0.05, 0.2])))
+        want = _llama_cpp_chain(logits, params)
+        got = probs_from_logits(logits, params)
+        assert np.array_equal(got > 0, want > 0), (case, params)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
 
 
 @settings(max_examples=200, deadline=None)
