@@ -282,6 +282,38 @@ def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
     assert md in capsys.readouterr().out  # the table is printed too
 
 
+@pytest.mark.parametrize("stop,code", [(KeyboardInterrupt, 130), (SystemExit(143), 143)])
+def test_an_interrupted_bench_writes_the_prompts_it_finished(tmp_path, monkeypatch, capsys, stop, code):
+    """Ctrl-C (or SIGTERM, which exit_on_sigterm turns into SystemExit(143)) during a long bench used to throw
+    away every finished run; now the whole prompts done are written, marked partial, with the signal's code."""
+    from speculant.bench import runner
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    real, calls = runner._generate_all, []
+
+    def stopped_on_the_second_prompt(*a, **kw):
+        calls.append(1)
+        if len(calls) == 2:
+            raise stop
+        return real(*a, **kw)
+
+    monkeypatch.setattr(runner, "_generate_all", stopped_on_the_second_prompt)
+    out = tmp_path / "bench"
+    try:
+        rc = main(["bench", "-m", SMALL, "-md", "lookup", "--methods", "plain,lookup", "--categories", "qa,coding",
+                   "--limit", "1", "-n", "8", "-c", "1024", "-t", "1", "--cost-repeats", "1", "--out", str(out),
+                   "--no-progress", "--no-plots"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == code
+    result = json.loads((out / "results.json").read_text())
+    assert result["partial"] is True
+    assert len({r["prompt_id"] for r in result["rows"]}) == 1 and len(result["rows"]) == 2  # plain and lookup
+    assert "interrupted after 1 of 2 prompts" in capsys.readouterr().err
+
+
 LLAMA_SPEC_OUTPUT = """
  Paris is the capital of France.
 

@@ -192,8 +192,13 @@ def cmd_bench(args) -> int:
     print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
           f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
           f"repeat(s), -n {cfg.n_predict}", file=sys.stderr)
-    result = run(cfg, prompts, progress=not args.no_progress)
-    if peers:
+    result = run(cfg, prompts, progress=not args.no_progress, keep_partial=True)
+    interrupted = result.pop("interrupted", None)
+    if interrupted is not None:  # Ctrl-C / SIGTERM: what was finished is written, then the exit code is the signal's
+        result["partial"] = True
+        print(f"speculant bench: interrupted after {len({r['prompt_id'] for r in result['rows']})} of {len(prompts)} "
+              f"prompts: writing what was finished (\"partial\": true)", file=sys.stderr)
+    if peers and interrupted is None:
         from . import peers as peers_mod
 
         result["peers"] = peers_mod.run_peers(peers, cfg, prompts, result, tools_dir=args.llama_tools,
@@ -209,4 +214,6 @@ def cmd_bench(args) -> int:
     if bad:
         print(f"speculant bench: {len(bad)} run(s) differ from plain output (see greedy_equal in "
               f"{files['json']})", file=sys.stderr)
+    if interrupted is not None:
+        raise interrupted
     return 0

@@ -173,9 +173,12 @@ def _token_hash(tokens: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
-def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print) -> dict:
+def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print,
+        keep_partial: bool = False) -> dict:
     """Run the benchmark; returns {machine, versions, settings, models, costs, rows, summary} (and costs_torch,
-    notes, memory when they apply)."""
+    notes, memory when they apply). keep_partial: a Ctrl-C or SIGTERM while decoding ends the runs there and
+    returns what was finished (whole prompts), with "interrupted" holding the exception to raise once the
+    results are written; nothing finished re-raises at once."""
     if not prompts:
         raise SettingsError("no prompts selected")
     if cfg.repeats < 1:
@@ -245,6 +248,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         traces: list[dict] = []
         total = len(prompts) * cfg.repeats * len(cfg.temps) * len(cfg.variants)
         bar = _progress(total, progress)
+        interrupted: Optional[BaseException] = None
         try:
             for pi, p in enumerate(prompts):
                 for rep in range(cfg.repeats):
@@ -287,6 +291,10 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                                         res.tokens)
                             bar.update(1)
                         bar.set_postfix_str(f"{p.category}/{p.id} T={temp:g}", refresh=False)
+        except (KeyboardInterrupt, SystemExit) as stop:  # SystemExit: SIGTERM (signals.exit_on_sigterm)
+            if not (keep_partial and rows):
+                raise
+            interrupted = stop  # the runs of the prompt under way are dropped: its methods are compared together
         finally:
             bar.close()
         bstats.mark_greedy_equal(rows, tokens)
@@ -312,10 +320,12 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             result["notes"] = dict(ctx.notes)
         if cfg.trace:
             result["trace"] = traces
+        if interrupted is not None:
+            result["interrupted"] = interrupted
     finally:
         for c in contexts:
             close_context(c)
-    if cfg.memory:  # after the timed runs, so that the children do not disturb them
+    if cfg.memory and "interrupted" not in result:  # after the timed runs, so that the children do not disturb them
         from .memory import probe_all
 
         result["memory"] = probe_all(cfg, progress=progress)
