@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -22,9 +23,86 @@ DEMO_PROMPT = ("Rename the class `Inventory` to `StockBook` everywhere in this f
                "updated file in one code block and nothing else.\n\n```python\n{file}```")
 
 
+class _Formatter(argparse.HelpFormatter):
+    def _format_usage(self, usage, actions, groups, prefix):  # refused flags: in the help, not the usage line
+        return super()._format_usage(usage, [a for a in actions if not isinstance(a, _Refused)], groups, prefix)
+
+
 class _Parser(argparse.ArgumentParser):
+    """Reads flags as llama.cpp does: a flag matches whole, never as an abbreviation (--predict is not
+    --prediction), and a single-dash flag of several letters is never a short flag with its value or more short
+    flags attached (-ngld is not -n gld, -hf not -h -f, -sys not -s ys); a number may still follow a short flag
+    (-n16)."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        kwargs.setdefault("formatter_class", _Formatter)
+        super().__init__(*args, **kwargs)
+
     def error(self, message):  # one line and exit 2, like every other error
         self.exit(2, f"speculant: error: {message}\n")
+
+    def _get_option_tuples(self, option_string):
+        if len(option_string) > 2 and option_string[0] in self.prefix_chars \
+                and option_string[1] not in self.prefix_chars and option_string[2].isalpha():
+            return []  # an unknown word: "unrecognized arguments", not a short flag's value
+        return super()._get_option_tuples(option_string)
+
+
+class _Refused(argparse.Action):
+    """A llama.cpp flag that cannot mean anything here: refused while parsing, in one line (exit 2), saying what
+    to do instead; `accepted` values are what speculant does anyway (-fa off), taken and ignored."""
+
+    def __init__(self, option_strings, dest, what="", instead="", accepted=(), **kwargs):
+        super().__init__(option_strings, dest=argparse.SUPPRESS, default=argparse.SUPPRESS, **kwargs)
+        self.what, self.instead, self.accepted = what, instead, accepted
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        if values is None or values not in self.accepted:
+            parser.error(f"{option_string} ({self.what}) is not supported: {self.instead}")
+
+
+# llama.cpp flags refused here: (flags, metavar (None: a switch), what they set in llama.cpp, what to do instead,
+# values that are speculant's own setting anyway). Those of every model command (generate, serve, demo):
+REFUSED_MODEL_FLAGS = (
+    (("-hf", "-hfr", "--hf-repo", "-hff", "--hf-file", "-hft", "--hf-token"), "REPO", "a Hugging Face download",
+     "no model hub is reachable here: `speculant pull NAME` fetches a registered model (`speculant models` lists "
+     "them), -m PATH runs any GGUF file", ()),
+    (("-hfd", "-hfrd", "--hf-repo-draft"), "REPO", "a Hugging Face download of the draft",
+     "no model hub is reachable here: `speculant pull NAME` fetches a registered model (`speculant models` lists "
+     "them), -md PATH drafts with any GGUF file", ()),
+    (("-fa", "--flash-attn"), "on|off|auto", "flash attention",
+     "the llama.cpp backend keeps it off (flash_attn_type disabled): its tiled kernel, taken from 64 queries on, "
+     "would round a verify pass differently from one-token passes; leave -fa out", ("off", "disabled", "false", "0")),
+    (("-ctk", "--cache-type-k", "-ctv", "--cache-type-v"), "TYPE", "KV cache type",
+     "the KV cache holds K and V in f16, llama.cpp's default, and is not configurable here; leave it out",
+     ("f16",)),
+    (("-b", "--batch-size", "-ub", "--ubatch-size"), "N", "batch size",
+     "the engine chunks prompts itself, in batch-invariant passes of 64 tokens (which keep a cached prefix "
+     "reusable bit for bit); leave it out", ()),
+)
+_NOT_INTERACTIVE = ("generate answers one prompt; use --chat for one chat turn (-sys adds a system message), or "
+                    "`speculant serve` with an OpenAI chat client for a conversation")
+REFUSED_GENERATE_FLAGS = (
+    (("-np", "--parallel"), "N", "parallel sequences",
+     "generate answers one prompt; requests decoded at once: `speculant serve -np N`", ()),
+    (("-cnv", "--conversation"), None, "interactive conversation", _NOT_INTERACTIVE, ()),
+    (("-i", "--interactive", "-if", "--interactive-first"), None, "interactive mode", _NOT_INTERACTIVE, ()),
+    (("-mli", "--multiline-input"), None, "interactive multi-line input", _NOT_INTERACTIVE, ()),
+)
+
+
+REFUSED_TITLE = "llama.cpp flags refused here (each error says what to use instead)"
+
+
+def _add_refused(p: argparse.ArgumentParser, rows) -> None:
+    """The rows' flags on p, in one group of its help (and not its usage line: _Formatter)."""
+    group = next((g for g in p._action_groups if g.title == REFUSED_TITLE), None) or p.add_argument_group(
+        REFUSED_TITLE)
+    for flags, metavar, what, instead, accepted in rows:
+        group.add_argument(*flags, action=_Refused, nargs=0 if metavar is None else "?", metavar=metavar,
+                           what=what, instead=instead, accepted=accepted,
+                           help=f"{what}: not supported{' (' + ', '.join(accepted) + ' accepted)' if accepted else ''}")
 
 
 # flags that only act with a drafter: None means "not given" (warned about when they would do nothing)
@@ -88,6 +166,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                    help="accepted for llama.cpp compatibility: the draft's context is always the target's (-c), "
                         "as it holds the same tokens; only 0 or the -c value are allowed")
     p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-tb", "--threads-batch", type=int, default=None,
+                   help="accepted for llama.cpp compatibility: prompts are processed with the -t threads, so only "
+                        "the -t value is allowed (<= 0: all cores, as in llama.cpp)")
     p.add_argument("-td", "--threads-draft", type=int, default=None,
                    help="CPU threads of the draft model (default: --threads)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
@@ -99,6 +180,9 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-ngl", "--gpu-layers", "--n-gpu-layers", dest="gpu_layers", type=int, default=0,
                    help="accepted for llama.cpp compatibility: only 0 (no GPU offload in the llama.cpp backend; "
                         "a GPU is --backend torch --device cuda)")
+    p.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="gpu_layers_draft", type=int,
+                   default=0, help="the draft model's -ngl: accepted for llama.cpp compatibility, only 0")
+    _add_refused(p, REFUSED_MODEL_FLAGS)
 
 
 def _add_sampling_args(p: argparse.ArgumentParser) -> None:
@@ -112,9 +196,11 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="min-p in [0, 1) when sampling (0 = off; default 0.05, as llama-cli)")
     p.add_argument("-s", "--seed", type=int, default=-1,
                    help="random seed for sampling (default -1: a random one, reported with the result)")
-    p.add_argument("-n", "--n-predict", type=int, default=128,
+    p.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=int, default=128,
                    help="tokens to generate (default 128; -1: until the end of generation or a full context)")
-    p.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    p.add_argument("--stop", action="append", default=[],
+                   help="stop string (repeatable; llama.cpp's -r/--reverse-prompt; escapes processed, see -e)")
+    _add_escape_arg(p)
     p.add_argument("--repeat-penalty", type=float, default=1.0,
                    help="divide positive logits (multiply negative ones) of tokens in the prompt or output by this "
                         "(1 = off, the default; as vLLM's repetition_penalty: the whole prompt and output, not "
@@ -128,6 +214,76 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                         "(repeatable; |BIAS| <= 100)")
 
 
+def _add_escape_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("-e", "--escape", action=argparse.BooleanOptionalAction, default=True,
+                   help="process escape sequences (\\n \\r \\t \\' \\\" \\\\ \\xHH) in -p and "
+                        "--stop strings, as llama.cpp does (default on; --no-escape takes them as typed; a prompt "
+                        "file or stdin is always taken as written)")
+
+
+def process_escapes(text: str, flag: str) -> str:
+    """llama.cpp's string_process_escapes (common/common.cpp), on the UTF-8 bytes: \\n \\r \\t \\' \\" \\\\ become
+    their characters; \\x followed by two characters that C's strtol(_, _, 16) reads whole (two hex digits, or one
+    after a space or a sign) becomes that byte; any other backslash, a lone trailing one included, stays as it is,
+    with the character after it. Bytes that end up not UTF-8 (\\xff) are refused: the tokenizer takes text."""
+    data = text.encode("utf-8")
+    out = bytearray()
+    i, n = 0, len(data)
+    while i < n:
+        c = data[i]
+        if c == 0x5C and i + 1 < n:  # a backslash with something after it
+            i += 1
+            e = data[i]
+            if e in _SIMPLE_ESCAPES:
+                out += _SIMPLE_ESCAPES[e]
+            elif e == 0x78 and i + 2 < n and (byte := _strtol_hex_pair(data[i + 1 : i + 3])) is not None:  # \x
+                out.append(byte)
+                i += 2
+            else:  # unknown: kept, backslash and all
+                out += bytes((0x5C, e))
+        else:
+            out.append(c)
+        i += 1
+    try:
+        return out.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SettingsError(f"{flag}: its \\x escapes make bytes that are not UTF-8 text (a character beyond "
+                            "ASCII is its UTF-8 bytes, e.g. \\xc3\\xa9 for é; --no-escape takes the text as typed)"
+                            ) from None
+
+
+_SIMPLE_ESCAPES = {ord("n"): b"\n", ord("r"): b"\r", ord("t"): b"\t", ord("'"): b"'", ord('"'): b'"',
+                   ord("\\"): b"\\"}
+_HEX_DIGITS = b"0123456789abcdefABCDEF"
+
+
+def _strtol_hex_pair(pair: bytes) -> Optional[int]:
+    """The byte char(strtol(pair, &end, 16)) where strtol reads both characters, else None: two hex digits, or
+    one after C whitespace (skipped) or a sign (a minus wraps: -1 is 0xff)."""
+    a, b = pair
+    if b not in _HEX_DIGITS:
+        return None
+    if a in _HEX_DIGITS:
+        return int(pair, 16)
+    if a in b" \t\n\v\f\r" or a == ord("+"):
+        return int(chr(b), 16)
+    if a == ord("-"):
+        return -int(chr(b), 16) & 0xFF
+    return None
+
+
+def apply_escapes(args) -> None:
+    """-e/--escape (on by default): escapes in -p and each --stop, as llama.cpp processes them in its prompt and
+    reverse prompts (not a prompt file's text, which llama.cpp escapes too: see _read_prompt). llama.cpp leaves
+    its system prompt (-sys) as typed, and so does speculant."""
+    if not getattr(args, "escape", False):
+        return
+    if isinstance(getattr(args, "prompt", None), str):
+        args.prompt = process_escapes(args.prompt, "-p")
+    if getattr(args, "stop", None):
+        args.stop = [process_escapes(s, "--stop") for s in args.stop]
+
+
 def check_model_flags(args) -> None:
     """Refuse flags that cannot work, warn about flags that do nothing in this combination, then fill in the
     defaults of the drafter flags (None = not given). Runs before anything is loaded."""
@@ -136,6 +292,17 @@ def check_model_flags(args) -> None:
 
         torch_target = args.backend == "torch" or on_torch(args.model, args.backend)
         raise SettingsError(f"-ngl {args.gpu_layers}: {NO_NGL_ON_TORCH if torch_target else NO_GPU_OFFLOAD}")
+    if args.gpu_layers_draft != 0:
+        from .api import on_torch
+
+        torch_draft = args.backend_draft == "torch" or on_torch(args.model_draft, args.backend_draft)
+        why = NO_NGL_ON_TORCH.replace("-ngl", "-ngld") if torch_draft else NO_GPU_OFFLOAD.replace("-ngl 0", "-ngld 0")
+        raise SettingsError(f"-ngld {args.gpu_layers_draft}: {why}")
+    if args.threads_batch is not None:
+        threads = args.threads or os.cpu_count()
+        if (args.threads_batch if args.threads_batch > 0 else os.cpu_count()) != threads:
+            raise SettingsError(f"-tb {args.threads_batch}: speculant processes prompts with the threads it "
+                                f"generates with (-t, here {threads}); set -t, and leave -tb out")
     if args.ctx_size_draft not in (None, 0, args.ctx_size):
         raise SettingsError(f"-cd {args.ctx_size_draft}: the draft's context is always the target's (-c "
                             f"{args.ctx_size}), as it holds the same tokens; leave -cd out")
@@ -209,11 +376,15 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("-cnv", "--conversation", action="store_true",
-                   help="not supported: generate answers one prompt (--chat for one chat turn; `speculant serve` "
-                        "and any OpenAI chat client for a conversation)")
+    g.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
+                   help="a system message before the prompt; implies --chat, as llama-cli applies the chat "
+                        "template for it (taken as typed: llama.cpp processes no escapes in it)")
     g.add_argument("-no-cnv", "--no-conversation", action="store_true",
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
+    g.add_argument("--ignore-eos", action="store_true",
+                   help="never end at an end-of-generation token (a logit bias of -inf on each, as llama.cpp): "
+                        "generate until -n, a stop string or a full context")
+    _add_refused(g, REFUSED_GENERATE_FLAGS)
     g.add_argument("--json", action="store_true",
                    help="print one JSON object {text, tokens, finish_reason, message, seed, stats}")
     gram = g.add_mutually_exclusive_group()
@@ -244,11 +415,13 @@ def build_parser() -> argparse.ArgumentParser:
                                     "then the draft model)")
     _add_model_args(d)
     d.set_defaults(model_draft=None)  # the default draft where it shares the target's tokenizer: demo_draft()
-    d.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
+    d.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=int, default=128,
+                   help="tokens to generate (default 128)")
     d.add_argument("--temp", type=float, default=0.0,
                    help="temperature (default 0: greedy, so both outputs must be identical)")
     d.add_argument("-p", "--prompt", default=None,
                    help="your own prompt instead (then no prediction: the draft model alone)")
+    _add_escape_arg(d)
     for module in _PLUGINS:  # subcommands that live in their own modules: add_cli(sub) registers them
         try:
             mod = __import__(f"speculant.{module}", fromlist=["add_cli"])
@@ -273,20 +446,28 @@ def _version() -> str:
 _PLUGINS = ("server", "bench", "calibrate", "doctor", "replay", "rpc", "quantize", "plan")
 
 
-def _read_prompt(args) -> str:
+def _read_prompt(args, exact: bool = False) -> str:
+    """-p (its escapes processed in main), else the prompt read from -f FILE or stdin with one trailing newline
+    dropped, as llama.cpp's -f reads one. Unlike llama.cpp, no escapes are processed in a file's text: it holds
+    real newlines, and code's own \\n (in string literals) must reach the model as written, as it stays in a
+    --prediction file. exact: as it is (the text before a cursor, beside a --suffix file read as it is)."""
     if args.prompt is not None:
         return args.prompt
     if args.file and args.file != "-":
         try:
             with open(args.file, encoding="utf-8") as f:
-                return f.read()
+                text = f.read()
         except OSError as e:
             raise SpeculantError(f"cannot read prompt file {args.file}: {e.strerror}") from None
         except UnicodeDecodeError:
             raise SpeculantError(f"prompt file {args.file} is not UTF-8 text") from None
-    if args.file == "-" or not sys.stdin.isatty():
-        return _read_stdin("the prompt")
-    raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
+    elif args.file == "-" or not sys.stdin.isatty():
+        text = _read_stdin("the prompt")
+    else:
+        raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
+    if exact:
+        return text
+    return text[:-1] if text.endswith("\n") else text
 
 
 def _read_stdin(what: str) -> str:
@@ -299,7 +480,7 @@ def _read_stdin(what: str) -> str:
 # flags that carry text (not paths): text that is not UTF-8 reaches Python as surrogate escapes, which the
 # tokenizer cannot encode; such a flag is refused before anything loads
 TEXT_FLAGS = {"prompt": "-p", "stop": "--stop", "grammar": "--grammar", "json_schema": "-j", "api_key": "--api-key",
-              "served_model_name": "--served-model-name"}
+              "served_model_name": "--served-model-name", "system_prompt": "-sys"}
 
 
 def check_text_flags(args) -> None:
@@ -364,6 +545,14 @@ def sampling_params(args, seed: Optional[int]):
                           frequency_penalty=args.frequency_penalty, repetition_penalty=args.repeat_penalty)
 
 
+def ignoring_eos(params, target):
+    """--ignore-eos: a logit bias of -inf on every end-of-generation token of the target, beside -l's (as llama.cpp
+    adds them). The draft model samples with the same params, so speculation stays exact."""
+    bias = dict(params.logit_bias)
+    bias.update((t, -math.inf) for t in target.eog_ids())
+    return dataclasses.replace(params, logit_bias=tuple(bias.items()))
+
+
 def sampling_seed(seed: int) -> int:
     """-s/--seed: -1 (the default) draws a random seed, which is then reported."""
     if seed == -1:
@@ -414,9 +603,8 @@ def cmd_generate(args) -> int:
     from .stats import SpecStats
 
     one_request_pages()
-    if args.conversation:
-        raise SettingsError("-cnv (interactive conversation) is not supported: generate answers one prompt; "
-                            "use --chat for one chat turn, or `speculant serve` with an OpenAI chat client")
+    if args.system_prompt:  # as llama-cli, which applies the chat template when given a system prompt
+        args.chat = True
     if args.n_predict < 1 and args.n_predict != -1:
         raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
     if args.logprobs is not None and not args.json:
@@ -432,8 +620,9 @@ def cmd_generate(args) -> int:
     prediction = _read_prediction(args.prediction)
     suffix = _read_prediction(args.suffix, "suffix")
     if suffix is not None and args.chat:
-        raise SettingsError("--suffix fills in the middle of a text: it does not go with --chat")
-    prompt = _read_prompt(args)
+        raise SettingsError(f"--suffix fills in the middle of a text: it does not go with "
+                            f"{'-sys (a chat message)' if args.system_prompt else '--chat'}")
+    prompt = _read_prompt(args, exact=suffix is not None)
     if not prompt.strip() and suffix is None:
         raise SettingsError("the prompt is empty")
     gbnf = _read_grammar(args)
@@ -447,10 +636,13 @@ def cmd_generate(args) -> int:
                 print(f"speculant: warning: {no_template}; without --chat the prompt goes in as it is",
                       file=sys.stderr)
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
+        if args.ignore_eos:
+            params = ignoring_eos(params, engine.target)
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
         else:
-            text = engine.chat_prompt([{"role": "user", "content": prompt}]) if args.chat else prompt
+            system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+            text = engine.chat_prompt([*system, {"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
         limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
@@ -587,6 +779,7 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.print_help(sys.stderr)
             return 2
         check_text_flags(args)
+        apply_escapes(args)
         if args.command in MODEL_COMMANDS:
             check_model_flags(args)
         handlers = {"generate": cmd_generate, "pull": cmd_pull, "models": cmd_models, "demo": cmd_demo}

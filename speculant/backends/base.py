@@ -138,6 +138,10 @@ class Backend(ABC):
     def is_eog(self, token: int) -> bool:
         """End of generation (EOS, EOT, ...)."""
 
+    def eog_ids(self) -> list[int]:
+        """Every end-of-generation token id, ascending: what `--ignore-eos` bans (a logit bias of -inf each)."""
+        return [t for t in range(self.n_vocab) if self.is_eog(t)]
+
     @abstractmethod
     def chat_template(self) -> Optional[str]: ...
 

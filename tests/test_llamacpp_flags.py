@@ -1,0 +1,245 @@
+"""llama.cpp's flags as a llama.cpp user types them: escapes in the prompt and stop strings (-e, on by default),
+-f's trailing newline, -sys, --ignore-eos, multi-letter single-dash flags read whole, and the flags that cannot
+mean anything here refused in one line."""
+
+import io
+import json
+import subprocess
+import sys
+
+import pytest
+
+from speculant import cli, models
+
+SMALL = "smollm2-135m-instruct"
+
+
+def run(*args, stdin=None, timeout=300):
+    return subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, text=True, input=stdin,
+                          timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def small():
+    if not models.cached_path(SMALL).exists():
+        pytest.skip("smollm2 not pulled")
+    return SMALL
+
+
+@pytest.fixture()
+def seen(monkeypatch):
+    """Runs `speculant generate` in this process and records what reaches Engine.stream: the prompt text, the
+    stop strings, the token limit, whether it is a chat."""
+    from speculant.engine import Engine
+
+    calls = []
+    stream = Engine.stream
+
+    def recording(self, prompt, **kw):
+        calls.append({"prompt": prompt, "stop": list(kw["stop"]), "max_tokens": kw["max_tokens"],
+                      "is_chat": kw["is_chat"]})
+        return stream(self, prompt, **kw)
+
+    monkeypatch.setattr(Engine, "stream", recording)
+    monkeypatch.setenv("SPECULANT_THP", "0")  # generate sets it; restored after the test
+
+    def generate(*args):
+        assert cli.main(["generate", "-m", SMALL, "-t", "1", "-n", "1", *args]) == 0
+        return calls.pop()
+
+    return generate
+
+
+# what llama.cpp's string_process_escapes (common/common.cpp) makes of each, checked against that C++ function
+# compiled as it is (3,000 random strings of backslashes, x, hex digits, signs, spaces and the escape letters agreed)
+ESCAPES = [
+    (r"code:\n\n#include", "code:\n\n#include"),
+    (r"\r\t\'\"\\", "\r\t'\"\\"),
+    (r"\\n", "\\n"),  # an escaped backslash, then a plain n
+    (r"\q \a \0 \é", r"\q \a \0 \é"),  # unknown escapes stay, backslash and all
+    ("ends in \\", "ends in \\"),  # a lone trailing backslash too
+    (r"\x41\x62", "Ab"),
+    (r"\xc3\xa9", "é"),  # \x writes one byte: é is two
+    (r"\x4", r"\x4"), (r"\x4g", r"\x4g"), (r"\xg4", r"\xg4"), (r"\x0x", r"\x0x"),  # not two hex digits: kept
+    (r"\x 9", "\t"), (r"\x+a", "\n"),  # strtol skips a space and takes a sign: one digit then counts
+    (r"\x\n", "\\x\n"),  # a failed \x keeps "\x" and reads on from there
+]
+
+
+@pytest.mark.parametrize("typed, meant", ESCAPES)
+def test_escapes_are_processed_as_llama_cpp_does(typed, meant):
+    assert cli.process_escapes(typed, "-p") == meant
+
+
+def test_escapes_that_make_bytes_other_than_utf8_are_refused():
+    with pytest.raises(cli.SettingsError, match=r"--stop: its \\x escapes make bytes that are not UTF-8"):
+        cli.process_escapes(r"\xff", "--stop")
+    with pytest.raises(cli.SettingsError):
+        cli.process_escapes(r"\x-1", "-p")  # strtol's -1: byte 0xff
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", r"caf\xe9"), "-p: its \\x escapes")
+
+
+def test_prompt_stop_and_file_escapes_reach_the_engine(small, seen, tmp_path, monkeypatch):
+    """-p and each --stop are processed by default (llama.cpp's -e); --no-escape takes them as typed. A prompt
+    read from -f or stdin drops one trailing newline (llama.cpp's -f does) and is otherwise taken as written: a
+    code file's own \\n must reach the model as they stay in a --prediction file (llama.cpp escapes -f text)."""
+    r = seen("-p", r"code:\n\n#include", "--stop", r"\n", "--stop", r"\x41;")
+    assert r["prompt"] == "code:\n\n#include" and r["stop"] == ["\n", "A;"]
+    r = seen("-p", r"code:\n\n#include", "--stop", r"\n", "--no-escape")
+    assert r["prompt"] == r"code:\n\n#include" and r["stop"] == [r"\n"]
+    f = tmp_path / "prompt.txt"
+    f.write_text('printf("a\\tb\\n");\n\n')
+    for flags in ([], ["-e"], ["--no-escape"]):
+        assert seen("-f", str(f), *flags)["prompt"] == 'printf("a\\tb\\n");\n'  # one newline dropped, no escapes
+    f.write_text("Say hello.\n")
+    assert seen("-f", str(f))["prompt"] == "Say hello."
+    for args in ([], ["-f", "-"]):
+        monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x\\ty\n")))
+        assert seen(*args)["prompt"] == "x\\ty"
+
+
+def test_system_prompt_is_a_chat_message_before_the_users(small, seen):
+    """-sys (parsed as -s 'ys' before) puts a system message first and implies --chat, as llama-cli applies the
+    chat template for it; llama.cpp processes no escapes in it, nor does speculant."""
+    r = seen("-sys", r"Be\nbrief.", "-p", "Hi")
+    assert r["is_chat"]
+    assert r["prompt"] == "<|im_start|>system\nBe\\nbrief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
+                          "<|im_start|>assistant\n"
+    assert seen("--system-prompt", "Be brief.", "-p", "Hi", "--chat")["prompt"] == r["prompt"].replace("\\n", " ")
+    assert seen("--predict", "3", "-p", "Hi")["max_tokens"] == 3  # not --prediction, as an abbreviation
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-sys", "x", "--suffix", __file__),
+                       "does not go with -sys")
+
+
+def test_stop_newline_ends_the_answer_at_its_first_line(small):
+    """`--stop '\\n'` was the two characters backslash and n, which never matched."""
+    base = ["generate", "-m", small, "-t", "1", "-n", "24", "--json", "--chat", "-p",
+            "Name three colors, one per line, nothing else."]
+    plain = json.loads(run(*base).stdout)
+    assert "\n" in plain["text"].strip(), plain["text"]
+    cut = json.loads(run(*base, "--stop", r"\n").stdout)
+    assert cut["finish_reason"] == "stop" and "\n" not in cut["text"] and cut["text"]
+    assert plain["text"].startswith(cut["text"] + "\n")
+    typed = json.loads(run(*base, "--stop", r"\n", "--no-escape").stdout)
+    assert typed["tokens"] == plain["tokens"]
+
+
+def test_ignore_eos_goes_on_to_the_token_limit_exactly_under_speculation(small):
+    base = ["generate", "-m", small, "-t", "1", "-td", "1", "-n", "40", "--json", "--chat", "-p", "Say OK."]
+    ended = json.loads(run(*base).stdout)
+    assert ended["finish_reason"] == "stop" and len(ended["tokens"]) < 40  # the model ends by itself
+    on = run(*base, "--ignore-eos")
+    assert on.returncode == 0, on.stderr
+    on = json.loads(on.stdout)
+    assert on["finish_reason"] == "length" and len(on["tokens"]) == 40 and not on["stats"]["ended_by_eog"]
+    assert on["tokens"][:len(ended["tokens"])] == ended["tokens"]  # the same until where it would have ended
+    spec = json.loads(run(*base, "--ignore-eos", "-md", small, "--no-adapt", "--draft-max", "3").stdout)
+    assert spec["tokens"] == on["tokens"] and spec["stats"]["drafted"] > 0
+
+
+def test_serve_and_demo_process_escapes_too(small, monkeypatch):
+    from speculant import server
+
+    got = []
+    monkeypatch.setattr(server, "cmd_serve", lambda args: got.append(args.stop) or 0)
+    assert cli.main(["serve", "--stop", r"\n", "--stop", r"</s>\t"]) == 0
+    assert cli.main(["serve", "--stop", r"\n", "--no-escape"]) == 0
+    assert got == [["\n", "</s>\t"], [r"\n"]]
+    demo = run("demo", "-m", small, "-n", "2", "-t", "1", "-p", r"Say\thi.")
+    assert demo.returncode == 0 and "prompt: Say\thi.\n" in demo.stdout, demo.stdout + demo.stderr
+
+
+def assert_clean_error(proc, *fragments, code=None):
+    assert proc.returncode != 0 and (code is None or proc.returncode == code), (proc.returncode, proc.stderr)
+    assert "Traceback" not in proc.stderr and proc.stdout == "", proc.stdout[:300] + proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("speculant: error: "), proc.stderr
+    for f in fragments:
+        assert f in lines[0], lines[0]
+
+
+REFUSED = [  # (command, flags, what the one line must say)
+    ("generate", ["-hf", "ggml-org/X"], "no model hub is reachable here: `speculant pull NAME`"),  # was -h -f
+    ("generate", ["-hfr", "ggml-org/X"], "-m PATH"),
+    ("generate", ["--hf-repo", "ggml-org/X"], "-m PATH"),
+    ("generate", ["-hff", "x.gguf"], "-m PATH"),
+    ("generate", ["-hft", "token"], "-m PATH"),
+    ("generate", ["-hfd", "ggml-org/X"], "-md PATH"),
+    ("generate", ["-fa"], "flash attention"),  # was -f a
+    ("generate", ["-fa", "on"], "flash_attn_type disabled"),
+    ("serve", ["--flash-attn", "auto"], "flash_attn_type disabled"),
+    ("generate", ["-ctk", "q8_0"], "f16"),  # was -c tk
+    ("generate", ["-ctv", "q4_0"], "f16"),
+    ("generate", ["--cache-type-k", "q8_0"], "f16"),
+    ("generate", ["-b", "2048"], "batch-invariant passes of 64 tokens"),
+    ("serve", ["-ub", "512"], "batch-invariant passes of 64 tokens"),
+    ("demo", ["--batch-size", "512"], "batch-invariant passes of 64 tokens"),
+    ("generate", ["-np", "2"], "`speculant serve -np N`"),  # was -n p
+    ("generate", ["-mli"], "--chat for one chat turn"),  # was -m li
+    ("generate", ["-i"], "--chat for one chat turn"),
+    ("generate", ["-if"], "--chat for one chat turn"),
+    ("generate", ["-cnv"], "-cnv (interactive conversation) is not supported"),
+]
+
+
+@pytest.mark.parametrize("command, flags, fragment", REFUSED, ids=[" ".join(r[1]) for r in REFUSED])
+def test_llama_cpp_flags_that_mean_nothing_here_are_refused_in_one_line(command, flags, fragment):
+    prompt = ["-p", "hi"] if command != "serve" else []
+    assert_clean_error(run(command, "-m", "no-such-model", *prompt, *flags), fragment, code=2)
+
+
+@pytest.mark.parametrize("flags", [["-tb", "2", "-t", "2"], ["-tb", "0"], ["--threads-batch", "3", "-t", "3"],
+                                   ["-ngld", "0"], ["--gpu-layers-draft", "0"], ["-fa", "off"], ["-ctk", "f16"],
+                                   ["--predict", "16"], ["--n-predict", "16"], ["-n16"], ["-e"], ["--no-escape"]])
+def test_llama_cpp_flags_that_mean_what_speculant_does_are_accepted(flags):
+    """Parsed and checked: the run then stops at the model name, which only comes after the flags are read."""
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *flags), "unknown model 'no-such-model'")
+
+
+@pytest.mark.parametrize("flags, fragment", [
+    (["-tb", "1", "-t", "2"], "-tb 1: speculant processes prompts with the threads it generates with (-t, here 2)"),
+    (["-ngld", "99"], "-ngld 99: no GPU offload in the llama.cpp backend"),  # was -n gld
+    (["-ngld", "99", "--backend-draft", "torch", "-md", "x"], "the torch backend places the whole model"),
+    (["-sys"], "argument -sys/--system-prompt: expected one argument"),  # was -s ys
+    (["-nkvo"], "unrecognized arguments: -nkvo"),  # an unknown word, not -n kvo
+    (["--predic", "16"], "unrecognized arguments: --predic"),  # no abbreviations (--predict was --prediction)
+    (["--pred", "x"], "unrecognized arguments: --pred"),
+])
+def test_llama_cpp_flags_are_read_whole_and_checked(flags, fragment):
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *flags), fragment)
+
+
+def test_unknown_hf_flag_no_longer_prints_the_help():
+    """`generate -hf REPO -p hi` was -h -f: the full help on stdout and exit 0."""
+    proc = run("generate", "-hf", "ggml-org/gemma-3-1b-it-GGUF", "-p", "hi")
+    assert proc.returncode == 2 and proc.stdout == "" and "usage" not in proc.stderr
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "demo"])
+def test_refused_flags_are_in_the_help_not_the_usage_line(command):
+    text = run(command, "--help").stdout
+    usage, _, rest = text.partition("options:")
+    assert "-hf" not in usage and "-fa" not in usage and "llama.cpp flags refused here" in rest and "-fa" in rest
+    assert "-e, --escape, --no-escape" in rest
+
+
+def test_a_prompt_file_before_a_suffix_file_is_read_as_it_is(small, tmp_path, monkeypatch):
+    """With --suffix the prompt is the text before a cursor, the suffix file the text after it: both are read
+    exactly (a newline before the cursor is kept, a backslash in the code stays), whereas -p is still escaped."""
+    from speculant.engine import Engine
+    from speculant.errors import SettingsError
+
+    got = []
+
+    def recording(self, prompt, suffix):
+        got.append((prompt, suffix))
+        raise SettingsError("recorded")
+
+    monkeypatch.setattr(Engine, "fim_prompt", recording)
+    monkeypatch.setenv("SPECULANT_THP", "0")
+    before, after = tmp_path / "before.py", tmp_path / "after.py"
+    before.write_text('print("a\\n")\n')
+    after.write_text('print("b\\n")\n')
+    assert cli.main(["generate", "-m", SMALL, "-t", "1", "-f", str(before), "--suffix", str(after)]) == 1
+    assert cli.main(["generate", "-m", SMALL, "-t", "1", "-p", r"x = 1\n", "--suffix", str(after)]) == 1
+    assert got == [('print("a\\n")\n', 'print("b\\n")\n'), ("x = 1\n", 'print("b\\n")\n')]
