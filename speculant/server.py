@@ -1,8 +1,10 @@
 """`speculant serve`: an OpenAI-compatible HTTP server over one speculative Engine.
 
 Endpoints: POST /v1/completions, POST /v1/chat/completions (both with `stream: true` as server-sent
-events ending in `data: [DONE]`), GET /v1/models, POST /tokenize and /detokenize (llama-server's), GET /health,
-GET /metrics (Prometheus text format).
+events ending in `data: [DONE]`), GET /v1/models (/models), llama-server's own (POST /completion, /infill,
+/tokenize, /detokenize, /apply-template; GET /props, /slots), GET /health (/v1/health), GET /metrics (Prometheus
+text format). llama-server's request fields are read on every endpoint (_get_max_tokens, _get_sampling,
+_llama_samplers), and its --api-key list and X-Api-Key header are taken.
 
 Concurrency: an Engine holds one KV cache and is not thread-safe, so every call into it runs on ONE worker
 thread (a single-thread executor), and a request holds the engine (an asyncio lock, FIFO) from its first
@@ -95,7 +97,7 @@ def _bad(message: str, param: Optional[str] = None, code: Optional[str] = "inval
 class ServerConfig:
     model_id: str
     draft_id: Optional[str] = None
-    api_key: Optional[str] = None
+    api_key: Optional[str] = None  # llama-server's --api-key: one key, or several separated by commas
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
     parallel: int = 1  # requests decoded at once (slots), each on its own sequence of the shared models
@@ -113,7 +115,15 @@ class ServerConfig:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()  # (token, bias) pairs; a request's own logit_bias replaces them
+    ignore_eos: bool = False
     n_vocab: Optional[int] = None  # the target's vocabulary (logit_bias ids are checked against it)
+    n_ctx: Optional[int] = None  # a slot's context (n_predict -1; repeat_last_n); create_app fills it in
+    eog_ids: tuple = ()  # the target's end-of-generation tokens (ignore_eos bans them); create_app fills them in
+    endpoint_slots: bool = True  # GET /slots answers (llama-server's --slots / --no-slots)
+
+    def api_keys(self) -> list[str]:
+        """The keys a request may carry (llama-server's comma-separated --api-key list)."""
+        return [k.strip() for k in (self.api_key or "").split(",") if k.strip()]
 
 
 @dataclass
@@ -149,6 +159,8 @@ class Job:
     after: Any = None  # asyncio.Event
     admission: Any = None  # the request's places among those admitted (Worker.admit), given back as they end
     choice: int = 0  # n > 1: which generation of its prompt this is (the first processes the prompt)
+    bias_texts: tuple = ()  # llama-server's [["text", bias]] logit_bias entries: every token of the text, added
+    # to params.logit_bias when the prompt is tokenized (Worker.tokenize)
 
 
 def _is_int(v) -> bool:
@@ -228,6 +240,46 @@ def _get_prediction(body: dict) -> Optional[str]:
     return content
 
 
+def render_messages(body: dict, render_chat, tools) -> str:
+    """A chat request's messages (text content) -> the prompt, rendered with the model's chat template (with the
+    request's tools where they are active): what /v1/chat/completions decodes and /apply-template answers."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' must be a non-empty array of {role, content} objects", "messages",
+                   "invalid_type")
+    flat = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+            raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
+        if m["role"] not in CHAT_ROLES:  # a typo ("usr") would otherwise go into the prompt as it is
+            raise _bad(f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
+        content = m.get("content")
+        if isinstance(content, list):  # content parts: only text is supported
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise _bad(f"messages[{i}].content: only text parts are supported", "messages",
+                               "unsupported_value")
+                texts.append(part["text"])
+            content = "".join(texts)
+        if content is None:
+            if m["role"] != "assistant":  # only an assistant turn (one that calls tools) may leave it out
+                raise _bad(f"messages[{i}] ({m['role']}) has no 'content'", "messages", "invalid_type")
+            content = ""
+        if not isinstance(content, str):
+            raise _bad(f"messages[{i}].content must be a string or an array of text parts", "messages",
+                       "invalid_type")
+        if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
+            raise _bad(f"messages[{i}].tool_calls must be an array", "messages", "invalid_type")
+        try:
+            role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
+            flat.append(message_for_template({**m, "role": role, "content": content}))
+        except ToolsError as e:
+            raise _bad(f"messages[{i}]: {e}", "messages") from None
+    # tool_choice none: the model is not told of the tools (so it cannot call them)
+    return render_chat(flat, tools.functions if tools is not None and tools.active else None)
+
+
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     """Validate a request body into a Job; raises APIError (400/404) on anything wrong."""
     if not isinstance(body, dict):
@@ -267,44 +319,8 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             grammar = either_grammar(grammar, tools.calls_grammar())
 
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise _bad("'messages' must be a non-empty array of {role, content} objects", "messages",
-                       "invalid_type")
-        flat = []
-        for i, m in enumerate(messages):
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
-                raise _bad(f"messages[{i}] must be an object with a string 'role'", "messages", "invalid_type")
-            if m["role"] not in CHAT_ROLES:  # a typo ("usr") would otherwise go into the prompt as it is
-                raise _bad(f"messages[{i}].role {m['role']!r} is not one of {', '.join(CHAT_ROLES)}", "messages")
-            content = m.get("content")
-            if isinstance(content, list):  # content parts: only text is supported
-                texts = []
-                for part in content:
-                    if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
-                        raise _bad(f"messages[{i}].content: only text parts are supported", "messages",
-                                   "unsupported_value")
-                    texts.append(part["text"])
-                content = "".join(texts)
-            if content is None:
-                if m["role"] != "assistant":  # only an assistant turn (one that calls tools) may leave it out
-                    raise _bad(f"messages[{i}] ({m['role']}) has no 'content'", "messages", "invalid_type")
-                content = ""
-            if not isinstance(content, str):
-                raise _bad(f"messages[{i}].content must be a string or an array of text parts", "messages",
-                           "invalid_type")
-            if m.get("tool_calls") is not None and not isinstance(m["tool_calls"], list):
-                raise _bad(f"messages[{i}].tool_calls must be an array", "messages", "invalid_type")
-            try:
-                role = "system" if m["role"] == "developer" else m["role"]  # OpenAI's newer name for system
-                flat.append(message_for_template({**m, "role": role, "content": content}))
-            except ToolsError as e:
-                raise _bad(f"messages[{i}]: {e}", "messages") from None
-        # tool_choice none: the model is not told of the tools (so it cannot call them)
-        prompt = render_chat(flat, tools.functions if tools is not None and tools.active else None)
-        max_tokens = body.get("max_completion_tokens")
-        max_tokens = _get_int(body, "max_completion_tokens" if max_tokens is not None else "max_tokens",
-                              cfg.max_tokens, lo=1)
+        prompt = render_messages(body, render_chat, tools)
+        max_tokens = _get_max_tokens(body, cfg, lo=1)
     else:
         suffix = body.get("suffix")
         if suffix is not None and not isinstance(suffix, str):
@@ -314,9 +330,9 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
         echo = _get_bool(body, "echo", False)
         if echo and suffix is not None:
             raise _bad("'echo' cannot be used with 'suffix'", "echo", "unsupported_value")
-        max_tokens = _get_int(body, "max_tokens", cfg.max_tokens, lo=0 if echo else 1)  # 0: score the prompt
+        max_tokens = _get_max_tokens(body, cfg, lo=0 if echo else 1)  # 0: score the prompt
 
-    params, stop = _get_sampling(body, cfg), _get_stop(body, cfg)
+    (params, bias_texts), stop = _get_sampling(body, cfg), _get_stop(body, cfg)
     if grammar_param == "tools":  # the answer is calls only: a stop string would cut one, leaving no call
         stop = []
     stream = _get_bool(body, "stream", False)
@@ -328,7 +344,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     include_usage = bool(opts and opts.get("include_usage") is True)
     job = Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
-              tools=tools if tools is not None and tools.active else None)
+              tools=tools if tools is not None and tools.active else None, bias_texts=bias_texts)
     if not chat:
         job.echo, job.suffix = echo, suffix
         job.more_prompts = batch[1:]
@@ -337,10 +353,25 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     return job
 
 
-def _get_sampling(body: dict, cfg: ServerConfig, *, repetition: str = "repetition_penalty",
-                  random_seed: Optional[int] = None) -> SamplingParams:
-    """The sampling fields (the server's defaults for those left out). repetition: the field's name
-    (llama-server's own endpoints say repeat_penalty); random_seed: a seed that asks for a random one."""
+def _get_max_tokens(body: dict, cfg: ServerConfig, lo: int, n_ctx: Optional[int] = None) -> int:
+    """The token limit. As llama-server reads it on every endpoint: n_predict, else max_completion_tokens, else
+    max_tokens (its aliases, in that order); the server's -n if none. n_predict may be -1 (until the end of
+    generation or a full context) or 0 (the prompt processed and cached, nothing generated); `lo` bounds the
+    other two (llama-server's own endpoints pass -1)."""
+    n_ctx = n_ctx or cfg.n_ctx or 1 << 30
+    for name in ("n_predict", "max_completion_tokens", "max_tokens"):
+        if body.get(name) is not None:
+            v = _get_int(body, name, None, lo=min(lo, -1) if name == "n_predict" else lo)
+            return n_ctx if v == -1 else v
+    return cfg.max_tokens
+
+
+def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] = None,
+                  n_ctx: Optional[int] = None) -> tuple[SamplingParams, tuple]:
+    """The sampling fields (the server's defaults for those left out), the same on every endpoint: OpenAI's, and
+    llama-server's (repeat_penalty, ignore_eos, logit_bias as pairs; its other samplers: _llama_samplers).
+    random_seed: a seed that asks for a random one (llama-server's -1). Returns the params and the logit_bias
+    texts whose tokens are added when the prompt is tokenized (Job.bias_texts)."""
     temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
     top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
     min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
@@ -354,13 +385,80 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, repetition: str = "repetitio
         seed %= 1 << 64  # OpenAI seeds are signed 64-bit; numpy wants a non-negative one
     presence = _get_num(body, "presence_penalty", cfg.presence_penalty, -2.0, 2.0)
     frequency = _get_num(body, "frequency_penalty", cfg.frequency_penalty, -2.0, 2.0)
-    repeat = _get_num(body, repetition, cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
-    logit_bias = _get_logit_bias(body, cfg)
+    # llama-server's name and vLLM's, one meaning
+    llama_name, vllm_name = body.get("repeat_penalty"), body.get("repetition_penalty")
+    if llama_name is not None and vllm_name is not None and llama_name != vllm_name:
+        raise _bad(f"'repeat_penalty' ({json.dumps(llama_name)[:20]}) and 'repetition_penalty' "
+                   f"({json.dumps(vllm_name)[:20]}) are the same setting: give one", "repeat_penalty")
+    repeat = _get_num(body, "repeat_penalty" if llama_name is not None else "repetition_penalty",
+                      cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
+    logit_bias, texts = _get_logit_bias(body, cfg)
+    if _get_bool(body, "ignore_eos", cfg.ignore_eos):  # llama-server's: every end-of-generation token banned
+        logit_bias = tuple(logit_bias) + tuple((t, -math.inf) for t in cfg.eog_ids)
     try:
-        return SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
-                              presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat)
+        params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
+                                presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat)
     except SpeculantError as e:
         raise _bad(str(e)) from None
+    return _llama_samplers(body, params, n_ctx or cfg.n_ctx), texts
+
+
+def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int]) -> SamplingParams:
+    """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n 0
+    turns the penalties off (as llama.cpp); -1 or a window of the whole context is what the penalties do here.
+    Samplers speculant does not have are refused (400 naming the field) at any value that would change the
+    output, and pass at their neutral ones (llama-server's defaults); n_keep and n_discard only matter
+    when a full context is shifted, which never happens here (it ends the generation)."""
+    def number(name, default, integer=False):
+        v = body.get(name)
+        if v is None:
+            return default
+        if not (_is_int(v) if integer else _is_num(v)):
+            raise _bad(f"'{name}' must be {'an integer' if integer else 'a number'}, got {json.dumps(v)[:50]}",
+                       name, "invalid_type")
+        return v
+
+    def refuse(name, what, neutral):
+        raise _bad(f"'{name}': {what} is not supported by this server (it decodes exactly the target's "
+                   f"distribution after temperature, top_k, top_p, min_p and the penalties); {neutral}", name,
+                   "unsupported_value")
+
+    for name in ("mirostat_tau", "mirostat_eta", "dynatemp_exponent", "dry_base", "adaptive_target",
+                 "adaptive_decay"):
+        number(name, None)
+    for name in ("n_keep", "n_discard", "dry_allowed_length"):
+        number(name, None, integer=True)
+    breakers = body.get("dry_sequence_breakers")
+    if breakers is not None and not (isinstance(breakers, list) and all(isinstance(b, str) for b in breakers)):
+        raise _bad("'dry_sequence_breakers' must be an array of strings", "dry_sequence_breakers", "invalid_type")
+    if number("mirostat", 0, integer=True) != 0:
+        refuse("mirostat", "Mirostat sampling", "0 (off) passes")
+    if number("typical_p", 1.0) < 1.0:
+        refuse("typical_p", "locally typical sampling", "1 (off) passes")
+    if number("top_n_sigma", -1.0) > 0:
+        refuse("top_n_sigma", "top-n-sigma sampling", "-1 or 0 (off) passes")
+    if number("dynatemp_range", 0.0) > 0:
+        refuse("dynatemp_range", "dynamic temperature", "0 (off) passes")
+    if number("xtc_probability", 0.0) > 0 and number("xtc_threshold", 0.1) <= 0.5:
+        refuse("xtc_probability", "XTC sampling", "0 (off) passes")
+    number("xtc_threshold", None)
+    if number("dry_multiplier", 0.0) != 0 and number("dry_penalty_last_n", -1, integer=True) != 0:
+        refuse("dry_multiplier", "DRY sampling", "0 (off) passes")
+    number("dry_penalty_last_n", None, integer=True)
+    if number("min_keep", 0, integer=True) > 1 and (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
+        refuse("min_keep", "min_keep above 1 with top_k, top_p or min_p", "0 or 1 passes")
+    last_n = number("repeat_last_n", None, integer=True)
+    if last_n is not None:
+        if last_n < -1:
+            raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
+        if last_n == 0:  # llama.cpp: no window, no penalties
+            params = dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0,
+                                         repetition_penalty=1.0)
+        elif last_n != -1 and (n_ctx is None or last_n < n_ctx) and params.penalizes:
+            refuse("repeat_last_n", f"a penalty window of {last_n} tokens",
+                   "the penalties here weigh the whole prompt and output: -1, a window of the whole context or 0 "
+                   "(no penalties) passes")
+    return params
 
 
 def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:
@@ -450,21 +548,22 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
             raise _bad(f"input_extra[{i}] must be an object with a string 'text' (and a string 'filename')",
                        "input_extra", "invalid_type")
         chunks.append((c.get("filename", "tmp"), c["text"]))
-    name = "n_predict" if body.get("n_predict") is not None else "max_tokens"
-    max_tokens = _get_int(body, name, cfg.max_tokens, lo=-1)  # 0: the prompt cached, nothing generated (as
-    # llama-server: editors such as llama.vim send their context ahead this way)
-    if max_tokens == -1:
-        max_tokens = n_ctx
-    n_probs = _get_int(body, "n_probs", 0, lo=0, hi=MAX_TOP_LOGPROBS)
+    # 0: the prompt cached, nothing generated (as llama-server: editors such as llama.vim send their context ahead
+    # this way)
+    max_tokens = _get_max_tokens(body, cfg, lo=-1, n_ctx=n_ctx)
+    # llama-server's alias: logprobs when n_probs is not given
+    n_probs = _get_int(body, "n_probs" if body.get("n_probs") is not None else "logprobs", 0, lo=0,
+                       hi=MAX_TOP_LOGPROBS)
     n_indent = _get_int(body, "n_indent", 0, lo=0)
     t_max = _get_num(body, "t_max_predict_ms", 0.0, 0.0, 1e9)
     _get_num(body, "t_max_prompt_ms", 0.0, -1.0, 1e9)  # accepted (prompt processing is never cut short)
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _bad("'response_fields' must be an array of strings", "response_fields", "invalid_type")
-    job = Job(prompt, False, max_tokens, _get_sampling(body, cfg, repetition="repeat_penalty", random_seed=-1),
-              [s for s in _get_stop(body, cfg) if s], _get_bool(body, "stream", False), False,
-              grammar=_get_grammar(body), logprobs=n_probs or None)
+    params, bias_texts = _get_sampling(body, cfg, random_seed=-1, n_ctx=n_ctx)
+    job = Job(prompt, False, max_tokens, params, [s for s in _get_stop(body, cfg) if s],
+              _get_bool(body, "stream", False), False, grammar=_get_grammar(body), logprobs=n_probs or None,
+              bias_texts=bias_texts)
     if infill:
         job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
                       "extra": chunks, "room": min(max_tokens, n_ctx // 4), "spm": cfg.spm_infill}
@@ -589,27 +688,67 @@ def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
     return (top or 0) if wanted else None
 
 
-def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple:
-    """OpenAI's logit_bias {"token id": bias in [-100, 100]} -> ((id, bias), ...); the server default if absent."""
+MAX_BIAS_TOKENS = 4096  # tokens the texts of one request's logit_bias may add up to
+
+
+def _get_logit_bias(body: dict, cfg: ServerConfig) -> tuple[tuple, tuple]:
+    """logit_bias -> ((id, bias), ...) and ((text, bias), ...); the server default if absent. Two forms, on every
+    endpoint: OpenAI's object {"token id": bias}, and llama-server's array [[token id or text, bias], ...] (a text:
+    each of its tokens). A bias is a number in [-100, 100], or false: the token banned (llama-server's)."""
     bias = body.get("logit_bias")
     if bias is None:
-        return cfg.logit_bias
-    if not isinstance(bias, dict):
-        raise _bad("'logit_bias' must be an object mapping token ids to biases", "logit_bias", "invalid_type")
-    if len(bias) > MAX_LOGIT_BIAS:
-        raise _bad(f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens, got {len(bias)}", "logit_bias")
-    out = []
-    for key, value in bias.items():
-        if not (isinstance(key, str) and re.fullmatch(r"\s*[0-9]+\s*", key)):  # ASCII digits: int("²") fails
-            raise _bad(f"logit_bias: keys must be token ids, got {key!r}", "logit_bias", "invalid_type")
-        token = int(key)
+        return cfg.logit_bias, ()
+    if isinstance(bias, dict):
+        items = list(bias.items())
+    elif isinstance(bias, list):
+        items = []
+        for i, el in enumerate(bias):
+            if not (isinstance(el, list) and len(el) == 2):
+                raise _bad(f"logit_bias[{i}] must be a [token id or text, bias] pair, got {json.dumps(el)[:50]}",
+                           "logit_bias", "invalid_type")
+            items.append((el[0], el[1]))
+    else:
+        raise _bad("'logit_bias' must be an object mapping token ids to biases, or an array of [token id or text, "
+                   "bias] pairs", "logit_bias", "invalid_type")
+    if len(items) > MAX_LOGIT_BIAS:
+        raise _bad(f"'logit_bias' holds at most {MAX_LOGIT_BIAS} tokens, got {len(items)}", "logit_bias")
+    out, texts = [], []
+    for key, value in items:
+        if value is False:
+            b = -math.inf
+        elif _is_num(value) and -100 <= value <= 100:
+            b = float(value)
+        else:
+            raise _bad(f"logit_bias[{json.dumps(key)[:30]}] must be a number in [-100, 100] or false (a ban), got "
+                       f"{json.dumps(value)[:50]}", "logit_bias")
+        if isinstance(bias, dict):
+            if not (isinstance(key, str) and re.fullmatch(r"\s*[0-9]+\s*", key)):  # ASCII digits: int("²") fails
+                raise _bad(f"logit_bias: keys must be token ids, got {key!r} (a text's tokens: the array form "
+                           f"[[text, bias]])", "logit_bias", "invalid_type")
+            token = int(key)
+        elif _is_int(key) and key >= 0:
+            token = key
+        elif isinstance(key, str) and key:
+            texts.append((key, b))
+            continue
+        else:
+            raise _bad(f"logit_bias: {json.dumps(key)[:50]} is not a token id or a non-empty text", "logit_bias",
+                       "invalid_type")
         if cfg.n_vocab is not None and token >= cfg.n_vocab:
             raise _bad(f"logit_bias: token id {token} is outside the vocabulary (0..{cfg.n_vocab - 1})", "logit_bias")
-        if not _is_num(value) or not -100 <= value <= 100:
-            raise _bad(f"logit_bias[{key!r}] must be a number in [-100, 100], got {json.dumps(value)[:50]}",
-                       "logit_bias")
-        out.append((token, float(value)))
-    return tuple(out)
+        out.append((token, b))
+    return tuple(out), tuple(texts)
+
+
+def _bias_text_tokens(job: Job, backend) -> None:
+    """The tokens of the job's logit_bias texts, added to its params (on the tokenizing thread)."""
+    if not job.bias_texts:
+        return
+    extra = [(t, b) for text, b in job.bias_texts for t in backend.tokenize(text, add_special=False)]
+    if len(extra) > MAX_BIAS_TOKENS:
+        raise _bad(f"the texts of 'logit_bias' hold {len(extra)} tokens, more than {MAX_BIAS_TOKENS}", "logit_bias")
+    job.params = dataclasses.replace(job.params, logit_bias=tuple(job.params.logit_bias) + tuple(extra))
+    job.bias_texts = ()
 
 
 def _prompt_job(job: Job, prompt) -> Job:
@@ -863,6 +1002,19 @@ class _Admission:
     __del__ = release
 
 
+@dataclass
+class SlotTask:
+    """What GET /slots tells of a slot's latest generation."""
+
+    id: int
+    n_prompt: int
+    max_tokens: int
+    params: Any  # SamplingParams
+    stream: bool
+    n_probs: int
+    result: Any  # engine.Result, filled as it runs
+
+
 class Worker:
     """Runs each request on a slot: an engine of its own over a sequence of the shared models, stepped on the
     slot's own thread. Up to `len(engines)` requests decode at once (their passes merge: batching.py); the
@@ -885,6 +1037,9 @@ class Worker:
         self.free = list(range(len(engines)))  # idle slots
         self.last_used = [0] * len(engines)  # when each slot last took a request (_pick_slot)
         self._uses = itertools.count(1)
+        # per slot, its latest generation (GET /slots): a SlotTask (not the Job: that holds its request's admission)
+        self.last_task: list = [None] * len(engines)
+        self._tasks = itertools.count()
         self.slots = asyncio.Semaphore(len(engines))
         self.waiting = 0  # requests waiting for a slot now
         self.admitted = 0  # requests admitted and not ended: running, tokenizing or waiting (Worker.admit)
@@ -980,6 +1135,7 @@ class Worker:
                 job.tokens, job.truncated = self.engine.infill_prompt(**job.infill)
             else:
                 job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat, suffix=job.suffix)
+            _bias_text_tokens(job, self.engine.target)
             job.constraint = _constraint(job, self.engine)
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
@@ -1016,6 +1172,8 @@ class Worker:
         slot = self._pick_slot(held)
         self.free.remove(slot)
         self.last_used[slot] = next(self._uses)
+        self.last_task[slot] = SlotTask(next(self._tasks), len(job.tokens), job.max_tokens, job.params, job.stream,
+                                        job.logprobs or 0, result)
         engine, executor = self.engines[slot], self.executors[slot]
         loop = asyncio.get_running_loop()
         gen = None
@@ -1200,6 +1358,9 @@ def create_app(engine, cfg: ServerConfig):
 
     if cfg.n_vocab is None:
         cfg.n_vocab = engine.target.n_vocab
+    if cfg.n_ctx is None:
+        cfg.n_ctx = engine.target.n_ctx
+    cfg.eog_ids = tuple(engine.target.eog_ids())
 
     metrics.set_models(engine_models(engine))
     worker = Worker([engine.for_slot(i) for i in range(cfg.parallel)], metrics, cfg.max_queue)
@@ -1258,13 +1419,23 @@ def create_app(engine, cfg: ServerConfig):
         return error_response(APIError(500, f"internal error: {type(e).__name__}", type="server_error",
                                        code="internal_error"), request.url.path, request)
 
+    api_keys = [k.encode() for k in cfg.api_keys()]
+
     def check_auth(request: Request) -> None:
-        if not cfg.api_key:
+        """As llama-server: the key in 'Authorization: Bearer KEY', else in 'X-Api-Key: KEY' (Anthropic's header);
+        any key of the --api-key list."""
+        if not api_keys:
             return
         auth = request.headers.get("authorization", "")
-        scheme, _, token = auth.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), cfg.api_key.encode()):
-            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY')",
+        if auth:
+            scheme, _, token = auth.partition(" ")
+            token = token.strip() if scheme.lower() == "bearer" else None
+        else:
+            token = request.headers.get("x-api-key", "").strip()
+            token = token[len("Bearer "):].strip() if token[:len("Bearer ")].lower() == "bearer " else token
+        # every key compared (in constant time each): which one matched, or that none did, takes as long
+        if token is None or not sum(hmac.compare_digest(token.encode(), k) for k in api_keys):
+            raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY')",
                            code="invalid_api_key")
 
     async def read_json(request: Request) -> Any:
@@ -1290,6 +1461,7 @@ def create_app(engine, cfg: ServerConfig):
         return body
 
     @app.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' and uptime checkers' probes
+    @app.api_route("/v1/health", methods=["GET", "HEAD"])  # llama-server's alias
     async def health():
         body = {"status": "shutting_down" if worker.closing else "ok", "model": cfg.model_id,
                 "draft_model": cfg.draft_id, "queue_depth": worker.queued,
@@ -1310,10 +1482,11 @@ def create_app(engine, cfg: ServerConfig):
         return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
+    @app.get("/models")  # llama-server's alias
     async def list_models(request: Request):
         request.state.t0 = time.perf_counter()
         check_auth(request)
-        metrics.requests.labels("/v1/models", "200").inc()
+        metrics.requests.labels(request.url.path, "200").inc()
         log_request(request, "200", request.state.t0)
         return {"object": "list", "data": [model_object()]}
 
@@ -1334,6 +1507,105 @@ def create_app(engine, cfg: ServerConfig):
         metrics.requests.labels("/v1/models", "200").inc()
         log_request(request, "200", request.state.t0)
         return model_object()
+
+    def settings(params: SamplingParams, max_tokens: int, stream: bool = False, n_probs: int = 0) -> dict:
+        """llama-server's generation settings ("params" of /props and /slots, the fields it gives there); the
+        samplers speculant does not have at their neutral values, which are the ones it decodes with."""
+        banned = {t for t, b in params.logit_bias if b == -math.inf}
+        return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
+                "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": params.top_k, "top_p": params.top_p,
+                "min_p": params.min_p, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+                "typical_p": 1.0, "repeat_last_n": -1, "repeat_penalty": params.repetition_penalty,
+                "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
+                "dry_multiplier": 0.0, "mirostat": 0, "max_tokens": max_tokens, "n_predict": max_tokens,
+                "ignore_eos": bool(cfg.eog_ids) and banned.issuperset(cfg.eog_ids), "stream": stream,
+                "n_probs": n_probs}
+
+    from . import __version__
+    from .chat import CHATML
+    from .native import build_info
+
+    _build = build_info()
+    props = {  # what GET /props answers (its fixed part)
+        "total_slots": len(worker.engines), "model_alias": cfg.model_id,
+        "model_path": str(getattr(engine.target, "path", None) or cfg.model_id),
+        "modalities": {"vision": False, "video": False, "audio": False},
+        "endpoint_slots": cfg.endpoint_slots, "endpoint_props": False, "endpoint_metrics": True,
+        "chat_template": engine.target.chat_template() or CHATML,  # what chat requests render with
+        "bos_token": engine.target.bos_token, "eos_token": engine.target.eos_token,
+        "build_info": f"speculant-{__version__}" + (f" llama.cpp-{_build['llama_cpp_commit'][:8]}"
+                                                    if _build and _build.get("llama_cpp_commit") else ""),
+        "is_sleeping": False, "draft_model": cfg.draft_id,
+    }
+
+    @app.get("/props")
+    async def get_props(request: Request):
+        """llama-server's server properties (llama.cpp's webui and other tools read n_ctx, total_slots, model_path,
+        chat_template from it)."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        defaults = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed,
+                                  logit_bias=cfg.logit_bias + (tuple((t, -math.inf) for t in cfg.eog_ids)
+                                                               if cfg.ignore_eos else ()),
+                                  presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+                                  repetition_penalty=cfg.repetition_penalty)
+        metrics.requests.labels("/props", "200").inc()
+        log_request(request, "200", t0)
+        return {"default_generation_settings": {"params": settings(defaults, cfg.max_tokens), "n_ctx": cfg.n_ctx},
+                **props}
+
+    @app.get("/slots")
+    async def get_slots(request: Request):
+        """llama-server's slot monitor (without --slots-debug: no prompt or output text): per slot, whether it is
+        decoding, and its latest generation's prompt, cache and progress."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        if not cfg.endpoint_slots:
+            raise APIError(501, "This server does not support slots endpoint. Start it with `--slots`",
+                           type="not_supported_error", code="not_supported")
+        if request.query_params.get("fail_on_no_slot") and not worker.free:
+            raise APIError(503, "no slot available", type="unavailable_error", code="no_slot_available")
+        out = []
+        for i, slot_engine in enumerate(worker.engines):
+            processing = i not in worker.free
+            entry = {"id": i, "n_ctx": slot_engine.target.n_ctx, "speculative": cfg.draft_id is not None,
+                     "is_processing": processing}
+            task = worker.last_task[i]
+            if task is not None:
+                stats = task.result.stats
+                entry.update({
+                    "id_task": task.id, "n_prompt_tokens": task.n_prompt,
+                    "n_prompt_tokens_processed": max(0, task.n_prompt - stats.cached_prompt_tokens),
+                    "n_prompt_tokens_cache": stats.cached_prompt_tokens,
+                    "params": settings(task.params, task.max_tokens, task.stream, task.n_probs),
+                    "next_token": [{"has_next_token": processing, "has_new_line": "\n" in task.result.text,
+                                    "n_remain": max(0, task.max_tokens - stats.generated_tokens),
+                                    "n_decoded": stats.generated_tokens}]})
+            out.append(entry)
+        metrics.requests.labels("/slots", "200").inc()
+        log_request(request, "200", t0)
+        return out
+
+    @app.post("/apply-template")
+    async def apply_template(request: Request):
+        """llama-server's: a chat request's messages (and tools) -> {"prompt": the text /v1/chat/completions
+        would decode}, rendered the same way."""
+        t0 = request.state.t0 = time.perf_counter()
+        check_auth(request)
+        body = await read_json(request)
+        if not isinstance(body, dict):
+            raise _bad("the request body must be a JSON object", None, "invalid_type")
+        try:
+            tools = parse_tools(body)
+        except ToolsError as e:
+            raise _bad(str(e), e.param) from None
+        try:
+            prompt = render_messages(body, engine.chat_prompt, tools)
+        except SpeculantError as e:
+            raise _bad(str(e), "messages") from None
+        metrics.requests.labels("/apply-template", "200").inc()
+        log_request(request, "200", t0)
+        return {"prompt": prompt}
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
@@ -1711,13 +1983,17 @@ def create_app(engine, cfg: ServerConfig):
 
 
 def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    import argparse
+
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative with -md)")
     add_model_args(p)
     add_sampling_args(p)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default %(default)s, as llama-server)")
-    p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY"),
-                   help="require 'Authorization: Bearer KEY' on /v1/* (default: $SPECULANT_API_KEY, else none)")
+    p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY") or os.environ.get("LLAMA_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' (or 'X-Api-Key: KEY') on every endpoint but /health and "
+                        "/metrics; several keys separated by commas, each accepted (as llama-server) (default: "
+                        "$SPECULANT_API_KEY, else llama-server's $LLAMA_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
                    help="model id clients send and /v1/models lists (default: the -m value)")
     p.add_argument("-np", "--parallel", type=int, default=None,
@@ -1732,6 +2008,9 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                    help="web pages (origins, comma separated, e.g. http://localhost:3000) whose scripts may call the "
                         "API from a browser (CORS; default *: any, as vLLM and llama-server; '' allows none; the API "
                         "key is checked either way)")
+    p.add_argument("--slots", action=argparse.BooleanOptionalAction, default=True,
+                   help="GET /slots, llama-server's slot monitor (default: on, as llama-server; it shows no prompt "
+                        "or output text)")
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a free slot; more get 503 (default 64)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
@@ -1750,7 +2029,7 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
         if action.dest in request_defaults:
             action.help = request_defaults[action.dest]
         elif action.dest in ("temp", "top_k", "top_p", "min_p", "stop", "repeat_penalty", "presence_penalty",
-                             "frequency_penalty", "logit_bias"):
+                             "frequency_penalty", "logit_bias", "ignore_eos"):
             action.help = f"default for requests that leave it out; {action.help}"
     p.set_defaults(handler=cmd_serve)
 
@@ -1814,7 +2093,7 @@ def cmd_serve(args) -> int:
     from .cli import sampling_params
 
     defaults = sampling_params(args, seed)  # validates them
-    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or "").strip(", "):
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
     sock = listen(args.host, args.port)
@@ -1851,7 +2130,8 @@ def cmd_serve(args) -> int:
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop), presence_penalty=defaults.presence_penalty,
         frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,
-        logit_bias=defaults.logit_bias, n_vocab=engine.target.n_vocab,
+        logit_bias=defaults.logit_bias, ignore_eos=bool(getattr(args, "ignore_eos", False)),
+        n_vocab=engine.target.n_vocab, endpoint_slots=args.slots,
     )
     app = create_app(engine, cfg)
     _setup_logging(args.log_level)

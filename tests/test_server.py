@@ -1265,3 +1265,200 @@ def test_schemas_in_every_field_llama_server_and_openai_read(server):
                                             "temperature": 0.9, "top_k": k}).json()["choices"][0]["text"]
            for k in (-1, 0)]
     assert off[0] == off[1]
+
+
+# -- llama-server's own fields, endpoints and keys ------------------------------------------------------------
+
+QUESTION_2 = [{"role": "user", "content": "What is 2 + 2? Answer briefly."}]  # SmolLM2 ends it in 6 tokens
+
+
+def _chat(server, **fields):
+    r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION_2, "temperature": 0, **fields})
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_n_predict_and_max_completion_tokens_on_every_endpoint(server):
+    """As llama-server reads its aliases on every endpoint: n_predict, else max_completion_tokens, else max_tokens
+    (n_predict ran 128 tokens on /v1, and /completion ignored max_completion_tokens)."""
+    def used(path, **fields):
+        body = {"model": MODEL, "temperature": 0, **fields}
+        body.update({"messages": QUESTION_2} if "chat" in path else {"prompt": PROMPT})
+        r = _post(server, path, body)
+        assert r.status_code == 200, r.text
+        res = r.json()
+        return res["tokens_predicted"] if path == "/completion" else res["usage"]["completion_tokens"]
+
+    for path in ("/v1/completions", "/v1/chat/completions", "/completion"):
+        assert used(path, n_predict=3, max_tokens=20) == 3, path
+        assert used(path, n_predict=3, max_completion_tokens=20, max_tokens=20) == 3, path
+        assert used(path, max_completion_tokens=2, max_tokens=20) == 2, path
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n_predict": 0})
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
+
+
+def test_repeat_penalty_is_read_under_both_names_everywhere(server):
+    """llama-server's repeat_penalty and vLLM's repetition_penalty, one setting on every endpoint (chat ignored
+    repeat_penalty); both, with different values, is a 400."""
+    base = _chat(server, max_tokens=24)["choices"][0]["message"]["content"]
+    llama = _chat(server, max_tokens=24, repeat_penalty=1.8)["choices"][0]["message"]["content"]
+    vllm = _chat(server, max_tokens=24, repetition_penalty=1.8)["choices"][0]["message"]["content"]
+    assert llama == vllm != base
+    assert _chat(server, max_tokens=24, repeat_penalty=1.8, repetition_penalty=1.8)["choices"][0]["message"][
+        "content"] == llama
+    for path in ("/v1/chat/completions", "/v1/completions", "/completion"):
+        r = _post(server, path, {"model": MODEL, "prompt": PROMPT, "messages": QUESTION_2, "repeat_penalty": 1.8,
+                                 "repetition_penalty": 1.2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "repeat_penalty", (path, r.text)
+    native = [_post(server, "/completion", {"prompt": PROMPT, "n_predict": 16, "temperature": 0, name: 1.8}).json()
+              ["content"] for name in ("repeat_penalty", "repetition_penalty")]
+    assert native[0] == native[1]
+
+
+def test_ignore_eos_generates_past_the_end_of_generation(server):
+    """ignore_eos bans every end-of-generation token (a logit bias of -inf, the draft's too), on every endpoint: the
+    answer goes on to the token limit, and what comes before the end is the answer without it (greedy)."""
+    plain = _chat(server, max_tokens=24)
+    assert plain["choices"][0]["finish_reason"] == "stop" and plain["usage"]["completion_tokens"] < 24
+    answer = plain["choices"][0]["message"]["content"]
+    chat = _chat(server, max_tokens=24, ignore_eos=True)
+    assert chat["choices"][0]["finish_reason"] == "length" and chat["usage"]["completion_tokens"] == 24
+    assert chat["choices"][0]["message"]["content"].startswith(answer)
+    assert len(chat["choices"][0]["message"]["content"]) > len(answer)
+    assert chat["usage"]["speculative"]["drafted"] > 0
+    prompt = _post(server, "/apply-template", {"messages": QUESTION_2}).json()["prompt"]
+    res = _post(server, "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0,
+                                        "ignore_eos": True}).json()
+    assert res["stop_type"] == "limit" and res["tokens_predicted"] == 24
+    assert res["content"] == chat["choices"][0]["message"]["content"]
+    biased = _post(server, "/completion", {"prompt": prompt, "n_predict": 24, "temperature": 0, "ignore_eos": True,
+                                           "logit_bias": {"28": -1}}).json()  # beside a request's own bias
+    assert biased["stop_type"] == "limit" and biased["content"].startswith(answer)
+    r = _post(server, "/v1/completions", {"model": MODEL, "prompt": prompt, "max_tokens": 24, "temperature": 0,
+                                          "ignore_eos": True}).json()
+    assert r["choices"][0]["text"] == res["content"] and r["usage"]["completion_tokens"] == 24
+    settings = httpx.get(server + "/slots", headers={"Authorization": f"Bearer {KEY}"}).json()
+    assert any(s.get("params", {}).get("ignore_eos") for s in settings)
+
+
+NEUTRAL = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0,
+           "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"],
+           "xtc_probability": 0.0, "xtc_threshold": 0.1, "top_n_sigma": -1.0, "repeat_last_n": 64, "n_keep": 0,
+           "dynatemp_range": 0.0, "min_keep": 0}
+REFUSED = [("mirostat", {"mirostat": 2}), ("typical_p", {"typical_p": 0.5}),
+           ("dry_multiplier", {"dry_multiplier": 0.8}), ("xtc_probability", {"xtc_probability": 0.5}),
+           ("top_n_sigma", {"top_n_sigma": 1.0}),
+           ("dynatemp_range", {"dynatemp_range": 0.5}), ("repeat_last_n", {"repeat_last_n": 64, "repeat_penalty": 1.3}),
+           ("repeat_last_n", {"repeat_last_n": 64, "presence_penalty": 0.5}), ("mirostat", {"mirostat": "x"})]
+
+
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions"])
+def test_llama_server_samplers_are_refused_or_neutral(server, path):
+    """llama-server's other samplers, on every endpoint: a value that would change the output is a 400 naming the
+    field (they were dropped without a word); the neutral values (llama-server's defaults) pass and change
+    nothing; repeat_last_n 0 turns the penalties off, as in llama.cpp."""
+    def ask(**fields):
+        body = {"model": MODEL, "temperature": 0, "max_tokens": 12, **fields}
+        body.update({"messages": QUESTION_2} if "chat" in path else {"prompt": PROMPT})
+        return _post(server, path, body)
+
+    def text(r):
+        assert r.status_code == 200, r.text
+        res = r.json()
+        return res["content"] if path == "/completion" else \
+            (res["choices"][0].get("message") or {}).get("content") or res["choices"][0].get("text")
+
+    for param, fields in REFUSED:
+        r = ask(**fields)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, (fields, r.text)
+    base = text(ask())
+    assert text(ask(**NEUTRAL)) == base
+    assert text(ask(xtc_probability=0.5, xtc_threshold=0.6)) == base  # a threshold above 0.5 turns XTC off
+    assert text(ask(repeat_last_n=0, repeat_penalty=1.8)) == base != text(ask(repeat_penalty=1.8))
+    assert text(ask(repeat_last_n=-1, repeat_penalty=1.8)) == text(ask(repeat_penalty=1.8))
+
+
+def test_completion_reads_logprobs_as_n_probs(server):
+    """/completion: llama-server's alias logprobs (when n_probs is not given) asks for completion_probabilities."""
+    by_n_probs = _post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "n_probs": 2})
+    by_logprobs = _post(server, "/completion", {"prompt": PROMPT, "n_predict": 4, "temperature": 0, "logprobs": 2})
+    assert by_logprobs.status_code == 200, by_logprobs.text
+    probs = by_logprobs.json()["completion_probabilities"]
+    assert probs == by_n_probs.json()["completion_probabilities"] and all(len(p["top_logprobs"]) == 2 for p in probs)
+
+
+def test_logit_bias_in_llama_servers_array_form(server):
+    """logit_bias as llama-server documents it first: [[id, bias]], [[id, false]] (a ban), [["text", bias]] (each
+    token of the text); the object form still works, and both forms go on every endpoint."""
+    def complete(path="/completion", **fields):
+        body = {"prompt": PROMPT, "temperature": 0, "max_tokens": 8, **fields}
+        r = _post(server, path, body)
+        assert r.status_code == 200, r.text
+        return r.json()["content"] if path == "/completion" else r.json()["choices"][0]["text"]
+
+    base = _post(server, "/completion", {"prompt": PROMPT, "n_predict": 8, "temperature": 0, "n_probs": 1}).json()
+    first = base["completion_probabilities"][0]["id"]
+    banned = complete(logit_bias={str(first): -100})
+    assert banned != base["content"]
+    assert complete(logit_bias=[[first, False]]) == complete(logit_bias=[[first, -100]]) == banned
+    assert complete("/v1/completions", logit_bias=[[first, False]]) == banned
+    word = base["content"][:base["content"].index(" ", 1)] if " " in base["content"][1:] else base["content"]
+    ids = _post(server, "/tokenize", {"content": word}).json()["tokens"]
+    by_text = complete(logit_bias=[[word, -100]])
+    assert by_text == complete(logit_bias={str(t): -100 for t in ids}) != base["content"]
+    for bad in ([[first]], [[first, True]], [[-1, 1]], [[None, 1]], {"text": 1}):
+        r = _post(server, "/completion", {"prompt": PROMPT, "logit_bias": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)
+
+
+def test_props_slots_models_and_apply_template(server, client):
+    """llama-server's GET /props, GET /slots, GET /models, GET /v1/health and POST /apply-template (were 404s)."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+    assert httpx.get(server + "/props").status_code == 401  # as llama-server: only /health is open
+    props = httpx.get(server + "/props", headers=auth).json()
+    health = httpx.get(server + "/health").json()
+    assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == health["slots"]
+    assert props["default_generation_settings"]["params"]["n_predict"] == 128
+    assert Path(props["model_path"]).is_file() and props["model_alias"] == MODEL
+    assert "<|im_start|>" in props["chat_template"] and props["build_info"].startswith("speculant")
+    prompt = _post(server, "/apply-template", {"messages": QUESTION_2}).json()["prompt"]
+    assert prompt.endswith("<|im_start|>assistant\n") and QUESTION_2[0]["content"] in prompt
+    chat = client.chat.completions.create(model=MODEL, messages=QUESTION_2, max_tokens=12, temperature=0)
+    native = _post(server, "/completion", {"prompt": prompt, "n_predict": 12, "temperature": 0}).json()
+    assert native["content"] == chat.choices[0].message.content
+    assert native["tokens_evaluated"] == chat.usage.prompt_tokens  # the same prompt, token for token
+    assert _post(server, "/apply-template", {"messages": []}).status_code == 400
+    slots = httpx.get(server + "/slots", headers=auth).json()
+    assert [s["id"] for s in slots] == list(range(health["slots"])) and all(s["n_ctx"] == CTX for s in slots)
+    assert all(s["speculative"] is True and s["is_processing"] is False for s in slots)
+    assert any(s.get("n_prompt_tokens") == chat.usage.prompt_tokens and
+               s["next_token"][0]["n_decoded"] == native["tokens_predicted"] for s in slots)
+    assert httpx.get(server + "/slots").status_code == 401
+    assert httpx.get(server + "/models", headers=auth).json()["data"] == \
+        httpx.get(server + "/v1/models", headers=auth).json()["data"]
+    assert httpx.get(server + "/models").status_code == 401
+    assert httpx.get(server + "/v1/health").json()["status"] == "ok"  # open, as /health
+
+
+def test_api_keys_as_llama_server_takes_them(server):
+    """--api-key takes a comma-separated list (each key works), $LLAMA_API_KEY stands in for the flag, and the key
+    may come in X-Api-Key; --no-slots answers /slots with llama-server's 501."""
+    r = httpx.get(server + "/v1/models", headers={"X-Api-Key": KEY})
+    assert r.status_code == 200, r.text
+    assert httpx.get(server + "/v1/models", headers={"X-Api-Key": "wrong"}).status_code == 401
+    env = {k: v for k, v in os.environ.items() if k != "SPECULANT_API_KEY"}
+    env["LLAMA_API_KEY"] = "key-a,key-b"
+    proc, url = spawn_local([*COMMON, "--no-slots"], timeout=120, exe=SPECULANT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=env)
+    try:
+        for key in ("key-a", "key-b"):
+            assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
+            assert httpx.get(url + "/props", headers={"X-Api-Key": key}).status_code == 200
+        for headers in ({"Authorization": "Bearer key-a,key-b"}, {}, {"X-Api-Key": "key-c"},
+                        {"Authorization": "Bearer wrong", "X-Api-Key": "key-a"}):
+            assert httpx.get(url + "/v1/models", headers=headers).status_code == 401, headers
+        assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/v1/health").status_code == 200
+        r = httpx.get(url + "/slots", headers={"X-Api-Key": "key-a"})
+        assert r.status_code == 501 and r.json()["error"]["type"] == "not_supported_error"
+    finally:
+        _stop(proc)
