@@ -447,14 +447,7 @@ OWNER_FILE = "owner.pid"
 UNOWNED_GRACE_S = 60  # a staging directory without an owner record younger than this may be a pull starting
 
 
-def _owner_alive(staging: Path) -> bool:
-    try:
-        pid = int((staging / OWNER_FILE).read_text())
-    except (OSError, ValueError):  # no record: left by a version that kept none, or a pull just starting
-        try:
-            return time.time() - staging.stat().st_mtime < UNOWNED_GRACE_S
-        except OSError:
-            return False
+def pid_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -464,9 +457,26 @@ def _owner_alive(staging: Path) -> bool:
     return True
 
 
+def _owner_alive(staging: Path) -> bool:
+    try:
+        pid = int((staging / OWNER_FILE).read_text())
+    except (OSError, ValueError):  # no record: left by a version that kept none, or a pull just starting
+        try:
+            return time.time() - staging.stat().st_mtime < UNOWNED_GRACE_S
+        except OSError:
+            return False
+    return pid_alive(pid)
+
+
+def sweep_stale_dirs(folder: Path, pattern: str, owner_alive) -> None:
+    """Delete the work directories matching `pattern` in folder whose owner process is gone (owner_alive(dir) is
+    False: the process was killed mid-work); a live process's directory is left alone."""
+    for work in folder.glob(pattern):
+        if work.is_dir() and not work.is_symlink() and not owner_alive(work):
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def sweep_stale_pulls(folder: Path) -> None:
     """Delete the staging directories of pulls that were killed (their owner process is gone); another
     live pull's directory is left alone."""
-    for staging in folder.glob(STAGING_PREFIX + "*"):
-        if staging.is_dir() and not _owner_alive(staging):
-            shutil.rmtree(staging, ignore_errors=True)
+    sweep_stale_dirs(folder, STAGING_PREFIX + "*", _owner_alive)

@@ -22,8 +22,15 @@ PROMPT = ("<|im_start|>user\nWhat is the difference between weather and climate?
           "<|im_start|>assistant\n")
 N_GEN = 32
 
-converted = models.home() / "torch" / models.cached_path(TARGET).name / "source.json"
-pytestmark = pytest.mark.skipif(not (converted.exists() and models.cached_path(DRAFT).exists()),
+
+def _converted() -> bool:
+    from speculant.backends.torch import cache_dir_for, cache_problem
+
+    gguf = models.cached_path(TARGET)
+    return gguf.exists() and cache_problem(cache_dir_for(gguf), gguf.resolve()) is None
+
+
+pytestmark = pytest.mark.skipif(not (_converted() and models.cached_path(DRAFT).exists()),
                                 reason="Qwen 1.5B torch conversion or the 0.5B draft is not cached")
 
 

@@ -19,15 +19,21 @@ rows costs about what one over 1 does, weights dominate), and prefill runs in 32
 same shapes are used, so cuBLAS picks the same kernels for every pass.
 
 Converting a GGUF file takes tens of seconds (dequantizing, building the tokenizer), so the converted
-model is cached once under $SPECULANT_HOME/torch/<gguf name>/ as safetensors and reloaded from there.
+model is cached once under $SPECULANT_HOME/torch/<gguf name>-<hash of its path>/ as safetensors and reloaded from
+there while the GGUF's size, mtime and inode are those recorded (`cache_problem`; else it is converted again).
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import re
+import shutil
 import sys
 import threading
+from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
 from typing import Optional, Sequence
@@ -130,40 +136,158 @@ def _gguf_specials(path: Path) -> dict:
     return out
 
 
+CONVERT_FORMAT = 2  # the converted folder's layout: bump it when the files or source.json's fields change, and
+# every cache of another format is converted again (1: folders named after the GGUF's file name alone, no record)
+_TMP_NAME = re.compile(r"\.tmp(\d+)(\.old)?$")  # <entry>.tmp<pid>: a conversion's work folder; .old: a stale entry going
+
+
+def cache_dir_for(gguf: str | os.PathLike) -> Path:
+    """$SPECULANT_HOME/torch/<file name>-<hash of the resolved path>: two files of one name (model.gguf) never
+    share a conversion, and links to one file do."""
+    from .. import models
+
+    real = Path(gguf).resolve()
+    return models.home() / "torch" / f"{real.name}-{hashlib.sha256(str(real).encode()).hexdigest()[:12]}"
+
+
+def _source_record(gguf: Path) -> dict:
+    """What a conversion is valid for: this file (resolved path, inode) as it is now (size, mtime in ns)."""
+    st = gguf.stat()
+    return {"format": CONVERT_FORMAT, "gguf": str(gguf), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "inode": st.st_ino}
+
+
+def cache_problem(cache_dir: Path, gguf: Path) -> Optional[str]:
+    """None when cache_dir holds a complete conversion of the GGUF (resolved path) as it is now; else what is wrong
+    with it ("missing" when there is none). Checks source.json against the file, every file's recorded size,
+    that the JSON files parse and the safetensors header covers its file."""
+    if not cache_dir.is_dir():
+        return "missing"
+    try:
+        info = json.loads((cache_dir / "source.json").read_text(encoding="utf-8"))
+        if not isinstance(info, dict):
+            raise ValueError("not a JSON object")
+    except (OSError, ValueError) as e:
+        return f"damaged (source.json: {_reason(e)})"
+    if info.get("format") != CONVERT_FORMAT:
+        return f"of another format ({info.get('format', 1)!r}; this version writes {CONVERT_FORMAT})"
+    now = _source_record(gguf)
+    changed = [what for key, what in (("gguf", "path"), ("size", "size"), ("mtime_ns", "modification time"),
+                                      ("inode", "inode")) if info.get(key) != now[key]]
+    if changed:
+        return f"out of date (the GGUF's {', '.join(changed)} changed since it was converted)"
+    files = info.get("files")
+    if not isinstance(files, dict) or not {"model.safetensors", "config.json", "gguf_specials.json"} <= set(files):
+        return "damaged (source.json lists no complete set of files)"
+    for name, size in files.items():
+        path = cache_dir / Path(name).name
+        try:
+            if path.stat().st_size != size:
+                raise ValueError(f"{path.stat().st_size:,} bytes, not the {size!r} written")
+            if name.endswith(".json") and not isinstance(json.loads(path.read_text(encoding="utf-8")), dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
+            return f"damaged ({name}: {_reason(e)})"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(cache_dir / "model.safetensors"), "pt") as f:
+            f.keys()
+    except Exception as e:  # SafetensorError is no OSError
+        return f"damaged (model.safetensors: {_reason(e)})"
+    return None
+
+
+def _reason(e: BaseException) -> str:
+    return (str(e).splitlines() or [type(e).__name__])[0][:200] or type(e).__name__
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
+
+
+def _discard(cache_dir: Path) -> None:
+    """Remove an entry at once from its name (renamed away first: no half-deleted folder stays under it)."""
+    if cache_dir.exists() or cache_dir.is_symlink():
+        old = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}.old")
+        _remove(old)
+        os.replace(cache_dir, old)
+        _remove(old)
+
+
+@contextmanager
+def _entry_lock(cache_dir: Path):
+    """One conversion of an entry at a time, across processes: another waits, then finds it made."""
+    with open(cache_dir.with_name(f".{cache_dir.name}.lock"), "a") as lock:
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            print(f"speculant: waiting for another process converting {cache_dir.name} for the torch backend",
+                  file=sys.stderr)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield
+
+
+def _sweep_stale_conversions(cache_dir: Path) -> None:
+    """Delete the work folders of conversions that were killed (SIGKILL, a crash; other endings delete their
+    own): this entry's all (its lock is held here: nobody writes them), another entry's when its process is gone;
+    and this GGUF's folder of the layout before CONVERT_FORMAT 2 (torch/<file name>), which nothing reads now."""
+    from .. import models
+
+    def owner_alive(work: Path) -> bool:
+        m = _TMP_NAME.search(work.name)
+        if m is None:  # no work folder: an entry of a GGUF named like x.tmp.gguf
+            return True
+        return work.name[:m.start()] != cache_dir.name and models.pid_alive(int(m.group(1)))
+
+    models.sweep_stale_dirs(cache_dir.parent, "*.tmp*", owner_alive)
+    legacy = cache_dir.parent / cache_dir.name.rsplit("-", 1)[0]
+    if legacy.is_dir() and not legacy.is_symlink():
+        try:
+            old_format = "format" not in json.loads((legacy / "source.json").read_text(encoding="utf-8"))
+        except (OSError, ValueError, TypeError):
+            old_format = True
+        if old_format:
+            shutil.rmtree(legacy, ignore_errors=True)
+
+
 def _convert_gguf(path: Path, cache_dir: Path) -> Path:
-    """Load a GGUF through transformers once, save it as safetensors + tokenizer in cache_dir."""
+    """Load a GGUF through transformers once, save it as safetensors + tokenizer in cache_dir (written in a work
+    folder, deleted on any error, Ctrl-C or SIGTERM, then renamed into place)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    record = _source_record(path)  # before reading it: a file changed meanwhile is converted again next time
     tmp = cache_dir.with_name(cache_dir.name + f".tmp{os.getpid()}")
-    tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-    model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
-    model.config.quantization_config = None
-    if hasattr(model, "hf_quantizer"):
-        model.hf_quantizer = None
-    tmp.mkdir(parents=True, exist_ok=True)
-    from safetensors.torch import save_file
+    _remove(tmp)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        model.config.quantization_config = None
+        if hasattr(model, "hf_quantizer"):
+            model.hf_quantizer = None
+        tmp.mkdir(parents=True)
+        from safetensors.torch import save_file
 
-    state = {k: v.contiguous() for k, v in model.state_dict().items()}
-    if getattr(model.config, "tie_word_embeddings", False):
-        state.pop("lm_head.weight", None)
-    save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
-    cfg = model.config.to_dict()
-    cfg.pop("quantization_config", None)
-    (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
-    tok.save_pretrained(str(tmp))
-    (tmp / "gguf_specials.json").write_text(json.dumps(_gguf_specials(path)))
-    (tmp / "source.json").write_text(json.dumps({"gguf": str(path), "size": path.stat().st_size,
-                                                 "mtime": path.stat().st_mtime}))
-    os.replace(tmp, cache_dir) if not cache_dir.exists() else None
+        state = {k: v.contiguous() for k, v in model.state_dict().items()}
+        if getattr(model.config, "tie_word_embeddings", False):
+            state.pop("lm_head.weight", None)
+        save_file(state, str(tmp / "model.safetensors"), metadata={"format": "pt"})
+        cfg = model.config.to_dict()
+        cfg.pop("quantization_config", None)
+        (tmp / "config.json").write_text(json.dumps(cfg, indent=1, default=str))
+        tok.save_pretrained(str(tmp))
+        (tmp / "gguf_specials.json").write_text(json.dumps(_gguf_specials(path)))
+        files = {f.name: f.stat().st_size for f in tmp.iterdir() if f.is_file()}
+        (tmp / "source.json").write_text(json.dumps({**record, "files": files}))
+        _discard(cache_dir)
+        os.replace(tmp, cache_dir)
+    except BaseException:
+        _remove(tmp)
+        raise
     return cache_dir
-
-
-def _gguf_value(reader, key: str):
-    field = reader.fields.get(key)
-    if field is None or not field.data:
-        return None
-    part = field.parts[field.data[0]]
-    return bytes(part).decode("utf-8", "replace") if field.types and field.types[0].name == "STRING" else part[0]
 
 
 def check_gguf_supported(gguf: Path) -> None:
@@ -171,22 +295,24 @@ def check_gguf_supported(gguf: Path) -> None:
     computes full causal attention in every layer (blocked_attention) and no logit soft-capping, so a model
     with sliding-window layers (Gemma 3, Gemma 2) or soft-capping would give wrong logits (TorchBackend
     checks the converted config again)."""
-    try:
-        from gguf import GGUFReader
+    from ..native import gguf_header
 
-        reader = GGUFReader(str(gguf))
+    try:  # ggml's own header reader: gguf's GGUFReader maps every tokenizer array (~6 s for SmolLM2)
+        with gguf_header(gguf) as header:
+            arch = header.architecture()
+            keys = [f"{arch}.{k}" for k in ("attention.sliding_window", "context_length", "attn_logit_softcapping",
+                                              "final_logit_softcapping")]
+            meta = header.metadata(keys)
     except Exception:  # unreadable metadata: the conversion reports what is wrong with the file
         return
-    arch = _gguf_value(reader, "general.architecture")
     if not arch:
         return
     fix = "run it on the llama.cpp backend (--backend llama.cpp, or --backend-draft llama.cpp for a draft)"
-    window = _gguf_value(reader, f"{arch}.attention.sliding_window")
-    trained = _gguf_value(reader, f"{arch}.context_length")
+    window, trained = meta.get(keys[0]), meta.get(keys[1])
     if window and not (trained and int(window) >= int(trained)):  # a window past the training context limits nothing
         raise ModelError(f"{gguf.name}: the torch backend runs full-attention models only, and this {arch} model "
                          f"has sliding-window attention layers (window {int(window)}); {fix}")
-    if any(_gguf_value(reader, f"{arch}.{k}") for k in ("attn_logit_softcapping", "final_logit_softcapping")):
+    if any(meta.get(k) for k in keys[2:]):
         raise ModelError(f"{gguf.name}: logit soft-capping ({arch}) is not supported by the torch backend; {fix}")
 
 
@@ -201,18 +327,25 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
     gguf = models.resolve(str(model))
     check_gguf_supported(gguf)  # before a conversion of tens of seconds and a cache of a GB
-    cache_dir = models.home() / "torch" / gguf.name
-    src = cache_dir / "source.json"
-    if src.exists():
-        info = json.loads(src.read_text())
-        if info.get("size") == gguf.stat().st_size:
+    real = gguf.resolve()
+    cache_dir = cache_dir_for(real)
+    if cache_problem(cache_dir, real) is None:
+        return cache_dir
+    try:
+        cache_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ModelError(f"cannot write the torch conversion of {gguf.name} into {cache_dir.parent} "
+                         f"({e.strerror or e}); set SPECULANT_HOME to a writable directory") from None
+    with _LOCK, _entry_lock(cache_dir):
+        _sweep_stale_conversions(cache_dir)
+        why = cache_problem(cache_dir, real)  # another process may have converted it while this one waited
+        if why is None:
             return cache_dir
-    with _LOCK:
-        if cache_dir.exists():
-            import shutil
-
-            shutil.rmtree(cache_dir, ignore_errors=True)
-        return _convert_gguf(gguf, cache_dir)
+        if why != "missing":
+            print(f"speculant: warning: the torch conversion of {gguf.name} in {cache_dir} is {why}; converting "
+                  f"it again", file=sys.stderr)
+        _discard(cache_dir)  # its disk space back before the conversion writes as much again
+        return _convert_gguf(real, cache_dir)
 
 
 PASS_ROWS = 32  # every pass is cut into chunks of exactly this many tokens (see the module docstring)
