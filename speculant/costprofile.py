@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import statistics
 import sys
@@ -79,16 +80,70 @@ def from_times(times_ms: dict[int, float]) -> dict[int, float]:
 
 
 def save(backend, times_ms: dict[int, float], source: str) -> Path:
-    """Store a profile (atomic write)."""
+    """Store a profile (atomic write; a write that fails leaves no temporary file behind)."""
     path = profile_path(backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"model": str(backend.path), "threads": backend.n_threads, "source": source,
             "measured_ms": {str(n): round(v, 3) for n, v in sorted(times_ms.items())},
             "ratio": {str(n): round(v, 4) for n, v in from_times(times_ms).items()}}
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+    _write_atomic(path, json.dumps(data, indent=1))
     return path
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    """text into path through a temporary file beside it, which is removed whatever fails (OSError raised)."""
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        try:
+            tmp.unlink()  # gone already where the replace succeeded
+        except OSError:
+            pass
+
+
+def _number(value) -> Optional[float]:
+    """A JSON value as a finite float; None where it is no number (a bool, a string, null), NaN or infinite."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an integer too large for a float
+        return None
+    return value if math.isfinite(value) else None
+
+
+def _check(data) -> tuple[Optional[dict[int, float]], Optional[str]]:
+    """(r(n), None) where the stored data is a profile as from_times makes one: positive integer pass sizes with
+    r(1) = 1.0, finite positive ratios (numbers, not bools) that never decrease with the size, and a positive finite
+    T(1) in ms where measured_ms has one; else (None, what is wrong): the policy would divide by a zero or missing
+    r(1), or draft by a shape no machine has."""
+    if not isinstance(data, dict):
+        return None, "not a JSON object"
+    table = data.get("ratio")
+    if not isinstance(table, dict) or not table:
+        return None, "no \"ratio\" table"
+    ratio: dict[int, float] = {}
+    for key, value in table.items():
+        n = int(key) if isinstance(key, str) and key.isascii() and key.isdigit() and key == str(int(key)) else 0
+        r = _number(value)
+        if n < 1:
+            return None, f"pass size {json.dumps(key)[:20]} is not a positive integer"
+        if r is None or r <= 0:
+            return None, f"ratio[{json.dumps(key)[:20]}] = {json.dumps(value)[:20]} is not a positive finite number"
+        ratio[n] = r
+    if ratio.get(1) != 1.0:
+        return None, "ratio[\"1\"] is not 1.0"
+    sizes = sorted(ratio)
+    if any(ratio[b] < ratio[a] for a, b in zip(sizes, sizes[1:])):
+        return None, "the ratios decrease with the pass size"
+    measured = data.get("measured_ms", {})
+    if not isinstance(measured, dict):
+        return None, "\"measured_ms\" is not a table"
+    if "1" in measured and not (_number(measured["1"]) or 0) > 0:
+        return None, f"measured_ms[\"1\"] = {json.dumps(measured['1'])[:20]} is not a positive finite number"
+    return ratio, None
 
 
 def _stored(backend) -> Optional[dict]:
@@ -99,23 +154,35 @@ def _stored(backend) -> Optional[dict]:
         return None
 
 
-def load(backend) -> Optional[dict[int, float]]:
-    """The cached r(n) for this backend's key, or None."""
+def _cached(backend) -> tuple[Optional[dict[int, float]], Optional[str]]:
+    """(r(n), None) from this backend's cached profile; (None, None) where there is none; (None, why) where the
+    file is there but damaged or holds values no measurement makes."""
+    path = profile_path(backend)
     try:
-        return {int(n): float(v) for n, v in _stored(backend)["ratio"].items()}
-    except (KeyError, TypeError, ValueError, AttributeError):
-        return None
+        text = path.read_text()
+    except OSError:
+        return None, None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None, "not JSON"
+    return _check(data)
+
+
+def load(backend) -> Optional[dict[int, float]]:
+    """The cached r(n) for this backend's key; None where there is none, or none that is whole and sound."""
+    return _cached(backend)[0]
 
 
 def one_pass_seconds(backend) -> Optional[float]:
-    """T(1) in seconds as this backend's cached profile measured it, or None (no profile, or switched off)."""
+    """T(1) in seconds as this backend's cached profile measured it, or None (no sound profile, or switched off)."""
     if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0" or not hasattr(backend, "path"):
         return None
-    try:
-        ms = float(_stored(backend)["measured_ms"]["1"])
-    except (KeyError, TypeError, ValueError):
+    data = _stored(backend)
+    if _check(data)[0] is None:
         return None
-    return ms / 1000 if ms > 0 else None
+    ms = _number(data.get("measured_ms", {}).get("1"))
+    return ms / 1000 if ms else None
 
 
 # -- the draft model's prompt processing against the target's -------------------------------------------------
@@ -140,11 +207,14 @@ def prompt_ratio_path(draft, target) -> Optional[Path]:
 
 
 def _read_ratio(path: Optional[Path]) -> Optional[float]:
+    """The stored ratio: a positive finite number, else None (no file, a damaged one, or a value no measurement
+    makes: zero, negative, NaN, infinite, a bool or a string)."""
     try:
-        value = float(json.loads(path.read_text())["ratio"]) if path else None
-    except (OSError, ValueError, KeyError, TypeError):
+        data = json.loads(path.read_text()) if path else None
+    except (OSError, ValueError):
         return None
-    return value if value and value > 0 else None
+    value = _number(data.get("ratio")) if isinstance(data, dict) else None
+    return value if value is not None and value > 0 else None
 
 
 def prompt_ratio(draft, target) -> Optional[float]:
@@ -165,14 +235,15 @@ def observe_prompt_ratio(draft, target, draft_pass: tuple[float, int], target_pa
     if path is None:
         return
     ratio = (draft_s / draft_n) / (target_s / target_n)
+    if not (math.isfinite(ratio) and ratio > 0):
+        return
     old = _read_ratio(path)
     if old is not None:
         ratio = old + PROMPT_RATIO_RATE * (ratio - old)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-        tmp.write_text(json.dumps({"draft": str(draft.path), "target": str(target.path), "ratio": round(ratio, 4)}))
-        os.replace(tmp, path)
+        _write_atomic(path, json.dumps({"draft": str(draft.path), "target": str(target.path),
+                                        "ratio": round(ratio, 4)}))
     except OSError:
         pass  # a read-only cache only loses the prior
 
@@ -182,13 +253,20 @@ def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, fl
     measured (another runtime) or SPECULANT_COST_PROFILE=0. Measuring empties the backend's cache."""
     if os.environ.get("SPECULANT_COST_PROFILE", "1") == "0" or not hasattr(backend, "path"):
         return None
-    cached = load(backend)
+    cached, unsound = _cached(backend)
     if cached is not None or not measure:
         return cached
     if getattr(backend, "n_ctx", DEPTH + QUICK_SIZES[-1]) < DEPTH + QUICK_SIZES[-1]:
+        if unsound:
+            print(f"speculant: warning: ignoring the cached pass costs in {profile_path(backend)} ({unsound})",
+                  file=sys.stderr)
         return None  # no room to measure at a verify pass's depth: the policy starts unprimed and times passes itself
-    print(f"speculant: measuring {backend.name}'s pass costs once on this machine (cached in "
-          f"{profile_path(backend).parent})", file=sys.stderr)
+    if unsound:  # as where there is none: measured again (and the file replaced)
+        print(f"speculant: warning: ignoring the cached pass costs in {profile_path(backend)} ({unsound}); "
+              f"measuring {backend.name}'s again", file=sys.stderr)
+    else:
+        print(f"speculant: measuring {backend.name}'s pass costs once on this machine (cached in "
+              f"{profile_path(backend).parent})", file=sys.stderr)
     pass_times_ms(backend, QUICK_SIZES[:2])  # warm-up
     rounds_ms = [pass_times_ms(backend, QUICK_SIZES) for _ in range(rounds)]
     times = {n: statistics.median(r[n] for r in rounds_ms) for n in QUICK_SIZES}

@@ -118,30 +118,65 @@ def _mb(n: int) -> float:
     return round(n / MiB, 1)
 
 
-def _cached(path: Path, tag: str, compute):
-    """compute() for a file, kept as JSON in $SPECULANT_HOME/plan-cache, keyed by file, size, mtime and tag."""
+# The layout of a plan-cache file: {"format": PLAN_CACHE_FORMAT, "value": ...}. Raise it whenever what
+# _read_facts or quantize.dry_run's tensor list holds changes: an older file is then a miss, made again.
+PLAN_CACHE_FORMAT = 2
+_FACT_NUMBERS = ("n_layer", "n_embd", "n_head", "n_head_kv", "n_ff", "head_k", "head_v", "n_vocab", "n_ctx_train",
+                 "file_bytes", "data_bytes")
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _tensor_list(value) -> bool:
+    """A tensor list as _read_facts and quantize.dry_run make it: [name, type, shape, bytes, elements] each."""
+    return isinstance(value, list) and all(
+        isinstance(t, list) and len(t) == 5 and isinstance(t[0], str) and isinstance(t[1], str)
+        and isinstance(t[2], list) and all(_count(d) for d in t[2]) and _count(t[3]) and _count(t[4]) for t in value)
+
+
+def _facts_shape(value) -> bool:
+    """Whether a cached value has exactly the keys and types _read_facts writes."""
+    return isinstance(value, dict) and set(value) == {"arch", "file_type", "tensors", *_FACT_NUMBERS} \
+        and isinstance(value["arch"], str) and isinstance(value["file_type"], str) \
+        and all(_count(value[k]) for k in _FACT_NUMBERS) and _tensor_list(value["tensors"])
+
+
+def _cached(path: Path, tag: str, compute, valid):
+    """compute() for a file, kept as JSON in $SPECULANT_HOME/plan-cache, keyed by file, size, mtime and tag. A
+    stored value is used only where it is of this PLAN_CACHE_FORMAT and valid(value) holds (the producer's keys
+    and types); anything else (damaged, older, edited) is a miss: computed again and the file replaced."""
     st = path.stat()
     key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}{tag}".encode()).hexdigest()[:24]
     cache = models.home() / "plan-cache" / f"{key}{'.quantized' if tag else ''}.json"
     try:
-        return json.loads(cache.read_text(encoding="utf-8"))
+        stored = json.loads(cache.read_text(encoding="utf-8"))
     except (OSError, ValueError):
-        pass
+        stored = None
+    if isinstance(stored, dict) and stored.get("format") == PLAN_CACHE_FORMAT and set(stored) == {"format", "value"} \
+            and valid(stored["value"]):
+        return stored["value"]
     value = compute()
+    tmp = cache.with_suffix(f".{os.getpid()}.tmp")
     try:
         cache.parent.mkdir(parents=True, exist_ok=True)
-        tmp = cache.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(value), encoding="utf-8")
+        tmp.write_text(json.dumps({"format": PLAN_CACHE_FORMAT, "value": value}), encoding="utf-8")
         os.replace(tmp, cache)
     except OSError:
         pass  # a read-only cache only costs time
+    finally:
+        try:
+            tmp.unlink()  # gone already where the replace succeeded
+        except OSError:
+            pass
     return value
 
 
 def gguf_facts(path: Path) -> dict:
     """Shapes and types from a GGUF header: what the plan is computed from (ggml's parser, milliseconds), kept in
     $SPECULANT_HOME/plan-cache, keyed by file and mtime."""
-    return _cached(path, "", lambda: _read_facts(path))
+    return _cached(path, "", lambda: _read_facts(path), _facts_shape)
 
 
 def _read_facts(path: Path) -> dict:
@@ -275,7 +310,8 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
 def quantized_facts(path: Path, type_name: str) -> list:
     """The tensor list (as gguf_facts' "tensors") `speculant quantize --type TYPE` would make of the file:
     llama.cpp's quantizer in a dry run (quantize.dry_run), kept in $SPECULANT_HOME/plan-cache like the facts."""
-    return _cached(path, f":{type_name}", lambda: quantize.dry_run(path, type_name).tensors)
+    return _cached(path, f":{type_name}", lambda: quantize.dry_run(path, type_name).tensors,
+                   lambda value: _tensor_list(value) and bool(value))
 
 
 def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,

@@ -167,3 +167,140 @@ def test_a_context_too_short_to_measure_in_leaves_the_policy_unprimed(tmp_path, 
         assert not (tmp_path / "costs").exists()
     finally:
         b.close()
+
+
+# -- cached files that parse but hold values no measurement makes ----------------------------------------------
+UNSOUND_PROFILES = [
+    {"ratio": {"5": 1.0}, "measured_ms": {"1": 10}},  # no size 1: prior_ratio divided by zero
+    {"ratio": {"1": 0, "2": 0}},  # zero ratios: best_draft_length divided by zero
+    {"ratio": {"1": 1.0, "2": False}},  # a bool is no number
+    {"ratio": {"1": True, "2": True}},
+    {"ratio": {"1": 1.0, "2": float("nan")}},  # NaN and negative ratios passed silently and changed the drafting
+    {"ratio": {"1": 1.0, "2": -1.0}},
+    {"ratio": {"1": 1.0, "2": float("inf")}},
+    {"ratio": {"1": 1.0, "2": "1.2"}},  # a string is no number
+    {"ratio": {"1": 2.0, "2": 2.5}},  # r(1) is T(1) / T(1)
+    {"ratio": {"1": 1.0, "2": 1.5, "3": 1.2}},  # from_times never writes a decreasing profile
+    {"ratio": {"0": 1.0, "1": 1.0}},
+    {"ratio": {"1": 1.0, "x": 1.5}},
+    {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": {"1": 0}},  # T(1) is what the policy scales by
+    {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": {"1": -5}},
+    {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": {"1": float("nan")}},
+    {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": {"1": True}},
+    {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": [10]},
+    {"ratio": {}},
+    {"ratio": [1.0, 1.5]},
+    [],
+    None,
+]
+
+
+def _fake_target(home):
+    """A backend whose profile key is real (a file, a thread count) and whose measurement is made up."""
+    model = home / "m.gguf"
+    model.write_bytes(b"m" * 100)
+    b = _Model(model, n_threads=1)
+    b.name = "m.gguf"
+    return b
+
+
+@pytest.mark.parametrize("stored", UNSOUND_PROFILES, ids=lambda v: json.dumps(v)[:60])
+def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeypatch, capsys, stored):
+    b = _fake_target(home)
+    times = {n: 10.0 + 2.0 * (n - 1) for n in costprofile.QUICK_SIZES}
+    measured = []
+    monkeypatch.setattr(costprofile, "pass_times_ms", lambda backend, ns, depth=0: measured.append(ns) or times)
+    path = costprofile.profile_path(b)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(stored))
+    assert costprofile.load(b) is None and costprofile.one_pass_seconds(b) is None
+    assert costprofile.get(b, measure=False) is None and not capsys.readouterr().err  # no measuring: no word
+    prof = costprofile.get(b)
+    err = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert len(err) == 1 and err[0].startswith("speculant: warning: ignoring the cached pass costs in ") \
+        and str(path) in err[0] and "measuring m.gguf's again" in err[0], err
+    assert measured and prof == costprofile.from_times(times)
+    assert costprofile.load(b) == prof and costprofile.one_pass_seconds(b) == pytest.approx(0.010)  # replaced
+    # the policy runs on what was measured
+    pol = AdaptivePolicy(cost_prior=prof, t1_prior=costprofile.one_pass_seconds(b))
+    assert pol.prior_ratio(20) > pol.prior_ratio(16) > 1.0
+    assert best_draft_length(0.8, 0.001, pol.target_time, 1, 8) >= 1
+
+
+def test_a_sound_profile_is_read_as_written(home):
+    b = _fake_target(home)
+    path = costprofile.save(b, {1: 10.0, 2: 12.0, 4: 15.0}, source="test")
+    assert costprofile.load(b) == {1: 1.0, 2: 1.2, 4: 1.5} and costprofile.one_pass_seconds(b) == 0.010
+    data = json.loads(path.read_text())
+    del data["measured_ms"]  # T(1) is optional: the policy times it itself
+    data["ratio"] = {"1": 1, "2": 1.2, "4": 1.2}  # an integer 1 is 1.0; equal neighbours do not decrease
+    path.write_text(json.dumps(data))
+    assert costprofile.load(b) == {1: 1.0, 2: 1.2, 4: 1.2} and costprofile.one_pass_seconds(b) is None
+
+
+@pytest.mark.models
+def test_generate_measures_again_over_an_unsound_profile(tmp_path, monkeypatch):
+    """The auditor's file: `generate` died of a ZeroDivisionError (and serve answered 500) before."""
+    import os
+    import subprocess
+    import sys
+
+    from speculant.backends.llamacpp import LlamaCppBackend
+
+    src = models.cached_path(SMALL)
+    if not src.exists():
+        pytest.skip(f"{SMALL} not pulled")
+    (tmp_path / "models").symlink_to(src.parent)  # the real models, read only; everything else under tmp_path
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path))
+    monkeypatch.delenv("SPECULANT_COST_PROFILE", raising=False)
+    b = LlamaCppBackend(src, n_ctx=256, n_threads=1)  # loaded as generate loads the target: the same key
+    path = costprofile.profile_path(b)
+    b.close()
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"ratio": {"5": 1.0}, "measured_ms": {"1": 10}}))
+    prompt = tmp_path / "prompt.txt"
+    prompt.write_text("def f(x):\n    return x + 1\n\ndef g(x):\n    return x + 1\n")
+    proc = subprocess.run([sys.executable, "-m", "speculant", "generate", "-m", SMALL, "-md", "lookup", "-t", "1",
+                           "-n", "16", "-f", str(prompt)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ))
+    assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert "warning: ignoring the cached pass costs" in proc.stderr and str(path) in proc.stderr, proc.stderr
+    assert costprofile.load(b) is not None  # measured again, and kept
+
+
+@pytest.mark.parametrize("stored", [{"ratio": 0}, {"ratio": -0.5}, {"ratio": float("nan")}, {"ratio": float("inf")},
+                                    {"ratio": True}, {"ratio": "0.5"}, {"ratio": None}, {"ratio": [0.5]}, [0.5],
+                                    "0.5", None], ids=lambda v: json.dumps(v))
+def test_an_unsound_prompt_ratio_is_not_used_nor_folded_into(home, stored):
+    draft_file, target_file = home / "draft.gguf", home / "target.gguf"
+    draft_file.write_bytes(b"d" * 10)
+    target_file.write_bytes(b"t" * 30)
+    draft, target = _Model(draft_file), _Model(target_file)
+    path = costprofile.prompt_ratio_path(draft, target)
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps(stored))
+    assert costprofile.prompt_ratio(draft, target) is None
+    costprofile.observe_prompt_ratio(draft, target, (1.0, 500), (2.0, 500))  # measured afresh: 0.5
+    assert costprofile.prompt_ratio(draft, target) == pytest.approx(0.5)
+    costprofile.observe_prompt_ratio(draft, target, (float("nan"), 500), (2.0, 500))  # a timing no clock gives
+    assert costprofile.prompt_ratio(draft, target) == pytest.approx(0.5)
+
+
+# -- a write that fails leaves nothing behind ------------------------------------------------------------------
+def test_a_failed_profile_write_leaves_no_temporary_file(home):
+    b = _fake_target(home)
+    costprofile.profile_path(b).mkdir(parents=True)  # the target path is a directory: os.replace fails
+    with pytest.raises(OSError):
+        costprofile.save(b, {1: 10.0, 2: 12.0}, source="test")
+    assert sorted(p.name for p in (home / "costs").iterdir()) == [costprofile.profile_path(b).name]
+
+
+def test_a_failed_prompt_ratio_write_leaves_no_temporary_file(home):
+    draft_file, target_file = home / "draft.gguf", home / "target.gguf"
+    draft_file.write_bytes(b"d" * 10)
+    target_file.write_bytes(b"t" * 30)
+    draft, target = _Model(draft_file), _Model(target_file)
+    path = costprofile.prompt_ratio_path(draft, target)
+    path.mkdir(parents=True)
+    costprofile.observe_prompt_ratio(draft, target, (1.0, 500), (2.0, 500))  # a cache it cannot write: ignored
+    assert sorted(p.name for p in (home / "costs").iterdir()) == [path.name]

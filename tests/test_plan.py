@@ -73,7 +73,7 @@ def test_repacked_weights_match_llama_cpp(model, monkeypatch):
     assert plan.plan_model(model, "target", 512).repacked == 0
 
 
-def test_repacked_q2_K_weights_match_llama_cpp(tmp_path):
+def test_repacked_q2_K_weights_match_llama_cpp(tmp_path, monkeypatch):
     """llama.cpp repacks Q2_K where the CPU has AVX-512 and leaves it plain elsewhere: the plan of the target
     requantized to Q2_K (mostly Q2_K, then Q3_K, Q4_K repacked) counts what its CPU_REPACK buffer holds."""
     need(TARGET)
@@ -82,7 +82,9 @@ def test_repacked_q2_K_weights_match_llama_cpp(tmp_path):
     quantize.make(models.cached_path(TARGET), path, quantize.file_type("Q2_K"), allow_requantize=True,
                   output_tensor_type=q8_0, token_embedding_type=q8_0, progress=False)
     log = _llama_log(path, 512, True)
+    monkeypatch.setenv("SPECULANT_HOME", str(tmp_path / "home"))  # the temporary file's facts: not in the user's cache
     assert abs(plan.plan_model(str(path), "target", 512).repacked / 2 ** 20 - _mib(log, "CPU_REPACK model")) < 1.0
+    assert len(list((tmp_path / "home" / "plan-cache").glob("*.json"))) == 1
 
 
 def test_kv_per_token_from_metadata(monkeypatch):
@@ -98,8 +100,12 @@ def test_kv_per_token_from_metadata(monkeypatch):
     assert t.mapped == 0 and t.repacked > 0 and size - 16 * 2 ** 20 < t.loaded + t.repacked < size  # read, no mmap
 
 
-def run(*args):
-    return subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, text=True, timeout=300)
+def run(*args, home=None):
+    """The CLI; home: a SPECULANT_HOME of its own (where it plans files that are not the real models: their
+    plan-cache entries must not pile up in the user's cache)."""
+    env = {**__import__("os").environ, "SPECULANT_HOME": str(home)} if home else None
+    return subprocess.run([sys.executable, "-m", "speculant", *args], capture_output=True, text=True, timeout=300,
+                          env=env)
 
 
 def test_cli_json_and_mem():
@@ -249,10 +255,11 @@ def _unloadable_gguf(path):
 
 def test_a_failed_measurement_is_one_line(tmp_path, monkeypatch):
     bad = _unloadable_gguf(tmp_path / "bad.gguf")
-    proc = run("plan", "-m", str(bad), "-c", "256", "--measure")
+    proc = run("plan", "-m", str(bad), "-c", "256", "--measure", home=tmp_path / "home")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = [s for s in proc.stderr.splitlines() if s.strip()]
     assert len(lines) == 1 and lines[0].startswith("speculant: error: memory measurement failed: "), proc.stderr
+    assert len(list((tmp_path / "home" / "plan-cache").glob("*.json"))) == 1  # the temporary file's facts: here
     from speculant.errors import ModelError
 
     def too_slow(*args, timeout=None, **kwargs):
