@@ -273,7 +273,7 @@ def test_plain_rows_of_a_repacked_type_give_the_repacked_bits(qtype):
         # 70 superblocks: rows of 17920 values, whose scales the Q4_K copy gathers in two parts
         for nb in BLOCK_COUNTS[BLOCK_VALUES[qtype]] + ((70,) if BLOCK_VALUES[qtype] == 256 else ()):
             x = _random_weights(rng, qtype, nb)
-            for ncols in (1, 2, 5, 9, 17):
+            for ncols in (1, 2, 3, 4, 5, 9, 17):
                 y, _ = _random_columns(rng, qtype, ncols, nb)
                 repacked, _ = _mm(fn, qtype, 1, x, y, ncols, group=fn.max_group(qtype, 1))
                 for group in sorted({1, 3, fn.max_group(qtype, 1)}):

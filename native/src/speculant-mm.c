@@ -243,12 +243,45 @@ static inline void k_scales_mins(const uint8_t * packed, uint32_t u[4]) {
     memcpy(u + 2, &mins, 8);
 }
 
+// The integers of Q4_K superblock x against NC columns' superblocks y[c] + i, as ggml's kernels form them: per
+// column the 8 int32 lanes of the scaled products (sumi) and the 4 of the mins' products (mins_prod). Shared by
+// dot_q4_K and q4_K_rep (which differ in their float steps only).
+static inline __attribute__((always_inline)) void q4_K_isums(const int NC, const block_q4_K * x,
+                                                            const block_q8_K * const * y, const int i,
+                                                            __m256i * sumi, __m128i * mins_prod) {
+    const __m256i m4 = _mm256_set1_epi8(0xF);
+    // weights: 8 six-bit scales and 8 mins (K-quant packing), the same int16 vectors as ggml's
+    uint32_t u[4];
+    k_scales_mins(x->scales, u);
+    const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
+    const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
+    const uint8_t * sc = (const uint8_t *) u;  // sc[0..7]: scales
+    for (int c = 0; c < NC; ++c) {
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
+        const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
+        mins_prod[c] = _mm_madd_epi16(mins, q8s);
+        sumi[c] = _mm256_setzero_si256();
+    }
+    for (int j = 0; j < QK_K / 64; ++j) {
+        const __m256i scale_l = _mm256_set1_epi16(sc[2 * j + 0]);
+        const __m256i scale_h = _mm256_set1_epi16(sc[2 * j + 1]);
+        const __m256i q4bits = _mm256_loadu_si256((const __m256i *) (x->qs + 32 * j));
+        const __m256i q4l = _mm256_and_si256(q4bits, m4);
+        const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs + 64 * j;
+            const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *) q8)));
+            const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
+            sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(p16l, p16h));
+        }
+    }
+}
+
 // Q4_K x q8_K for NC columns. y[c] is column c's q8_K row. `order` lists the superblocks in the order they
 // are summed (the identity, except in the test that proves a reordered sum is seen).
 static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const int nb, const block_q4_K * x,
                                                           const block_q8_K * const * y, const int * order,
                                                           float * out) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
     __m256 acc[SPECULANT_MM_COLS];
     __m128 acc_m[SPECULANT_MM_COLS];
     for (int c = 0; c < NC; ++c) { acc[c] = _mm256_setzero_ps(); acc_m[c] = _mm_setzero_ps(); }
@@ -256,39 +289,14 @@ static inline __attribute__((always_inline)) void dot_q4_K(const int NC, const i
     for (int ii = 0; ii < nb; ++ii) {
         const int i = order ? order[ii] : ii;
         prefetch_stream(x + i, sizeof(*x));
-        // weights: 8 six-bit scales and 8 mins (K-quant packing), the same int16 vectors as ggml's
-        uint32_t u[4];
-        k_scales_mins(x[i].scales, u);
-        const __m256i mins_and_scales = _mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0]));
-        const __m128i mins = _mm256_extracti128_si256(mins_and_scales, 1);
-        const uint8_t * sc = (const uint8_t *) u;  // sc[0..7]: scales
         const float xd = fp16_to_fp32(x[i].d);
         const float xdmin = fp16_to_fp32(x[i].dmin);
-
         __m256i sumi[SPECULANT_MM_COLS];
+        __m128i mins_prod[SPECULANT_MM_COLS];
+        q4_K_isums(NC, x + i, y, i, sumi, mins_prod);
         for (int c = 0; c < NC; ++c) {
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
-            const __m128i q8s = _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0), _mm256_extracti128_si256(q8sums, 1));
-            const __m128i prod = _mm_madd_epi16(mins, q8s);
             const float dmin = -y[c][i].d * xdmin;
-            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(prod), acc_m[c]);
-            sumi[c] = _mm256_setzero_si256();
-        }
-        const uint8_t * q4 = x[i].qs;
-        for (int j = 0; j < QK_K / 64; ++j) {
-            const __m256i scale_l = _mm256_set1_epi16(sc[2 * j + 0]);
-            const __m256i scale_h = _mm256_set1_epi16(sc[2 * j + 1]);
-            const __m256i q4bits = _mm256_loadu_si256((const __m256i *) (q4 + 32 * j));
-            const __m256i q4l = _mm256_and_si256(q4bits, m4);
-            const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-            for (int c = 0; c < NC; ++c) {
-                const int8_t * q8 = y[c][i].qs + 64 * j;
-                const __m256i p16l = _mm256_madd_epi16(scale_l, _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *) q8)));
-                const __m256i p16h = _mm256_madd_epi16(scale_h, _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
-                sumi[c] = _mm256_add_epi32(sumi[c], _mm256_add_epi32(p16l, p16h));
-            }
-        }
-        for (int c = 0; c < NC; ++c) {
+            acc_m[c] = _mm_fmadd_ps(_mm_set1_ps(dmin), _mm_cvtepi32_ps(mins_prod[c]), acc_m[c]);
             const float d = y[c][i].d * xd;
             acc[c] = fma_lanes(d, sumi[c], acc[c]);
         }
@@ -861,6 +869,36 @@ static inline __attribute__((always_inline)) void q6_K_values(const block_q6_K *
                             _mm256_srli_epi16(_mm256_and_si256(bitsH, _mm256_set1_epi8(-64)), 2));
 }
 
+// The integers of Q6_K superblock x against NC columns' superblocks y[c] + i, as ggml's kernels form them: per
+// column 8 int32 lanes, the -32 offset of every 6-bit value folded in (see q4_K_isums).
+static inline __attribute__((always_inline)) void q6_K_isums(const int NC, const block_q6_K * x,
+                                                            const block_q8_K * const * y, const int i, __m256i * sumi) {
+    const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x->scales));
+    for (int c = 0; c < NC; ++c) {
+        // the -32 offset of every 6-bit value, per pair of 16-value groups
+        const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
+        sumi[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
+    }
+    for (int j = 0; j < QK_K / 128; ++j) {
+        __m256i q6[4];
+        q6_K_values(x, j, q6);
+        __m256i scale[4];
+        for (int k = 0; k < 4; ++k) {
+            const int m = 4 * j + k;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
+            scale[k] = _mm256_set_m128i(_mm_set1_epi16(x->scales[2 * m + 1]), _mm_set1_epi16(x->scales[2 * m]));
+        }
+        for (int c = 0; c < NC; ++c) {
+            const int8_t * q8 = y[c][i].qs + 128 * j;
+            __m256i s = sumi[c];
+            for (int k = 0; k < 4; ++k) {
+                const __m256i p16 = _mm256_maddubs_epi16(q6[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k)));
+                s = _mm256_add_epi32(s, _mm256_madd_epi16(scale[k], p16));
+            }
+            sumi[c] = s;
+        }
+    }
+}
+
 // Q6_K x q8_K for NC columns (see dot_q4_K).
 static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const int nb, const block_q6_K * x,
                                                           const block_q8_K * const * y, const int * order,
@@ -872,31 +910,8 @@ static inline __attribute__((always_inline)) void dot_q6_K(const int NC, const i
         const int i = order ? order[ii] : ii;
         prefetch_stream(x + i, sizeof(*x));
         const float xd = fp16_to_fp32(x[i].d);
-        const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
         __m256i sumi[SPECULANT_MM_COLS];
-        for (int c = 0; c < NC; ++c) {
-            // the -32 offset of every 6-bit value, per pair of 16-value groups
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[c][i].bsums);
-            sumi[c] = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
-        }
-        for (int j = 0; j < QK_K / 128; ++j) {
-            __m256i q6[4];
-            q6_K_values(x + i, j, q6);
-            __m256i scale[4];
-            for (int k = 0; k < 4; ++k) {
-                const int m = 4 * j + k;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
-                scale[k] = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[2 * m + 1]), _mm_set1_epi16(x[i].scales[2 * m]));
-            }
-            for (int c = 0; c < NC; ++c) {
-                const int8_t * q8 = y[c][i].qs + 128 * j;
-                __m256i s = sumi[c];
-                for (int k = 0; k < 4; ++k) {
-                    const __m256i p16 = _mm256_maddubs_epi16(q6[k], _mm256_loadu_si256((const __m256i *) (q8 + 32 * k)));
-                    s = _mm256_add_epi32(s, _mm256_madd_epi16(scale[k], p16));
-                }
-                sumi[c] = s;
-            }
-        }
+        q6_K_isums(NC, x + i, y, i, sumi);
         for (int c = 0; c < NC; ++c) {
             const float d = y[c][i].d * xd;
             acc[c] = fma_lanes(d, sumi[c], acc[c]);
@@ -3447,139 +3462,117 @@ bool speculant_mm_supported(const struct ggml_tensor * src0, const struct ggml_t
         && ggml_is_contiguous(src1) && src0->ne[0] % ggml_blck_size(src0->type) == 0;
 }
 
-// -- one token over plain Q4_K and Q6_K rows with the repacked kernels' float steps (plain_as_repacked) --
+// -- a few tokens over plain Q4_K and Q6_K rows with the repacked kernels' float steps (plain_as_repacked) --
 //
-// Per superblock the integer totals (Q4_K: of the scaled products and of the mins' products; Q6_K: of the scaled
-// products, its -32 offset folded in), converted to float and added with one fused multiply-add by x.d * y.d (and
-// x.dmin * y.d) in superblock order: q4_Kx8_cols's and q6_Kx8_cols's operations. The integers are those of the
-// plain kernels (dot_q4_K, dot_q6_K). Eight superblocks' lane sums are reduced together (a tree of horizontal adds),
-// which a total per superblock would make cost as much as the products.
+// Per superblock and column the integer totals (Q4_K: of the scaled products and of the mins' products; Q6_K: of the
+// scaled products, its -32 offset folded in), converted to float and added with one fused multiply-add by x.d * y.d
+// (and x.dmin * y.d) in superblock order: q4_Kx8_cols's and q6_Kx8_cols's operations. The integers are the plain
+// kernels' (q4_K_isums, q6_K_isums: each row unpacked once for all REP_COLS columns). Eight superblocks' lane sums
+// are reduced together (a tree of horizontal adds), which a total per superblock would make cost as much as the
+// products.
 
-enum { REP1_BATCH = 8 };
+enum { REP_BATCH = 8, REP_COLS = 4 };
 
 // the totals of 8 vectors of 8 int32 lanes, in order
-static inline __m256i sum8x8_epi32(const __m256i v[REP1_BATCH]) {
+static inline __m256i sum8x8_epi32(const __m256i v[REP_BATCH]) {
     const __m256i h0 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[0], v[1]), _mm256_hadd_epi32(v[2], v[3]));
     const __m256i h1 = _mm256_hadd_epi32(_mm256_hadd_epi32(v[4], v[5]), _mm256_hadd_epi32(v[6], v[7]));
     return _mm256_add_epi32(_mm256_permute2x128_si256(h0, h1, 0x20), _mm256_permute2x128_si256(h0, h1, 0x31));
 }
 
 // the totals of 8 vectors of 4 int32 lanes, in order
-static inline __m256i sum8x4_epi32(const __m128i v[REP1_BATCH]) {
+static inline __m256i sum8x4_epi32(const __m128i v[REP_BATCH]) {
     const __m128i lo = _mm_hadd_epi32(_mm_hadd_epi32(v[0], v[1]), _mm_hadd_epi32(v[2], v[3]));
     const __m128i hi = _mm_hadd_epi32(_mm_hadd_epi32(v[4], v[5]), _mm_hadd_epi32(v[6], v[7]));
     return _mm256_set_m128i(hi, lo);
 }
 
-static float q4_K_rep1(const int nb, const block_q4_K * x, const block_q8_K * y) {
-    const __m256i m4 = _mm256_set1_epi8(0xF);
-    float acc = 0.0f, acc_min = 0.0f;
-    for (int i0 = 0; i0 < nb; i0 += REP1_BATCH) {
-        const int n = nb - i0 < REP1_BATCH ? nb - i0 : REP1_BATCH;
-        __m256i sums[REP1_BATCH];
-        __m128i mins_sums[REP1_BATCH];
-        float d[REP1_BATCH], dmin[REP1_BATCH];
-        for (int k = 0; k < REP1_BATCH; ++k) {
+// one plain Q4_K (is_q4) or Q6_K row of nb superblocks x NC columns y[c], the repacked bits in out[c]
+static inline __attribute__((always_inline)) void k_rep(const int NC, const bool is_q4, const int nb, const void * row,
+                                                       const block_q8_K * const * y, float * out) {
+    const block_q4_K * x4 = row;
+    const block_q6_K * x6 = row;
+    float acc[REP_COLS], acc_min[REP_COLS];
+    for (int c = 0; c < NC; ++c) acc[c] = acc_min[c] = 0.0f;
+    for (int i0 = 0; i0 < nb; i0 += REP_BATCH) {
+        const int n = nb - i0 < REP_BATCH ? nb - i0 : REP_BATCH;
+        __m256i sums[REP_COLS][REP_BATCH];
+        __m128i mins_sums[REP_COLS][REP_BATCH];
+        float xd[REP_BATCH], xdmin[REP_BATCH];
+        for (int k = 0; k < REP_BATCH; ++k) {
+            __m256i sumi[REP_COLS];
+            __m128i mins_prod[REP_COLS];
             if (k >= n) {
-                sums[k] = _mm256_setzero_si256();
-                mins_sums[k] = _mm_setzero_si128();
-                continue;
+                for (int c = 0; c < NC; ++c) { sumi[c] = _mm256_setzero_si256(); mins_prod[c] = _mm_setzero_si128(); }
+            } else if (is_q4) {
+                prefetch_stream(x4 + i0 + k, sizeof(*x4));
+                q4_K_isums(NC, x4 + i0 + k, y, i0 + k, sumi, mins_prod);
+                xd[k] = fp16_to_fp32(x4[i0 + k].d);
+                xdmin[k] = fp16_to_fp32(x4[i0 + k].dmin);
+            } else {
+                prefetch_stream(x6 + i0 + k, sizeof(*x6));
+                q6_K_isums(NC, x6 + i0 + k, y, i0 + k, sumi);
+                xd[k] = fp16_to_fp32(x6[i0 + k].d);
             }
-            const int i = i0 + k;
-            prefetch_stream(x + i, sizeof(*x));
-            uint32_t u[4];
-            k_scales_mins(x[i].scales, u);
-            const __m128i mins = _mm256_extracti128_si256(_mm256_cvtepu8_epi16(_mm_set_epi32(u[3], u[2], u[1], u[0])), 1);
-            const uint8_t * sc = (const uint8_t *) u;
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
-            mins_sums[k] = _mm_madd_epi16(mins, _mm_hadd_epi16(_mm256_extracti128_si256(q8sums, 0),
-                                                               _mm256_extracti128_si256(q8sums, 1)));
-            __m256i sumi = _mm256_setzero_si256();
-            for (int j = 0; j < QK_K / 64; ++j) {
-                const __m256i q4bits = _mm256_loadu_si256((const __m256i *) (x[i].qs + 32 * j));
-                const __m256i q4l = _mm256_and_si256(q4bits, m4);
-                const __m256i q4h = _mm256_and_si256(_mm256_srli_epi16(q4bits, 4), m4);
-                const int8_t * q8 = y[i].qs + 64 * j;
-                const __m256i p16l = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j]),
-                                                       _mm256_maddubs_epi16(q4l, _mm256_loadu_si256((const __m256i *) q8)));
-                const __m256i p16h = _mm256_madd_epi16(_mm256_set1_epi16(sc[2 * j + 1]),
-                                                       _mm256_maddubs_epi16(q4h, _mm256_loadu_si256((const __m256i *) (q8 + 32))));
-                sumi = _mm256_add_epi32(sumi, _mm256_add_epi32(p16l, p16h));
+            for (int c = 0; c < NC; ++c) {
+                sums[c][k] = sumi[c];
+                if (is_q4) mins_sums[c][k] = mins_prod[c];
             }
-            sums[k] = sumi;
-            d[k] = fp16_to_fp32(x[i].d) * y[i].d;
-            dmin[k] = fp16_to_fp32(x[i].dmin) * y[i].d;
         }
-        float total[REP1_BATCH], total_min[REP1_BATCH];
-        _mm256_storeu_ps(total, _mm256_cvtepi32_ps(sum8x8_epi32(sums)));
-        _mm256_storeu_ps(total_min, _mm256_cvtepi32_ps(sum8x4_epi32(mins_sums)));
-        for (int k = 0; k < n; ++k) {
-            acc = fmaf(total[k], d[k], acc);
-            acc_min = fmaf(total_min[k], dmin[k], acc_min);
+        for (int c = 0; c < NC; ++c) {
+            float total[REP_BATCH], total_min[REP_BATCH];
+            _mm256_storeu_ps(total, _mm256_cvtepi32_ps(sum8x8_epi32(sums[c])));
+            if (is_q4) _mm256_storeu_ps(total_min, _mm256_cvtepi32_ps(sum8x4_epi32(mins_sums[c])));
+            for (int k = 0; k < n; ++k) {
+                const float yd = y[c][i0 + k].d;
+                acc[c] = fmaf(total[k], xd[k] * yd, acc[c]);
+                if (is_q4) acc_min[c] = fmaf(total_min[k], xdmin[k] * yd, acc_min[c]);
+            }
         }
     }
-    return acc - acc_min;
+    for (int c = 0; c < NC; ++c) out[c] = acc[c] - acc_min[c];
 }
 
-static float q6_K_rep1(const int nb, const block_q6_K * x, const block_q8_K * y) {
-    float acc = 0.0f;
-    for (int i0 = 0; i0 < nb; i0 += REP1_BATCH) {
-        const int n = nb - i0 < REP1_BATCH ? nb - i0 : REP1_BATCH;
-        __m256i sums[REP1_BATCH];
-        float d[REP1_BATCH];
-        for (int k = 0; k < REP1_BATCH; ++k) {
-            if (k >= n) {
-                sums[k] = _mm256_setzero_si256();
-                continue;
-            }
-            const int i = i0 + k;
-            prefetch_stream(x + i, sizeof(*x));
-            const __m256i scales_16 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *) x[i].scales));
-            const __m256i q8sums = _mm256_loadu_si256((const __m256i *) y[i].bsums);
-            __m256i sumi = _mm256_sub_epi32(_mm256_setzero_si256(), _mm256_slli_epi32(_mm256_madd_epi16(q8sums, scales_16), 5));
-            for (int j = 0; j < QK_K / 128; ++j) {
-                __m256i q6[4];
-                q6_K_values(x + i, j, q6);
-                const int8_t * q8 = y[i].qs + 128 * j;
-                for (int t = 0; t < 4; ++t) {
-                    const int m = 4 * j + t;  // 32 values: groups 2m (low 16) and 2m+1 (high 16)
-                    const __m256i scale = _mm256_set_m128i(_mm_set1_epi16(x[i].scales[2 * m + 1]), _mm_set1_epi16(x[i].scales[2 * m]));
-                    const __m256i p16 = _mm256_maddubs_epi16(q6[t], _mm256_loadu_si256((const __m256i *) (q8 + 32 * t)));
-                    sumi = _mm256_add_epi32(sumi, _mm256_madd_epi16(scale, p16));
-                }
-            }
-            sums[k] = sumi;
-            d[k] = fp16_to_fp32(x[i].d) * y[i].d;
-        }
-        float total[REP1_BATCH];
-        _mm256_storeu_ps(total, _mm256_cvtepi32_ps(sum8x8_epi32(sums)));
-        for (int k = 0; k < n; ++k) acc = fmaf(total[k], d[k], acc);
-    }
-    return acc;
-}
+#define K_REP_BY_NC(is_q4, nc, nb, row, y, out) do { \
+    switch (nc) { \
+        case 1:  k_rep(1, is_q4, nb, row, y, out); break; \
+        case 2:  k_rep(2, is_q4, nb, row, y, out); break; \
+        case 3:  k_rep(3, is_q4, nb, row, y, out); break; \
+        default: k_rep(4, is_q4, nb, row, y, out); break; \
+    } \
+} while (0)
 
-// nrows plain Q4_K or Q6_K rows x ncols columns (q8_K, row_size bytes apart), one column at a time per row (the row
-// stays in cache for the others), with the repacked kernels' bits; column c's results at out + c * out_stride
-static void rep1_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
-                      size_t row_size, int ncols, float * out, size_t out_stride) {
+// nrows plain Q4_K or Q6_K rows x ncols columns (q8_K, row_size bytes apart), up to REP_COLS columns per unpacking
+// of a row (the row stays in cache for the others), with the repacked kernels' bits; column c's results at
+// out + c * out_stride
+static void rep_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows, const char * ycols,
+                     size_t row_size, int ncols, float * out, size_t out_stride) {
     const int nb = n / QK_K;
     for (int64_t r = 0; r < nrows; ++r) {
         const void * row = x + r * x_stride;
-        for (int c = 0; c < ncols; ++c) {
-            const block_q8_K * y = (const block_q8_K *) (ycols + (size_t) c * row_size);
-            out[c * out_stride + r] = type == GGML_TYPE_Q4_K ? q4_K_rep1(nb, row, y) : q6_K_rep1(nb, row, y);
+        for (int c0 = 0; c0 < ncols; c0 += REP_COLS) {
+            const int nc = ncols - c0 < REP_COLS ? ncols - c0 : REP_COLS;
+            const block_q8_K * y[REP_COLS];
+            for (int c = 0; c < nc; ++c) y[c] = (const block_q8_K *) (ycols + (size_t) (c0 + c) * row_size);
+            float res[REP_COLS];
+            if (type == GGML_TYPE_Q4_K) {
+                K_REP_BY_NC(true, nc, nb, row, y, res);
+            } else {
+                K_REP_BY_NC(false, nc, nb, row, y, res);
+            }
+            for (int c = 0; c < nc; ++c) out[(c0 + c) * out_stride + r] = res[c];
         }
     }
 }
 
 // Where switched on (speculant_mm_set_plain_as_repacked: RPC workers, which hold their layers plain, and the process
 // that drives them), plain rows of a type llama.cpp repacks on this CPU take the repacked layout's arithmetic, so a
-// split target gives a local run's bits. A pass of several tokens lays each group of 8 rows out as the repack does,
-// in a per-thread buffer that stays in cache for all its tokens, and runs the repacked kernels on it; one token over
-// Q4_K or Q6_K rows takes rep1_rows. Off, the default, plain rows keep ggml's dot-product arithmetic (a local
-// SPECULANT_REPACK=0 run, as before). Qwen 1.5B Q4_K_M, Zen 4, ms a pass over 1 / 2 / 4 / 5 / 8 tokens after 100:
-// plain with ggml's arithmetic 45.5 / 59.8 / 96.7 / 125.0 / 164.5, with the repacked one 48.7 / 86.7 / 110.0 / 119.0
-// / 151.8 (its Q6_K copy costs more than the plain kernels at 2-4 tokens), repacked 36.2 / 41.0 / 48.5 / 54.6 / 76.1.
+// split target gives a local run's bits. Up to REP_COLS tokens over Q4_K or Q6_K rows take rep_rows (each row
+// unpacked once for all of them). More tokens, or other types: each group of 8 rows is laid out as the repack does,
+// in a per-thread buffer that stays in cache for all its tokens, and the repacked kernels run on it (the copy repays
+// itself from 5 tokens on; below, it cost Qwen 1.5B's Q4_K/Q6_K passes up to 1.8x rep_rows: BENCHMARKS.md,
+// thirty-fourth session). Off, the default, plain rows keep ggml's dot-product arithmetic (a local
+// SPECULANT_REPACK=0 run, as before).
 static int64_t plain_as_repacked_on = 0;
 
 void speculant_mm_set_plain_as_repacked(int64_t on) {
@@ -3599,10 +3592,10 @@ static bool plain_as_repacked(const struct ggml_tensor * src0) {
 static void plain_repacked_rows(enum ggml_type type, int n, const char * x, size_t x_stride, int64_t nrows,
                                 const char * ycols, size_t row_size, int ncols, int group, const int * order,
                                 float * out, size_t out_stride) {
-    // one token over Q4_K or Q6_K rows: without the copy, which a single token does not repay (Qwen 1.5B, Zen 4, a
-    // pass 55 ms copied against 47); the test's reordered sum takes the copy
-    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && ncols == 1 && !order) {
-        rep1_rows(type, n, x, x_stride, nrows, ycols, row_size, ncols, out, out_stride);
+    // a few tokens over Q4_K or Q6_K rows: without the copy, which they do not repay; the test's reordered sum takes
+    // the copy
+    if ((type == GGML_TYPE_Q4_K || type == GGML_TYPE_Q6_K) && ncols <= REP_COLS && !order) {
+        rep_rows(type, n, x, x_stride, nrows, ycols, row_size, ncols, out, out_stride);
         return;
     }
     const size_t group_bytes = repacked_group_bytes(type, n);
