@@ -293,9 +293,9 @@ def test_an_interrupted_bench_writes_the_prompts_it_finished(tmp_path, monkeypat
         pytest.skip(f"{SMALL} not pulled (run `make models`)")
     real, calls = runner._generate_all, []
 
-    def stopped_on_the_second_prompt(*a, **kw):
+    def stopped_on_the_second_prompt(*a, **kw):  # 2 repeats a prompt: the 4th call is the second's 2nd repeat
         calls.append(1)
-        if len(calls) == 2:
+        if len(calls) == 4:
             raise stop
         return real(*a, **kw)
 
@@ -303,14 +303,15 @@ def test_an_interrupted_bench_writes_the_prompts_it_finished(tmp_path, monkeypat
     out = tmp_path / "bench"
     try:
         rc = main(["bench", "-m", SMALL, "-md", "lookup", "--methods", "plain,lookup", "--categories", "qa,coding",
-                   "--limit", "1", "-n", "8", "-c", "1024", "-t", "1", "--cost-repeats", "1", "--out", str(out),
-                   "--no-progress", "--no-plots"])
+                   "--limit", "1", "-n", "8", "-c", "1024", "-t", "1", "--cost-repeats", "1", "--repeats", "2",
+                   "--out", str(out), "--no-progress", "--no-plots"])
     except SystemExit as e:
         rc = e.code
     assert rc == code
     result = json.loads((out / "results.json").read_text())
     assert result["partial"] is True
-    assert len({r["prompt_id"] for r in result["rows"]}) == 1 and len(result["rows"]) == 2  # plain and lookup
+    # the first prompt whole (plain and lookup, 2 repeats), nothing of the second, whose first repeat had finished
+    assert len({r["prompt_id"] for r in result["rows"]}) == 1 and len(result["rows"]) == 4
     assert "interrupted after 1 of 2 prompts" in capsys.readouterr().err
 
 

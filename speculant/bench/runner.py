@@ -249,8 +249,10 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         total = len(prompts) * cfg.repeats * len(cfg.temps) * len(cfg.variants)
         bar = _progress(total, progress)
         interrupted: Optional[BaseException] = None
+        whole = (0, 0)  # rows and traces of the prompts finished
         try:
             for pi, p in enumerate(prompts):
+                whole = (len(rows), len(traces))
                 for rep in range(cfg.repeats):
                     for temp in cfg.temps:
                         shift = (pi + rep) % len(cfg.variants)  # rotate who goes first: A B, B A, ...
@@ -292,9 +294,11 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                             bar.update(1)
                         bar.set_postfix_str(f"{p.category}/{p.id} T={temp:g}", refresh=False)
         except (KeyboardInterrupt, SystemExit) as stop:  # SystemExit: SIGTERM (signals.exit_on_sigterm)
+            # the prompt under way is dropped, all its repeats and temperatures: its runs are compared together
+            del rows[whole[0]:], traces[whole[1]:]
             if not (keep_partial and rows):
                 raise
-            interrupted = stop  # the runs of the prompt under way are dropped: its methods are compared together
+            interrupted = stop
         finally:
             bar.close()
         bstats.mark_greedy_equal(rows, tokens)
