@@ -342,8 +342,8 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
              history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
-             repetition_penalty: float = 1.0, logit_bias: Optional[dict[int, float]] = None,
-             logprobs: Optional[int] = None, suffix: Optional[str] = None, backend: str = "auto",
+             repetition_penalty: float = 1.0, penalty_last_n: Optional[int] = None,
+             logit_bias: Optional[dict[int, float]] = None, logprobs: Optional[int] = None, suffix: Optional[str] = None, backend: str = "auto",
              draft_backend: str = "auto", dtype: Optional[str] = None, device: Optional[str] = None,
              self_spec: bool = False, self_spec_exit: Optional[int] = None,
              self_spec_config: Optional[str | os.PathLike] = None, draft_threads: Optional[int] = None) -> Result:
@@ -352,7 +352,8 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     defaults take llama-cli's 40 / 0.95 / 0.05).
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
-    logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits); logprobs=N
+    logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits; penalty_last_n:
+    None counts as OpenAI and vLLM, N the last N tokens as llama.cpp's repeat_last_n); logprobs=N
     fills result.logprobs with each token's log-probability and N alternatives. suffix: fill in the middle
     between prompt and suffix (a code model with FIM tokens; Engine.fim_prompt). backend, draft_backend, dtype,
     device, self_spec, self_spec_exit, self_spec_config, draft_threads: as load_engine's (--backend,
@@ -360,7 +361,7 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     params = SamplingParams(temperature, top_k, top_p, min_p, seed,
                             logit_bias=logit_bias or (),
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
-                            repetition_penalty=repetition_penalty)
+                            repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:  # before anything loads
         raise SettingsError(f"max_tokens must be a positive integer, got {max_tokens!r}")
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,

@@ -202,13 +202,17 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="stop string (repeatable; llama.cpp's -r/--reverse-prompt; escapes processed, see -e)")
     _add_escape_arg(p)
     p.add_argument("--repeat-penalty", type=float, default=1.0,
-                   help="divide positive logits (multiply negative ones) of tokens in the prompt or output by this "
-                        "(1 = off, the default; as vLLM's repetition_penalty: the whole prompt and output, not "
-                        "llama.cpp's last 64 tokens)")
+                   help="divide positive logits (multiply negative ones) of tokens among the last --repeat-last-n by "
+                        "this (1 = off, the default)")
+    p.add_argument("--repeat-last-n", type=int, default=64,
+                   help="the penalties (repeat, presence, frequency) count the last N tokens, prompt included, as "
+                        "llama.cpp's (default 64; 0: no penalties; -1: the whole context)")
     p.add_argument("--presence-penalty", type=float, default=0.0,
-                   help="subtract this from the logit of every token the output holds, in [-2, 2] (default 0)")
+                   help="subtract this from the logit of every token among the last --repeat-last-n, in [-2, 2] "
+                        "(default 0)")
     p.add_argument("--frequency-penalty", type=float, default=0.0,
-                   help="subtract this times a token's count in the output from its logit, in [-2, 2] (default 0)")
+                   help="subtract this times a token's count among the last --repeat-last-n from its logit, in "
+                        "[-2, 2] (default 0)")
     p.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to the logit of TOKEN_ID, as llama.cpp: 15043+1, 15043-1, 15043-inf bans it "
                         "(repeatable; |BIAS| <= 100)")
@@ -540,9 +544,16 @@ def sampling_params(args, seed: Optional[int]):
     """SamplingParams from the sampling flags (validated there)."""
     from .verify import SamplingParams
 
+    if args.repeat_last_n < -1:
+        raise SettingsError(f"--repeat-last-n must be >= -1 (0: no penalties, -1: the whole context), got "
+                            f"{args.repeat_last_n}")
+    off = args.repeat_last_n == 0  # as llama.cpp: no window, no penalties
     return SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
-                          logit_bias=parse_logit_bias(args.logit_bias), presence_penalty=args.presence_penalty,
-                          frequency_penalty=args.frequency_penalty, repetition_penalty=args.repeat_penalty)
+                          logit_bias=parse_logit_bias(args.logit_bias),
+                          presence_penalty=0.0 if off else args.presence_penalty,
+                          frequency_penalty=0.0 if off else args.frequency_penalty,
+                          repetition_penalty=1.0 if off else args.repeat_penalty,
+                          penalty_last_n=None if off else 1 << 30 if args.repeat_last_n == -1 else args.repeat_last_n)
 
 
 def ignoring_eos(params, target):

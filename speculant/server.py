@@ -116,6 +116,7 @@ class ServerConfig:
     repetition_penalty: float = 1.0
     logit_bias: tuple = ()  # (token, bias) pairs; a request's own logit_bias replaces them
     ignore_eos: bool = False
+    repeat_last_n: int = 64  # llama-server's endpoints: the penalties' window of requests that leave it out
     n_vocab: Optional[int] = None  # the target's vocabulary (logit_bias ids are checked against it)
     n_ctx: Optional[int] = None  # a slot's context (n_predict -1; repeat_last_n); create_app fills it in
     eog_ids: tuple = ()  # the target's end-of-generation tokens (ignore_eos bans them); create_app fills them in
@@ -367,11 +368,13 @@ def _get_max_tokens(body: dict, cfg: ServerConfig, lo: int, n_ctx: Optional[int]
 
 
 def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] = None,
-                  n_ctx: Optional[int] = None) -> tuple[SamplingParams, tuple]:
+                  n_ctx: Optional[int] = None, native: bool = False) -> tuple[SamplingParams, tuple]:
     """The sampling fields (the server's defaults for those left out), the same on every endpoint: OpenAI's, and
     llama-server's (repeat_penalty, ignore_eos, logit_bias as pairs; its other samplers: _llama_samplers).
-    random_seed: a seed that asks for a random one (llama-server's -1). Returns the params and the logit_bias
-    texts whose tokens are added when the prompt is tokenized (Job.bias_texts)."""
+    random_seed: a seed that asks for a random one (llama-server's -1); native: llama-server's own endpoints,
+    whose penalties count the last repeat_last_n tokens (the serve flag's, 64, where a request leaves it out) where
+    /v1's count as OpenAI's and vLLM's. Returns the params and the logit_bias texts whose tokens are added when the
+    prompt is tokenized (Job.bias_texts)."""
     temperature = _get_num(body, "temperature", cfg.temperature, 0.0, 2.0)
     top_p = _get_num(body, "top_p", cfg.top_p, 0.0, 1.0, lo_open=True)
     min_p = _get_num(body, "min_p", cfg.min_p, 0.0, 0.999999)
@@ -400,12 +403,17 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] =
                                 presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat)
     except SpeculantError as e:
         raise _bad(str(e)) from None
-    return _llama_samplers(body, params, n_ctx or cfg.n_ctx), texts
+    return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None), texts
 
 
-def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int]) -> SamplingParams:
-    """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n 0
-    turns the penalties off (as llama.cpp); -1 or a window of the whole context is what the penalties do here.
+WHOLE_CONTEXT = 1 << 30  # a penalty window past any context: every token before the position
+
+
+def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
+                    default_last_n: Optional[int] = None) -> SamplingParams:
+    """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n N:
+    the penalties count the last N tokens, prompt included, as llama.cpp's (SamplingParams.penalty_last_n; -1: the
+    context, 0: no penalties); left out, default_last_n (None: OpenAI's and vLLM's penalties, /v1's).
     Samplers speculant does not have are refused (400 naming the field) at any value that would change the
     output, and pass at their neutral ones (llama-server's defaults); n_keep and n_discard only matter
     when a full context is shifted, which never happens here (it ends the generation)."""
@@ -447,18 +455,14 @@ def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int]) ->
     number("dry_penalty_last_n", None, integer=True)
     if number("min_keep", 0, integer=True) > 1 and (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
         refuse("min_keep", "min_keep above 1 with top_k, top_p or min_p", "0 or 1 passes")
-    last_n = number("repeat_last_n", None, integer=True)
-    if last_n is not None:
-        if last_n < -1:
-            raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
-        if last_n == 0:  # llama.cpp: no window, no penalties
-            params = dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0,
-                                         repetition_penalty=1.0)
-        elif last_n != -1 and (n_ctx is None or last_n < n_ctx) and params.penalizes:
-            refuse("repeat_last_n", f"a penalty window of {last_n} tokens",
-                   "the penalties here weigh the whole prompt and output: -1, a window of the whole context or 0 "
-                   "(no penalties) passes")
-    return params
+    last_n = number("repeat_last_n", default_last_n, integer=True)
+    if last_n is None:
+        return params
+    if last_n < -1:
+        raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
+    if last_n == 0:  # llama.cpp: no window, no penalties
+        return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
+    return dataclasses.replace(params, penalty_last_n=(n_ctx or WHOLE_CONTEXT) if last_n == -1 else last_n)
 
 
 def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:
@@ -560,7 +564,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _bad("'response_fields' must be an array of strings", "response_fields", "invalid_type")
-    params, bias_texts = _get_sampling(body, cfg, random_seed=-1, n_ctx=n_ctx)
+    params, bias_texts = _get_sampling(body, cfg, random_seed=-1, n_ctx=n_ctx, native=True)
     job = Job(prompt, False, max_tokens, params, [s for s in _get_stop(body, cfg) if s],
               _get_bool(body, "stream", False), False, grammar=_get_grammar(body), logprobs=n_probs or None,
               bias_texts=bias_texts)
@@ -744,7 +748,9 @@ def _bias_text_tokens(job: Job, backend) -> None:
     """The tokens of the job's logit_bias texts, added to its params (on the tokenizing thread)."""
     if not job.bias_texts:
         return
-    extra = [(t, b) for text, b in job.bias_texts for t in backend.tokenize(text, add_special=False)]
+    # as llama-server: a text's pieces, its control tokens' texts included (<|im_end|> is not the end token)
+    extra = [(t, b) for text, b in job.bias_texts for t in backend.tokenize(text, add_special=False,
+                                                                              parse_special=False)]
     if len(extra) > MAX_BIAS_TOKENS:
         raise _bad(f"the texts of 'logit_bias' hold {len(extra)} tokens, more than {MAX_BIAS_TOKENS}", "logit_bias")
     job.params = dataclasses.replace(job.params, logit_bias=tuple(job.params.logit_bias) + tuple(extra))
@@ -1515,7 +1521,10 @@ def create_app(engine, cfg: ServerConfig):
         return {"seed": -1 if params.seed is None else params.seed, "temperature": params.temperature,
                 "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "top_k": params.top_k, "top_p": params.top_p,
                 "min_p": params.min_p, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
-                "typical_p": 1.0, "repeat_last_n": -1, "repeat_penalty": params.repetition_penalty,
+                "typical_p": 1.0,
+                # OpenAI's penalties (None) count the whole output (presence, frequency) and context (repetition)
+                "repeat_last_n": -1 if params.penalty_last_n in (None, WHOLE_CONTEXT) else params.penalty_last_n,
+                "repeat_penalty": params.repetition_penalty,
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                 "dry_multiplier": 0.0, "mirostat": 0, "max_tokens": max_tokens, "n_predict": max_tokens,
                 "ignore_eos": bool(cfg.eog_ids) and banned.issuperset(cfg.eog_ids), "stream": stream,
@@ -1548,7 +1557,7 @@ def create_app(engine, cfg: ServerConfig):
                                   logit_bias=cfg.logit_bias + (tuple((t, -math.inf) for t in cfg.eog_ids)
                                                                if cfg.ignore_eos else ()),
                                   presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
-                                  repetition_penalty=cfg.repetition_penalty)
+                                  repetition_penalty=cfg.repetition_penalty, penalty_last_n=cfg.repeat_last_n or None)
         metrics.requests.labels("/props", "200").inc()
         log_request(request, "200", t0)
         return {"default_generation_settings": {"params": settings(defaults, cfg.max_tokens), "n_ctx": cfg.n_ctx},
@@ -1988,6 +1997,9 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server (speculative with -md)")
     add_model_args(p)
     add_sampling_args(p)
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="never end at an end-of-generation token (a logit bias of -inf on each, as llama-server's "
+                        "flag and request field)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default %(default)s: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default %(default)s, as llama-server)")
     p.add_argument("--api-key", default=os.environ.get("SPECULANT_API_KEY") or os.environ.get("LLAMA_API_KEY"),
@@ -2024,6 +2036,10 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
         "n_predict": "max_tokens of requests that do not set it (default 128; -1: until the end of generation or "
                      "a full context); a request may ask for more, up to the context",
         "seed": "seed of requests that do not set one (default -1: each samples with a random seed)",
+        "repeat_last_n": "the penalties' window (the last N tokens, prompt included, as llama.cpp's; 0: none; -1: "
+                         "the context) of requests to llama-server's endpoints (/completion, /infill) that leave "
+                         "repeat_last_n out (default 64, as llama-server's); /v1 requests that leave it out count "
+                         "as OpenAI's and vLLM's (presence and frequency: the output; repetition: prompt and output)",
     }
     for action in p._actions:
         if action.dest in request_defaults:
@@ -2130,7 +2146,7 @@ def cmd_serve(args) -> int:
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop), presence_penalty=defaults.presence_penalty,
         frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,
-        logit_bias=defaults.logit_bias, ignore_eos=bool(getattr(args, "ignore_eos", False)),
+        logit_bias=defaults.logit_bias, ignore_eos=args.ignore_eos, repeat_last_n=args.repeat_last_n,
         n_vocab=engine.target.n_vocab, endpoint_slots=args.slots,
     )
     app = create_app(engine, cfg)

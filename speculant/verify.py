@@ -48,6 +48,10 @@ class SamplingParams:
     presence_penalty: float = 0.0  # subtracted from the logit of every token the output holds; [-2, 2]
     frequency_penalty: float = 0.0  # times the token's count in the output; [-2, 2]
     repetition_penalty: float = 1.0  # > 1 discourages tokens of prompt or output: logits > 0 / r, < 0 * r
+    # which tokens the penalties count: None, as vLLM and OpenAI (repetition: the prompt and the output;
+    # presence and frequency: the output); N >= 1, as llama.cpp's repeat_last_n: all three over the last N
+    # tokens before the position, prompt included
+    penalty_last_n: Optional[int] = None
     # position-keyed draws (coupled_draw): True, False (rejection sampling), None: whenever a seed is given
     coupled: Optional[bool] = None
 
@@ -84,6 +88,10 @@ class SamplingParams:
             v = getattr(self, name)
             if not (np.isfinite(v) and -2.0 <= v <= 2.0):
                 raise SettingsError(f"{name.replace('_', ' ')} must be in [-2, 2], got {v}")
+        if self.penalty_last_n is not None and (not isinstance(self.penalty_last_n, (int, np.integer))
+                                                or isinstance(self.penalty_last_n, bool) or self.penalty_last_n < 1):
+            raise SettingsError(f"the penalties' window must be an integer >= 1 (or None: the whole prompt and "
+                                f"output), got {self.penalty_last_n!r}")
         if not (np.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
             raise SettingsError(f"repetition penalty must be in (0, 10] (1 disables it), got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
@@ -128,7 +136,9 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     pass over [last token, drafts...] row i sees the drafts before it. tokens[:n_prompt] is the prompt, the rest
     the output so far. Returns float32 (or the input's float type) of the same shape.
     As vLLM: repetition (tokens of prompt or output: positive logits / r, negative * r), then frequency
-    (count in the output) and presence (in the output at all) subtracted; the bias is added first.
+    (count in the output) and presence (in the output at all) subtracted; the bias is added first. With
+    params.penalty_last_n = N, as llama.cpp's penalties sampler: the same three over the last N tokens before the
+    row's position, prompt included.
     """
     if not params.adjusts:
         return logits
@@ -145,6 +155,16 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     base = len(tokens) - n + 1  # row 0 sees tokens[:base]
     if base < n_prompt:
         raise ValueError(f"a pass row before the end of the prompt ({base} < {n_prompt})")
+    if params.penalty_last_n is not None:
+        for i in range(n):
+            ids, counts = np.unique(tokens[max(0, base + i - params.penalty_last_n):base + i], return_counts=True)
+            ids, counts = ids[ids < v], counts[ids < v]
+            row = x[i]
+            if params.repetition_penalty != 1.0:
+                vals = row[ids]
+                row[ids] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+            row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        return x[0] if squeeze else x
     out_ids, out_counts = np.unique(tokens[n_prompt:base], return_counts=True)
     seen_prompt = np.unique(tokens[:n_prompt]) if params.repetition_penalty != 1.0 else None
     for i in range(n):

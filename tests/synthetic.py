@@ -41,7 +41,7 @@ class TableBackend(Backend):
     def _truncate(self, n_kept):
         pass
 
-    def tokenize(self, text, add_special=True):
+    def tokenize(self, text, add_special=True, parse_special=True):
         return [int(x) % self.n_vocab for x in text.split()]
 
     def token_bytes(self, token):

@@ -37,7 +37,7 @@ def seen(monkeypatch):
 
     def recording(self, prompt, **kw):
         calls.append({"prompt": prompt, "stop": list(kw["stop"]), "max_tokens": kw["max_tokens"],
-                      "is_chat": kw["is_chat"]})
+                      "is_chat": kw["is_chat"], "params": kw["params"]})
         return stream(self, prompt, **kw)
 
     monkeypatch.setattr(Engine, "stream", recording)
@@ -48,6 +48,17 @@ def seen(monkeypatch):
         return calls.pop()
 
     return generate
+
+
+def test_repeat_last_n_is_llama_cpps_penalty_window(small, seen):
+    """--repeat-last-n (llama-cli's, default 64): the penalties count the last N tokens, prompt included; 0 turns
+    them off, -1 is the whole context (they counted the whole prompt and output, vLLM's way, with no flag)."""
+    assert seen("-p", "hi", "--repeat-penalty", "1.3")["params"].penalty_last_n == 64
+    assert seen("-p", "hi", "--repeat-penalty", "1.3", "--repeat-last-n", "8")["params"].penalty_last_n == 8
+    assert seen("-p", "hi", "--repeat-penalty", "1.3", "--repeat-last-n", "-1")["params"].penalty_last_n >= 1 << 30
+    off = seen("-p", "hi", "--repeat-penalty", "1.3", "--presence-penalty", "1", "--repeat-last-n", "0")["params"]
+    assert not off.penalizes
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "--repeat-last-n", "-2"), "--repeat-last-n")
 
 
 # what llama.cpp's string_process_escapes (common/common.cpp) makes of each, checked against that C++ function

@@ -67,6 +67,64 @@ def test_adjust_logits_matches_the_per_position_reference(seed):
         adjust_logits(logits, params, tokens[:n_prompt], n_prompt + 1)
 
 
+def _llama_cpp_penalties(row, params, history):
+    """llama.cpp's own penalties sampler (llama_sampler_init_penalties, after its logit_bias one) over one row of
+    float32 logits, having accepted `history`: what llama-cli and llama-server apply with repeat_last_n."""
+    import ctypes
+
+    import llama_cpp as ll
+
+    data = (ll.llama_token_data * len(row))()
+    for i, v in enumerate(row):
+        data[i].id, data[i].logit, data[i].p = i, float(v), 0.0
+    arr = ll.llama_token_data_array(data=data, size=len(row), selected=-1, sorted=False)
+    bias = (ll.llama_logit_bias * len(params.logit_bias))(*[ll.llama_logit_bias(t, b) for t, b in params.logit_bias])
+    samplers = [ll.llama_sampler_init_logit_bias(len(row), len(params.logit_bias), bias),
+                ll.llama_sampler_init_penalties(len(row), params.penalty_last_n, params.repetition_penalty,
+                                                params.frequency_penalty, params.presence_penalty)]
+    for t in history:
+        ll.llama_sampler_accept(samplers[1], int(t))
+    for s in samplers:
+        ll.llama_sampler_apply(s, ctypes.byref(arr))
+        ll.llama_sampler_free(s)
+    return np.array([data[i].logit for i in range(len(row))])
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_a_penalty_window_is_llama_cpps_repeat_last_n(seed):
+    """penalty_last_n = N (llama.cpp's repeat_last_n; llama-server's endpoints default to 64): the three penalties
+    over the last N tokens before each row, prompt included, as llama.cpp's own sampler computes them; each row of
+    a verify pass with its own window (the drafts before it in, the oldest tokens out)."""
+    rng = np.random.default_rng(100 + seed)
+    v, n_prompt, n_out, n = 40, int(rng.integers(1, 30)), int(rng.integers(0, 30)), int(rng.integers(1, 9))
+    tokens = rng.integers(0, v, n_prompt + n_out + n - 1).tolist()
+    params = SamplingParams(0.0, presence_penalty=float(rng.uniform(-2, 2)),
+                            frequency_penalty=float(rng.uniform(-2, 2)), repetition_penalty=float(rng.uniform(0.5, 3)),
+                            logit_bias=((int(rng.integers(v)), float(rng.uniform(-10, 10))),),
+                            penalty_last_n=int(rng.choice([1, 4, 16, 64])))
+    logits = (rng.standard_normal((n, v)) * 3).astype(np.float32)
+    got = adjust_logits(logits, params, tokens, n_prompt)
+    base = len(tokens) - n + 1
+    for i in range(n):
+        want = _llama_cpp_penalties(logits[i], params, tokens[:base + i])
+        np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    whole = adjust_logits(logits, dataclasses.replace(params, penalty_last_n=None), tokens, n_prompt)
+    assert not np.allclose(whole, got)  # the window matters here
+    with pytest.raises(SettingsError, match="window"):
+        SamplingParams(0.0, penalty_last_n=0)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_greedy_with_a_penalty_window_equals_plain_decoding(k):
+    params = SamplingParams(0.0, penalty_last_n=5, **PENALTIES)
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, params=params)
+    spec = make_spec(k).generate(PROMPT, max_tokens=60, params=params)
+    assert spec.tokens == plain.tokens and spec.stats.accepted > 0
+    whole = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, params=dataclasses.replace(
+        params, penalty_last_n=None))
+    assert whole.tokens != plain.tokens
+
+
 def exact_joint(params, n=3):
     """P(sequence) of n tokens from the target alone, each position adjusted with its own history."""
     return synthetic.exact_joint(TableBackend(V, seed=0), PROMPT, params, n,

@@ -1341,6 +1341,21 @@ def test_ignore_eos_generates_past_the_end_of_generation(server):
     assert any(s.get("params", {}).get("ignore_eos") for s in settings)
 
 
+def test_serve_ignore_eos_flag_is_every_requests_default():
+    """`serve --ignore-eos` (llama-server's flag) was an unrecognized argument: now requests that leave the field
+    out generate to their limit, and one may still ask for its end (ignore_eos false)."""
+    proc, url = _start("--ignore-eos", "-np", "1")
+    try:
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION_2, "temperature": 0,
+                                                             "max_tokens": 24}, timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "length" and r["usage"]["completion_tokens"] == 24
+        r = httpx.post(url + "/v1/chat/completions", json={"model": MODEL, "messages": QUESTION_2, "temperature": 0,
+                                                             "max_tokens": 24, "ignore_eos": False}, timeout=120).json()
+        assert r["choices"][0]["finish_reason"] == "stop"
+    finally:
+        _stop(proc)
+
+
 NEUTRAL = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0,
            "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"],
            "xtc_probability": 0.0, "xtc_threshold": 0.1, "top_n_sigma": -1.0, "repeat_last_n": 64, "n_keep": 0,
@@ -1348,8 +1363,8 @@ NEUTRAL = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p":
 REFUSED = [("mirostat", {"mirostat": 2}), ("typical_p", {"typical_p": 0.5}),
            ("dry_multiplier", {"dry_multiplier": 0.8}), ("xtc_probability", {"xtc_probability": 0.5}),
            ("top_n_sigma", {"top_n_sigma": 1.0}),
-           ("dynatemp_range", {"dynatemp_range": 0.5}), ("repeat_last_n", {"repeat_last_n": 64, "repeat_penalty": 1.3}),
-           ("repeat_last_n", {"repeat_last_n": 64, "presence_penalty": 0.5}), ("mirostat", {"mirostat": "x"})]
+           ("dynatemp_range", {"dynatemp_range": 0.5}), ("repeat_last_n", {"repeat_last_n": -2, "repeat_penalty": 1.3}),
+           ("mirostat", {"mirostat": "x"})]
 
 
 @pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions"])
@@ -1375,7 +1390,11 @@ def test_llama_server_samplers_are_refused_or_neutral(server, path):
     assert text(ask(**NEUTRAL)) == base
     assert text(ask(xtc_probability=0.5, xtc_threshold=0.6)) == base  # a threshold above 0.5 turns XTC off
     assert text(ask(repeat_last_n=0, repeat_penalty=1.8)) == base != text(ask(repeat_penalty=1.8))
-    assert text(ask(repeat_last_n=-1, repeat_penalty=1.8)) == text(ask(repeat_penalty=1.8))
+    # the penalties' window, as llama.cpp's: llama-server's endpoints default to its 64, /v1 to OpenAI's and vLLM's
+    # (repetition over the prompt and output: the whole context's window); a window of 1 token penalizes less
+    default_window = 64 if path == "/completion" else -1
+    assert text(ask(repeat_last_n=default_window, repeat_penalty=1.8)) == text(ask(repeat_penalty=1.8))
+    assert text(ask(repeat_last_n=1, repeat_penalty=3.0)) != text(ask(repeat_last_n=-1, repeat_penalty=3.0))
 
 
 def test_completion_reads_logprobs_as_n_probs(server):
@@ -1409,6 +1428,13 @@ def test_logit_bias_in_llama_servers_array_form(server):
     for bad in ([[first]], [[first, True]], [[-1, 1]], [[None, 1]], {"text": 1}):
         r = _post(server, "/completion", {"prompt": PROMPT, "logit_bias": bad})
         assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias", (bad, r.text)
+    # a control token's text is its pieces, as llama-server tokenizes these texts (parse_special off): banning
+    # "<|im_end|>" does not ban the end of the turn (it did: the answer ran to max_tokens)
+    chat = {"messages": QUESTION_2, "max_tokens": 64, "temperature": 0}
+    plain = _post(server, "/v1/chat/completions", chat).json()["choices"][0]
+    assert plain["finish_reason"] == "stop"
+    biased = _post(server, "/v1/chat/completions", {**chat, "logit_bias": [["<|im_end|>", False]]}).json()["choices"][0]
+    assert biased["finish_reason"] == "stop"
 
 
 def test_props_slots_models_and_apply_template(server, client):

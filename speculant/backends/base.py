@@ -115,7 +115,9 @@ class Backend(ABC):
 
     # -- text ---------------------------------------------------------------------------------------------
     @abstractmethod
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]: ...
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """text -> token ids. add_special: the model's BOS (and EOS) where it adds them; parse_special: control
+        tokens' texts (<|im_end|>) read as those tokens (False: as plain text, as llama-server's logit_bias texts)."""
 
     @abstractmethod
     def token_bytes(self, token: int) -> bytes:

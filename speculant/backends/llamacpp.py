@@ -368,15 +368,15 @@ class LlamaCppBackend(Backend):
 
         return costprofile.one_pass_seconds(self)
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         data = text.encode("utf-8")
         cap = len(data) + 16
         buf = (ll.llama_token * cap)()
-        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+        n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         if n < 0:  # buffer too small: -n is the size needed
             cap = -n
             buf = (ll.llama_token * cap)()
-            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, True)
+            n = ll.llama_tokenize(self._vocab, data, len(data), buf, cap, add_special, parse_special)
         return list(buf[:n])
 
     def _piece(self, token: int, special: bool, cache: dict) -> bytes:

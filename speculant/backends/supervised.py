@@ -257,8 +257,8 @@ class SupervisedBackend(Backend):
         self.tokens = list(map(int, context))
         return kept
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self._call("tokenize", text, add_special, what="tokenizing")
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self._call("tokenize", text, add_special, parse_special, what="tokenizing")
 
     def token_bytes(self, token: int) -> bytes:
         pieces = self._info["pieces"]

@@ -589,10 +589,10 @@ class TorchBackend(Backend):
             return "spm"
         return "bpe"
 
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
         if self.tokenizer is None:
             raise ModelError(f"{self.name} has no tokenizer; pass token ids")
-        ids = list(self.tokenizer(text, add_special_tokens=add_special).input_ids)
+        ids = list(self.tokenizer(text, add_special_tokens=add_special, split_special_tokens=not parse_special).input_ids)
         bos, add_bos = self.specials.get("bos"), self.specials.get("add_bos")
         if add_bos is not None and bos is not None:  # follow the GGUF's add_bos like llama.cpp does
             if add_special and add_bos and (not ids or ids[0] != bos):

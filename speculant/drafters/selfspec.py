@@ -95,8 +95,8 @@ class LayerSubsetBackend(Backend):
         pass  # entries past n_kept are masked until overwritten (BlockKVCache)
 
     # text: the target's
-    def tokenize(self, text: str, add_special: bool = True) -> list[int]:
-        return self.target.tokenize(text, add_special)
+    def tokenize(self, text: str, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        return self.target.tokenize(text, add_special, parse_special)
 
     def token_bytes(self, token: int) -> bytes:
         return self.target.token_bytes(token)
