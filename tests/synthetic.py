@@ -145,3 +145,20 @@ def near_copy(shape: str = "tiny", seed: int = 4, std: float = 0.5, noise: float
             if not name.endswith("norm.weight"):
                 p.add_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * noise * std)
     return StaticTorchBackend(model, name=f"{shape}-near", n_ctx=512)
+
+
+def embeddings_only_gguf(path):
+    """A GGUF whose header plans (a 1-layer llama) but which llama.cpp cannot load: only token embeddings."""
+    from gguf import GGUFWriter
+
+    w = GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_embedding_length(64)
+    w.add_head_count(4)
+    w.add_context_length(512)
+    w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -9,6 +9,7 @@ import pytest
 
 from conftest import DRAFT, SHIPPED_DRAFT, SMALL, TARGET  # the texts below name the shipped file's type, Q4_K_M
 from speculant import models, plan, quantize
+from synthetic import embeddings_only_gguf
 
 pytestmark = pytest.mark.models
 
@@ -235,26 +236,8 @@ def test_si_and_binary_units():
     assert plan.parse_size(".5G") == 2 ** 29 and plan.parse_size("100B") == 100
 
 
-def _unloadable_gguf(path):
-    """A GGUF whose header parses (so it is planned) but which llama.cpp cannot load: only token embeddings."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_head_count(4)
-    w.add_context_length(512)
-    w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
-
-
 def test_a_failed_measurement_is_one_line(tmp_path, monkeypatch):
-    bad = _unloadable_gguf(tmp_path / "bad.gguf")
+    bad = embeddings_only_gguf(tmp_path / "bad.gguf")
     proc = run("plan", "-m", str(bad), "-c", "256", "--measure", home=tmp_path / "home")
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     lines = [s for s in proc.stderr.splitlines() if s.strip()]

@@ -9,24 +9,7 @@ import sys
 import pytest
 
 from speculant import memory, plan
-
-
-def _tiny_gguf(path):
-    """A GGUF whose header plans (a 1-layer llama with only token embeddings): no real model needed."""
-    import numpy as np
-    from gguf import GGUFWriter
-
-    w = GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_embedding_length(64)
-    w.add_head_count(4)
-    w.add_context_length(512)
-    w.add_tensor("token_embd.weight", np.zeros((256, 64), np.float32))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-    return path
+from synthetic import embeddings_only_gguf
 
 
 @pytest.fixture
@@ -62,7 +45,7 @@ def _facts_variants(good):
 
 
 def test_cached_facts_of_another_shape_are_a_miss_and_replaced(home, tmp_path, monkeypatch):
-    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = embeddings_only_gguf(tmp_path / "tiny.gguf")
     fresh = json.loads(json.dumps(plan._read_facts(gguf)))
     reads = []
     read_facts = plan._read_facts
@@ -81,7 +64,7 @@ def test_cached_facts_of_another_shape_are_a_miss_and_replaced(home, tmp_path, m
 
 
 def test_cached_quantized_tensors_of_another_shape_are_a_miss_and_replaced(home, tmp_path, monkeypatch):
-    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = embeddings_only_gguf(tmp_path / "tiny.gguf")
     tensors = [("token_embd.weight", "Q8_0", [64, 256], 17408, 16384)]
     runs = []
 
@@ -106,7 +89,7 @@ def test_cached_quantized_tensors_of_another_shape_are_a_miss_and_replaced(home,
 
 
 def test_plan_and_the_planned_memory_survive_a_bad_cache_entry(home, tmp_path):
-    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = embeddings_only_gguf(tmp_path / "tiny.gguf")
     plan.gguf_facts(gguf)
     entry = _entry(home)
     for stored in ({"arch": "llama", "n_layer": 30}, [], None, {}, "llama"):
@@ -120,7 +103,7 @@ def test_plan_and_the_planned_memory_survive_a_bad_cache_entry(home, tmp_path):
 
 
 def test_a_failed_cache_write_leaves_no_temporary_file(home, tmp_path):
-    gguf = _tiny_gguf(tmp_path / "tiny.gguf")
+    gguf = embeddings_only_gguf(tmp_path / "tiny.gguf")
     plan.gguf_facts(gguf)
     entry = _entry(home)
     entry.unlink()
