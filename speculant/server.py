@@ -1432,15 +1432,11 @@ def create_app(engine, cfg: ServerConfig):
         any key of the --api-key list."""
         if not api_keys:
             return
-        auth = request.headers.get("authorization", "")
-        if auth:
-            scheme, _, token = auth.partition(" ")
-            token = token.strip() if scheme.lower() == "bearer" else None
-        else:
-            token = request.headers.get("x-api-key", "").strip()
-            token = token[len("Bearer "):].strip() if token[:len("Bearer ")].lower() == "bearer " else token
+        # either header, with or without its "Bearer " (llama-server strips it where it is there)
+        token = (request.headers.get("authorization") or request.headers.get("x-api-key") or "").strip()
+        token = token[len("Bearer "):].strip() if token[:len("Bearer ")].lower() == "bearer " else token
         # every key compared (in constant time each): which one matched, or that none did, takes as long
-        if token is None or not sum(hmac.compare_digest(token.encode(), k) for k in api_keys):
+        if not sum(hmac.compare_digest(token.encode(), k) for k in api_keys):
             raise APIError(401, "invalid or missing API key (send 'Authorization: Bearer KEY' or 'X-Api-Key: KEY')",
                            code="invalid_api_key")
 
@@ -1618,18 +1614,21 @@ def create_app(engine, cfg: ServerConfig):
 
     @app.post("/tokenize")
     async def tokenize(request: Request):
-        """llama-server's: {"content": text, "add_special": false, "with_pieces": false} -> {"tokens": [...]}
-        (with pieces: [{"id", "piece"}], the piece as text, or as byte values where it is not whole UTF-8)."""
+        """llama-server's: {"content": text, "add_special": false, "parse_special": true, "with_pieces": false} ->
+        {"tokens": [...]} (with pieces: [{"id", "piece"}], the piece as text, or as byte values where it is not
+        whole UTF-8); parse_special false reads control tokens' texts (<|im_end|>) as plain text."""
         t0 = request.state.t0 = time.perf_counter()
         check_auth(request)
         body = await read_json(request)
         if not isinstance(body, dict) or not isinstance(body.get("content"), str):
             raise _bad("'content' must be a string", "content", "invalid_type")
         add_special = _get_bool(body, "add_special", False)
+        parse_special = _get_bool(body, "parse_special", True)
         with_pieces = _get_bool(body, "with_pieces", False)
         target = engine.target
         tokens = await asyncio.get_running_loop().run_in_executor(
-            worker.tokenizer, lambda: target.tokenize(body["content"], add_special=add_special))
+            worker.tokenizer, lambda: target.tokenize(body["content"], add_special=add_special,
+                                                      parse_special=parse_special))
         out: list = tokens
         if with_pieces:
             out = []

@@ -585,6 +585,10 @@ def test_tokenize_and_detokenize(server):
     assert [p["id"] for p in pieces] == _post(server, "/tokenize", {"content": "naïve café"}).json()["tokens"]
     assert b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces) \
         == "naïve café".encode()
+    # parse_special (llama-server's, default true): a control token's text is that token, or its plain pieces
+    assert _post(server, "/tokenize", {"content": "<|im_end|>"}).json()["tokens"] == [2]  # SmolLM2's end of turn
+    plain = _post(server, "/tokenize", {"content": "<|im_end|>", "parse_special": False}).json()["tokens"]
+    assert len(plain) > 1 and 2 not in plain
     for path, body, param in (("/tokenize", {"content": 5}, "content"), ("/tokenize", [1], "content"),
                               ("/tokenize", {"content": "a", "add_special": "no"}, "add_special"),
                               ("/detokenize", {"tokens": ["a"]}, "tokens"), ("/detokenize", {"tokens": [10 ** 9]}, "tokens")):
@@ -1480,8 +1484,9 @@ def test_api_keys_as_llama_server_takes_them(server):
         for key in ("key-a", "key-b"):
             assert httpx.get(url + "/v1/models", headers={"Authorization": f"Bearer {key}"}).status_code == 200
             assert httpx.get(url + "/props", headers={"X-Api-Key": key}).status_code == 200
+            assert httpx.get(url + "/v1/models", headers={"Authorization": key}).status_code == 200  # no "Bearer"
         for headers in ({"Authorization": "Bearer key-a,key-b"}, {}, {"X-Api-Key": "key-c"},
-                        {"Authorization": "Bearer wrong", "X-Api-Key": "key-a"}):
+                        {"Authorization": "Bearer wrong", "X-Api-Key": "key-a"}, {"Authorization": "Basic key-a"}):
             assert httpx.get(url + "/v1/models", headers=headers).status_code == 401, headers
         assert httpx.get(url + "/health").status_code == 200 and httpx.get(url + "/v1/health").status_code == 200
         r = httpx.get(url + "/slots", headers={"X-Api-Key": "key-a"})
