@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import math
 import os
@@ -542,26 +541,16 @@ def parse_logit_bias(items: Sequence[str]) -> tuple[tuple[int, float], ...]:
 
 def sampling_params(args, seed: Optional[int]):
     """SamplingParams from the sampling flags (validated there)."""
-    from .verify import SamplingParams
+    from .verify import SamplingParams, with_repeat_last_n
 
     if args.repeat_last_n < -1:
         raise SettingsError(f"--repeat-last-n must be >= -1 (0: no penalties, -1: the whole context), got "
                             f"{args.repeat_last_n}")
-    off = args.repeat_last_n == 0  # as llama.cpp: no window, no penalties
-    return SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
-                          logit_bias=parse_logit_bias(args.logit_bias),
-                          presence_penalty=0.0 if off else args.presence_penalty,
-                          frequency_penalty=0.0 if off else args.frequency_penalty,
-                          repetition_penalty=1.0 if off else args.repeat_penalty,
-                          penalty_last_n=None if off else 1 << 30 if args.repeat_last_n == -1 else args.repeat_last_n)
-
-
-def ignoring_eos(params, target):
-    """--ignore-eos: a logit bias of -inf on every end-of-generation token of the target, beside -l's (as llama.cpp
-    adds them). The draft model samples with the same params, so speculation stays exact."""
-    bias = dict(params.logit_bias)
-    bias.update((t, -math.inf) for t in target.eog_ids())
-    return dataclasses.replace(params, logit_bias=tuple(bias.items()))
+    return with_repeat_last_n(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
+                                             logit_bias=parse_logit_bias(args.logit_bias),
+                                             presence_penalty=args.presence_penalty,
+                                             frequency_penalty=args.frequency_penalty,
+                                             repetition_penalty=args.repeat_penalty), args.repeat_last_n)
 
 
 def sampling_seed(seed: int) -> int:
@@ -648,7 +637,9 @@ def cmd_generate(args) -> int:
                       file=sys.stderr)
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
         if args.ignore_eos:
-            params = ignoring_eos(params, engine.target)
+            from .verify import with_eog_banned
+
+            params = with_eog_banned(params, engine.target.eog_ids())
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
         else:

@@ -54,7 +54,7 @@ from .engine import MAX_TOP_LOGPROBS
 from .errors import Cancelled, ContextOverflowError, SpeculantError
 from .rpc import WorkerError
 from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
-from .verify import SamplingParams
+from .verify import SamplingParams, with_eog_banned, with_repeat_last_n
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -396,17 +396,14 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] =
     repeat = _get_num(body, "repeat_penalty" if llama_name is not None else "repetition_penalty",
                       cfg.repetition_penalty, 0.0, 10.0, lo_open=True)
     logit_bias, texts = _get_logit_bias(body, cfg)
-    if _get_bool(body, "ignore_eos", cfg.ignore_eos):  # llama-server's: every end-of-generation token banned
-        logit_bias = tuple(logit_bias) + tuple((t, -math.inf) for t in cfg.eog_ids)
     try:
         params = SamplingParams(temperature, top_k, top_p, min_p, seed, logit_bias=logit_bias,
                                 presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat)
     except SpeculantError as e:
         raise _bad(str(e)) from None
+    if _get_bool(body, "ignore_eos", cfg.ignore_eos):  # llama-server's: every end-of-generation token banned
+        params = with_eog_banned(params, cfg.eog_ids)
     return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None), texts
-
-
-WHOLE_CONTEXT = 1 << 30  # a penalty window past any context: every token before the position
 
 
 def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
@@ -460,9 +457,7 @@ def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
         return params
     if last_n < -1:
         raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
-    if last_n == 0:  # llama.cpp: no window, no penalties
-        return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0)
-    return dataclasses.replace(params, penalty_last_n=(n_ctx or WHOLE_CONTEXT) if last_n == -1 else last_n)
+    return with_repeat_last_n(params, last_n, n_ctx)
 
 
 def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:
@@ -1519,7 +1514,8 @@ def create_app(engine, cfg: ServerConfig):
                 "min_p": params.min_p, "top_n_sigma": -1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
                 "typical_p": 1.0,
                 # OpenAI's penalties (None) count the whole output (presence, frequency) and context (repetition)
-                "repeat_last_n": -1 if params.penalty_last_n in (None, WHOLE_CONTEXT) else params.penalty_last_n,
+                "repeat_last_n": -1 if params.penalty_last_n is None or params.penalty_last_n >= (cfg.n_ctx or 0)
+                else params.penalty_last_n,
                 "repeat_penalty": params.repetition_penalty,
                 "presence_penalty": params.presence_penalty, "frequency_penalty": params.frequency_penalty,
                 "dry_multiplier": 0.0, "mirostat": 0, "max_tokens": max_tokens, "n_predict": max_tokens,
@@ -1549,11 +1545,12 @@ def create_app(engine, cfg: ServerConfig):
         chat_template from it)."""
         t0 = request.state.t0 = time.perf_counter()
         check_auth(request)
-        defaults = SamplingParams(cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed,
-                                  logit_bias=cfg.logit_bias + (tuple((t, -math.inf) for t in cfg.eog_ids)
-                                                               if cfg.ignore_eos else ()),
-                                  presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
-                                  repetition_penalty=cfg.repetition_penalty, penalty_last_n=cfg.repeat_last_n or None)
+        defaults = with_repeat_last_n(SamplingParams(
+            cfg.temperature, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed, logit_bias=cfg.logit_bias,
+            presence_penalty=cfg.presence_penalty, frequency_penalty=cfg.frequency_penalty,
+            repetition_penalty=cfg.repetition_penalty), cfg.repeat_last_n, cfg.n_ctx)
+        if cfg.ignore_eos:
+            defaults = with_eog_banned(defaults, cfg.eog_ids)
         metrics.requests.labels("/props", "200").inc()
         log_request(request, "200", t0)
         return {"default_generation_settings": {"params": settings(defaults, cfg.max_tokens), "n_ctx": cfg.n_ctx},

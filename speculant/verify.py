@@ -26,6 +26,7 @@ the tokens before each position, which in a verify pass include the drafts befor
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
 
@@ -123,6 +124,26 @@ class SamplingParams:
     def penalizes(self) -> bool:
         """Whether the adjustment depends on the tokens before a position."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+
+WHOLE_CONTEXT = 1 << 30  # a penalty window past any context: every token before the position
+
+
+def with_repeat_last_n(params: SamplingParams, last_n: int, n_ctx: Optional[int] = None) -> SamplingParams:
+    """params with llama.cpp's repeat_last_n (>= -1): 0 no penalties, -1 the context (n_ctx; None: every token
+    before the position), N the last N tokens, prompt included."""
+    if last_n == 0:
+        return dataclasses.replace(params, presence_penalty=0.0, frequency_penalty=0.0, repetition_penalty=1.0,
+                                   penalty_last_n=None)
+    return dataclasses.replace(params, penalty_last_n=(n_ctx or WHOLE_CONTEXT) if last_n == -1 else last_n)
+
+
+def with_eog_banned(params: SamplingParams, eog_ids: Sequence[int]) -> SamplingParams:
+    """params with a logit bias of -inf on each end-of-generation token (llama.cpp's ignore_eos), beside its own
+    biases. The draft model samples with the same params, so speculation stays exact."""
+    bias = dict(params.logit_bias)
+    bias.update((t, -np.inf) for t in eog_ids)
+    return dataclasses.replace(params, logit_bias=tuple(bias.items()))
 
 
 # ---------------------------------------------------------------------------------------------------------
