@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import re
+import threading
 from contextlib import contextmanager
 from functools import lru_cache
 from pathlib import Path
@@ -43,13 +44,19 @@ def _mapped(prefix: str) -> Optional[str]:
     return found.group(1) if found else None
 
 
+def _linked_by_libllama(name: str) -> ctypes.CDLL:
+    """The ggml functions libllama itself calls: its handle, whose symbol lookups go through the libraries it
+    links. Wheels hold copies, not links, of libggml(-base).so and .so.0, and a copy loaded under the other name
+    (llama_cpp._ggml does, or a test) is a second ggml, with an empty backend registry and a logger of its own:
+    which copy a search of the mapped files finds first changed with the address layout from run to run."""
+    from llama_cpp import llama_cpp as bindings
+
+    return ctypes.CDLL(name, handle=bindings._lib._handle)
+
+
 @lru_cache(maxsize=None)
 def _ggml() -> ctypes.CDLL:
-    import llama_cpp  # noqa: F401  (loads libllama and the libggml it links)
-
-    # the very file libllama linked (wheels hold copies, not links, of libggml.so / .so.0: another name
-    # would be a second ggml with an empty backend registry)
-    lib = ctypes.CDLL(_mapped("libggml.so") or "libggml.so.0")
+    lib = _linked_by_libllama("libggml")
     lib.ggml_backend_reg_count.restype = ctypes.c_size_t
     lib.ggml_backend_dev_count.restype = ctypes.c_size_t
     lib.ggml_backend_load_all_from_path.argtypes = [ctypes.c_char_p]
@@ -161,9 +168,7 @@ class _GGUFInitParams(ctypes.Structure):
 
 @lru_cache(maxsize=None)
 def _ggml_base() -> ctypes.CDLL:
-    import llama_cpp  # noqa: F401  (loads libggml-base with libllama)
-
-    lib = ctypes.CDLL(_mapped("libggml-base.so") or "libggml-base.so.0")
+    lib = _linked_by_libllama("libggml-base")
     lib.gguf_init_from_file.restype = ctypes.c_void_p
     lib.gguf_init_from_file.argtypes = [ctypes.c_char_p, _GGUFInitParams]
     lib.gguf_free.argtypes = [ctypes.c_void_p]
@@ -244,20 +249,37 @@ class GGUFHeader:
 
 
 _GGML_LOG_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_int, ctypes.c_char_p, ctypes.c_void_p)
+_log_lock = threading.Lock()  # one keeper at a time: two interleaved swaps could restore each other's callback
+_log_keeper: Optional[tuple[int, list, ctypes.c_void_p, ctypes.c_void_p]] = None  # (thread, lines, logger before)
+
+
+@_GGML_LOG_CALLBACK
+def _keep_log_line(level, text, data):
+    """ggml's logger while _ggml_log_kept runs. A module-level object, never freed: ggml may call whatever it holds
+    from any thread at any time, and a callback freed while installed crashes the process at its next log line."""
+    keeper = _log_keeper
+    if keeper is not None and keeper[0] == threading.get_ident():
+        keeper[1].append((text or b"").decode("utf-8", "replace"))
+    elif keeper is not None and keeper[2]:  # another thread's line (a model loading there): to the logger before
+        _GGML_LOG_CALLBACK(keeper[2].value)(level, text, keeper[3])
 
 
 @contextmanager
 def _ggml_log_kept(g: ctypes.CDLL):
-    """ggml's log lines while the block runs, kept in a list instead of printed; the logger before is put back."""
-    before_cb, before_data = ctypes.c_void_p(), ctypes.c_void_p()
-    g.ggml_log_get(ctypes.byref(before_cb), ctypes.byref(before_data))
-    lines: list[str] = []
-    keep = _GGML_LOG_CALLBACK(lambda level, text, data: lines.append((text or b"").decode("utf-8", "replace")))
-    g.ggml_log_set(ctypes.cast(keep, ctypes.c_void_p), None)
-    try:
-        yield lines
-    finally:
-        g.ggml_log_set(before_cb, before_data)
+    """This thread's ggml log lines while the block runs, kept in a list instead of printed; the logger before is
+    put back."""
+    global _log_keeper
+    with _log_lock:
+        before_cb, before_data = ctypes.c_void_p(), ctypes.c_void_p()
+        g.ggml_log_get(ctypes.byref(before_cb), ctypes.byref(before_data))
+        lines: list[str] = []
+        _log_keeper = (threading.get_ident(), lines, before_cb, before_data)
+        g.ggml_log_set(ctypes.cast(_keep_log_line, ctypes.c_void_p), None)
+        try:
+            yield lines
+        finally:
+            g.ggml_log_set(before_cb, before_data)
+            _log_keeper = None
 
 
 @contextmanager

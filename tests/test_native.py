@@ -630,3 +630,87 @@ def test_gguf_tensors_read_what_gguf_py_reads_and_refuse_a_damaged_file(tmp_path
     assert "gguf_init_from" in str(raised.value)  # ggml's own reason, kept from its log (not printed raw)
     with pytest.raises(ModelError, match="corrupt or truncated.*gguf_init_from"):
         models.check_gguf(cut)
+
+
+def test_header_reads_in_threads_leave_ggml_logging_to_a_live_logger(tmp_path):
+    """Reading GGUF headers swaps ggml's logger for one that keeps the parser's complaint. Two threads doing it at
+    once once restored each other's: ggml was left calling a freed ctypes callback, and the next model load in the
+    process died in a segfault at its first log line (the CI's gemma-3-270m load, after test_batching's threads).
+    Now the logger before is back after any interleaving, and a line another thread logs meanwhile reaches it."""
+    import threading
+
+    from speculant.backends import llamacpp  # noqa: F401  (its logger is the one installed)
+    from speculant.errors import ModelError
+
+    g = native._ggml_base()
+
+    def logger():
+        cb, data = ctypes.c_void_p(), ctypes.c_void_p()
+        g.ggml_log_get(ctypes.byref(cb), ctypes.byref(data))
+        return cb.value, data.value
+
+    before = logger()
+    draft = models.resolve(models.DEFAULT_DRAFT)
+    cut = tmp_path / "cut.gguf"
+    with open(draft, "rb") as f:
+        cut.write_bytes(f.read(1_000_000))  # fails in the parser, which logs why
+    errors = []
+
+    def reads():
+        try:
+            for _ in range(40):
+                native.gguf_block_count(draft)
+                with pytest.raises(ModelError, match="gguf_init_from"):  # each thread keeps its own complaint
+                    native.gguf_tensors(cut)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+
+    threads = [threading.Thread(target=reads) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert not any(t.is_alive() for t in threads)
+    assert logger() == before  # not another thread's freed callback
+    assert not errors
+
+    # a line logged by another thread while this one keeps its own goes to the logger before, not into the list
+    def parse_cut():
+        assert not g.gguf_init_from_file(str(cut).encode(), native._GGUFInitParams(True, None))
+
+    with native._ggml_log_kept(g) as alone:
+        parse_cut()
+    assert any("gguf_init_from" in line for line in alone)
+    seen = []  # a logger of the test's own in place of the one before, for the other thread's lines
+    own = native._GGML_LOG_CALLBACK(lambda level, text, data: seen.append(text.decode()))
+    g.ggml_log_set(ctypes.cast(own, ctypes.c_void_p), None)
+    try:
+        with native._ggml_log_kept(g) as kept:
+            t = threading.Thread(target=parse_cut)
+            t.start()
+            t.join(30)
+            parse_cut()
+    finally:
+        g.ggml_log_set(*before)
+    assert kept == alone and seen == alone
+    assert logger() == before
+
+
+def test_ggml_calls_reach_the_copy_libllama_linked():
+    """The wheel holds libggml-base.so and libggml-base.so.0 as copies; loading the other name (llama_cpp._ggml
+    does) maps a second ggml with a logger and backend registry of its own. Our ggml calls must reach libllama's
+    copy whatever else is mapped: they once took the first match in /proc/self/maps, which moved with ASLR."""
+    from speculant.backends import llamacpp
+
+    for name in ("libggml-base.so", "libggml.so"):
+        ctypes.CDLL(str(native.lib_dir() / name))  # the other copies, mapped as llama_cpp._ggml maps them
+    native._ggml_base.cache_clear()
+    native._ggml.cache_clear()
+    try:
+        cb, data = ctypes.c_void_p(), ctypes.c_void_p()
+        native._ggml_base().ggml_log_get(ctypes.byref(cb), ctypes.byref(data))
+        assert cb.value == ctypes.cast(llamacpp._log_callback, ctypes.c_void_p).value
+        assert "CPU" in native.backend_names()  # the registry libllama's loads filled
+    finally:
+        native._ggml_base.cache_clear()
+        native._ggml.cache_clear()
