@@ -406,14 +406,75 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] =
     return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None), texts
 
 
+# llama-server's sampler chain: its default order, the names and aliases its "samplers" field takes (common/sampling.cpp)
+LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
+_SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
+                  "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
+_SAMPLER_NAMES = {**{name: name for name in _SAMPLER_CHARS.values()},
+                  **{name.replace("_", sep): name for name in _SAMPLER_CHARS.values() if "_" in name
+                     for sep in ("-", "")},
+                  "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
+# the samplers speculant has, in the order it applies them (verify.adjust_logits, then probs_from_logits)
+_OUR_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
+
+
+def _sampler_chain(body: dict) -> tuple[str, ...]:
+    """The "samplers" field as llama-server reads it: names (any case, its aliases) or one character each; ones it
+    does not know are skipped, as it skips them. Its adaptive-p sampler (which picks the token itself) is refused.
+    Its infill sampler, which llama.vim and llama.vscode list on every /infill request, is not applied: a
+    heuristic over the candidates' texts (end the middle when end-of-generation tokens hold enough of the mass,
+    else merge tokens that are prefixes of others) that speculant does not have; refusing it would turn those
+    editors away (README, /infill)."""
+    given = body.get("samplers")
+    if given is None:
+        return LLAMA_SAMPLERS
+    if isinstance(given, str):
+        chain = tuple(_SAMPLER_CHARS[c] for c in given if c in _SAMPLER_CHARS)
+    elif isinstance(given, list) and all(isinstance(name, str) for name in given):
+        chain = tuple(_SAMPLER_NAMES[name.lower()] for name in given if name.lower() in _SAMPLER_NAMES)
+    else:
+        raise _bad("'samplers' must be an array of sampler names or a string of sampler characters", "samplers",
+                   "invalid_type")
+    if "adaptive_p" in chain:
+        raise _bad("'samplers': the adaptive-p sampler is not supported by this server; leave 'adaptive_p' out of "
+                   "the list", "samplers", "unsupported_value")
+    return tuple(name for name in chain if name != "infill")
+
+
+def _in_chain(params: SamplingParams, chain: tuple[str, ...]) -> SamplingParams:
+    """params as llama-server's chain applies them: a sampler left out of it does nothing (temperature left out
+    samples at 1, as its chain then does). Those that change the distribution must come in the order speculant
+    applies them; two orders that give different distributions are a 400, not a silent difference."""
+    if chain == LLAMA_SAMPLERS:
+        return params
+    off = {"penalties": dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
+           "top_k": dict(top_k=0), "top_p": dict(top_p=1.0), "min_p": dict(min_p=0.0),
+           "temperature": dict(temperature=1.0)}
+    params = dataclasses.replace(params, **{k: v for name, kw in off.items() if name not in chain
+                                            for k, v in kw.items()})
+    active = {"penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
+                            or params.frequency_penalty != 0.0),
+              "top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
+              "temperature": params.temperature != 1.0}  # greedy too: after the penalties it would skip them
+    order = [name for name in chain if active.get(name)]
+    if len(order) != len(set(order)) or order != sorted(order, key=_OUR_ORDER.index):
+        raise _bad(f"'samplers': {', '.join(order)} in this order is not supported by this server; it applies "
+                   f"{', '.join(_OUR_ORDER)} in that order (llama-server's default)", "samplers",
+                   "unsupported_value")
+    return params
+
+
 def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
                     default_last_n: Optional[int] = None) -> SamplingParams:
     """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n N:
     the penalties count the last N tokens, prompt included, as llama.cpp's (SamplingParams.penalty_last_n; -1: the
     context, 0: no penalties); left out, default_last_n (None: OpenAI's and vLLM's penalties, /v1's).
     Samplers speculant does not have are refused (400 naming the field) at any value that would change the
-    output, and pass at their neutral ones (llama-server's defaults); n_keep and n_discard only matter
-    when a full context is shifted, which never happens here (it ends the generation)."""
+    output, and pass at their neutral ones (llama-server's defaults) or when "samplers" leaves them out (_in_chain);
+    n_keep and n_discard only matter when a full context is shifted, which never happens here (it ends the
+    generation)."""
+    chain = _sampler_chain(body)
+
     def number(name, default, integer=False):
         v = body.get(name)
         if v is None:
@@ -438,26 +499,28 @@ def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
         raise _bad("'dry_sequence_breakers' must be an array of strings", "dry_sequence_breakers", "invalid_type")
     if number("mirostat", 0, integer=True) != 0:
         refuse("mirostat", "Mirostat sampling", "0 (off) passes")
-    if number("typical_p", 1.0) < 1.0:
+    if number("typical_p", 1.0) < 1.0 and "typ_p" in chain:
         refuse("typical_p", "locally typical sampling", "1 (off) passes")
-    if number("top_n_sigma", -1.0) > 0:
+    if number("top_n_sigma", -1.0) > 0 and "top_n_sigma" in chain:
         refuse("top_n_sigma", "top-n-sigma sampling", "-1 or 0 (off) passes")
-    if number("dynatemp_range", 0.0) > 0:
+    if number("dynatemp_range", 0.0) > 0 and "temperature" in chain:
         refuse("dynatemp_range", "dynamic temperature", "0 (off) passes")
-    if number("xtc_probability", 0.0) > 0 and number("xtc_threshold", 0.1) <= 0.5:
+    if number("xtc_probability", 0.0) > 0 and number("xtc_threshold", 0.1) <= 0.5 and "xtc" in chain:
         refuse("xtc_probability", "XTC sampling", "0 (off) passes")
     number("xtc_threshold", None)
-    if number("dry_multiplier", 0.0) != 0 and number("dry_penalty_last_n", -1, integer=True) != 0:
+    if (number("dry_multiplier", 0.0) != 0 and number("dry_penalty_last_n", -1, integer=True) != 0
+            and "dry" in chain):
         refuse("dry_multiplier", "DRY sampling", "0 (off) passes")
     number("dry_penalty_last_n", None, integer=True)
+    last_n = number("repeat_last_n", default_last_n, integer=True)
+    if last_n is not None:
+        if last_n < -1:
+            raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
+        params = with_repeat_last_n(params, last_n, n_ctx)
+    params = _in_chain(params, chain)
     if number("min_keep", 0, integer=True) > 1 and (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
         refuse("min_keep", "min_keep above 1 with top_k, top_p or min_p", "0 or 1 passes")
-    last_n = number("repeat_last_n", default_last_n, integer=True)
-    if last_n is None:
-        return params
-    if last_n < -1:
-        raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
-    return with_repeat_last_n(params, last_n, n_ctx)
+    return params
 
 
 def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:

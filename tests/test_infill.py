@@ -167,11 +167,12 @@ def test_response_fields_and_request_fields():
     assert _fields(res, None) is res and _fields(res, []) is res
     cfg = ServerConfig("m", max_tokens=128)
     job, fields = parse_native({"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": -1,
-                                "seed": -1, "repeat_penalty": 1.1, "samplers": ["top_k", "infill"],
+                                "seed": -1, "repeat_penalty": 1.1, "samplers": ["penalties", "top_k", "infill"],
                                 "cache_prompt": True, "t_max_prompt_ms": 500, "n_indent": 2,
                                 "input_extra": [{"text": "t"}], "response_fields": ["content"]}, cfg, 1000,
                                 infill=True)
     assert job.max_tokens == 1000 and job.params.seed is None and job.params.repetition_penalty == 1.1
+    assert job.params.temperature == 1.0  # left out of "samplers": llama-server's chain then samples at 1
     assert job.infill == {"prefix": "a", "suffix": "b", "middle": "c", "extra": [("tmp", "t")], "room": 250,
                           "spm": False}
     assert job.stop_rule.n_indent == 2 and fields == ["content"]

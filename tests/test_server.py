@@ -1363,12 +1363,14 @@ def test_serve_ignore_eos_flag_is_every_requests_default():
 NEUTRAL = {"mirostat": 0, "mirostat_tau": 5.0, "mirostat_eta": 0.1, "typical_p": 1.0, "dry_multiplier": 0.0,
            "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": -1, "dry_sequence_breakers": ["\n"],
            "xtc_probability": 0.0, "xtc_threshold": 0.1, "top_n_sigma": -1.0, "repeat_last_n": 64, "n_keep": 0,
-           "dynatemp_range": 0.0, "min_keep": 0}
+           "dynatemp_range": 0.0, "min_keep": 0,
+           "samplers": ["penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature"]}
 REFUSED = [("mirostat", {"mirostat": 2}), ("typical_p", {"typical_p": 0.5}),
            ("dry_multiplier", {"dry_multiplier": 0.8}), ("xtc_probability", {"xtc_probability": 0.5}),
            ("top_n_sigma", {"top_n_sigma": 1.0}),
            ("dynatemp_range", {"dynatemp_range": 0.5}), ("repeat_last_n", {"repeat_last_n": -2, "repeat_penalty": 1.3}),
-           ("mirostat", {"mirostat": "x"})]
+           ("mirostat", {"mirostat": "x"}), ("samplers", {"samplers": ["top_p", "top_k"], "top_k": 5, "top_p": 0.5}),
+           ("samplers", {"samplers": {"top_k": 1}})]
 
 
 @pytest.mark.parametrize("path", ["/completion", "/v1/completions", "/v1/chat/completions"])
@@ -1393,6 +1395,7 @@ def test_llama_server_samplers_are_refused_or_neutral(server, path):
     base = text(ask())
     assert text(ask(**NEUTRAL)) == base
     assert text(ask(xtc_probability=0.5, xtc_threshold=0.6)) == base  # a threshold above 0.5 turns XTC off
+    assert text(ask(samplers="kt", typical_p=0.5)) == base  # typical sampling left out of the chain does nothing
     assert text(ask(repeat_last_n=0, repeat_penalty=1.8)) == base != text(ask(repeat_penalty=1.8))
     # the penalties' window, as llama.cpp's: llama-server's endpoints default to its 64, /v1 to OpenAI's and vLLM's
     # (repetition over the prompt and output: the whole context's window); a window of 1 token penalizes less

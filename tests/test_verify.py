@@ -218,9 +218,10 @@ def _reference_filter(logits, params):
     return p / p.sum()
 
 
-def _llama_cpp_chain(logits, params):
-    """llama.cpp's own samplers (top_k, top_p, min_p, temp: its default chain's order) applied to one row of
-    float32 logits -> the probabilities its final `dist` sampler draws from."""
+def _llama_cpp_chain(logits, params, chain=("top_k", "top_p", "min_p", "temperature")):
+    """llama.cpp's own samplers (by default top_k, top_p, min_p, temp: its default chain's order; else those of
+    `chain`, in its order) applied to one row of float32 logits -> the probabilities its final `dist` sampler
+    draws from."""
     import ctypes
 
     import llama_cpp as ll
@@ -230,8 +231,11 @@ def _llama_cpp_chain(logits, params):
     for i, v in enumerate(logits):
         data[i].id, data[i].logit, data[i].p = i, float(v), 0.0
     arr = ll.llama_token_data_array(data=data, size=n, selected=-1, sorted=False)
-    samplers = [ll.llama_sampler_init_top_k(params.top_k), ll.llama_sampler_init_top_p(params.top_p, 1),
-                ll.llama_sampler_init_min_p(params.min_p, 1), ll.llama_sampler_init_temp(params.temperature)]
+    init = {"top_k": lambda: ll.llama_sampler_init_top_k(params.top_k),
+            "top_p": lambda: ll.llama_sampler_init_top_p(params.top_p, 1),
+            "min_p": lambda: ll.llama_sampler_init_min_p(params.min_p, 1),
+            "temperature": lambda: ll.llama_sampler_init_temp(params.temperature)}
+    samplers = [init[name]() for name in chain if name in init]
     for s in samplers:
         ll.llama_sampler_apply(s, ctypes.byref(arr))
         ll.llama_sampler_free(s)
@@ -256,6 +260,52 @@ def test_probs_follow_llama_cpps_own_sampler_chain(v):
         got = probs_from_logits(logits, params)
         assert np.array_equal(got > 0, want > 0), (case, params)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=1e-7)
+
+
+def test_llama_servers_samplers_field_samples_as_its_chain_or_is_refused():
+    """llama-server's "samplers" (names, aliases or characters) says which samplers run and in what order; it was
+    accepted and ignored (llama.vim sends one). Every chain the server takes must give llama.cpp's own chain's
+    distribution, those left out doing nothing (temperature left out: 1); an order that would change the
+    distribution is a 400 naming the field, and so is adaptive-p, which speculant lacks."""
+    from speculant.server import APIError, LLAMA_SAMPLERS, _llama_samplers
+
+    rng = np.random.default_rng(5)
+    names = ["top_k", "top_p", "min_p", "temperature", "dry", "typ_p", "xtc", "penalties"]
+    accepted = refused = 0
+    for case in range(400):
+        logits = (rng.standard_normal(300) * rng.uniform(0.5, 6.0)).astype(np.float32)
+        params = SamplingParams(float(rng.choice([0.3, 0.8, 1.0, 1.5])), int(rng.choice([0, 5, 40])),
+                                float(rng.choice([1.0, 0.95, 0.5])), float(rng.choice([0.0, 0.05, 0.2])))
+        chain = list(rng.choice(names, size=int(rng.integers(0, 6)), replace=False))
+        try:
+            got = _llama_samplers({"samplers": chain}, params, 4096)
+        except APIError as e:
+            assert e.status == 400 and e.param == "samplers", e
+            refused += 1
+            continue
+        accepted += 1
+        want = _llama_cpp_chain(logits, params, chain)
+        assert np.array_equal(probs_from_logits(logits, got) > 0, want > 0), (case, chain, params)
+        np.testing.assert_allclose(probs_from_logits(logits, got), want, rtol=2e-5, atol=1e-7)
+    assert accepted > 100 and refused > 30
+    params = SamplingParams(0.8, 40, 0.95, 0.05)
+    assert _llama_samplers({"samplers": list(LLAMA_SAMPLERS)}, params, 4096) == params
+    assert _llama_samplers({}, params, 4096) == params
+    # llama-server's spellings: aliases in any case, one character per sampler; unknown ones skipped, as it does
+    for spelled in (["Top-K", "nucleus", "temp"], ["topk", "top_p", "no_such", "temperature"], "kpt", "kp?t"):
+        assert _llama_samplers({"samplers": spelled}, params, 4096) == SamplingParams(0.8, 40, 0.95, 0.0), spelled
+    # llama.vim's and llama.vscode's list: its infill sampler is not applied (documented), the rest is
+    assert _llama_samplers({"samplers": ["top_k", "top_p", "infill"]}, params, 4096) == \
+        SamplingParams(1.0, 40, 0.95, 0.0)
+    for body in ({"samplers": ["top_k", "adaptive_p"]}, {"samplers": "kpa"}, {"samplers": 3},
+                 {"samplers": ["top_p", "top_k"]}, {"samplers": ["temperature", "min_p"]}):
+        with pytest.raises(APIError) as raised:
+            _llama_samplers(body, params, 4096)
+        assert raised.value.param == "samplers", body
+    # a sampler speculant lacks is refused only where the chain runs it
+    with pytest.raises(APIError, match="typical"):
+        _llama_samplers({"typical_p": 0.5}, params, 4096)
+    assert _llama_samplers({"typical_p": 0.5, "samplers": "kpmt"}, params, 4096) == params
 
 
 @settings(max_examples=200, deadline=None)
