@@ -260,14 +260,17 @@ def _keep_log_line(level, text, data):
     keeper = _log_keeper
     if keeper is not None and keeper[0] == threading.get_ident():
         keeper[1].append((text or b"").decode("utf-8", "replace"))
-    elif keeper is not None and keeper[2]:  # another thread's line (a model loading there): to the logger before
-        _GGML_LOG_CALLBACK(keeper[2].value)(level, text, keeper[3])
+    elif keeper is not None and keeper[2].value not in (None, _KEEP_LOG_LINE):
+        _GGML_LOG_CALLBACK(keeper[2].value)(level, text, keeper[3])  # another thread's line: to the logger before
+
+
+_KEEP_LOG_LINE = ctypes.cast(_keep_log_line, ctypes.c_void_p).value
 
 
 @contextmanager
 def _ggml_log_kept(g: ctypes.CDLL):
     """This thread's ggml log lines while the block runs, kept in a list instead of printed; the logger before is
-    put back."""
+    put back. Not reentrant: the block is one call into ggml."""
     global _log_keeper
     with _log_lock:
         before_cb, before_data = ctypes.c_void_p(), ctypes.c_void_p()
