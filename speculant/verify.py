@@ -179,27 +179,28 @@ def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: Sequence[i
     if params.penalty_last_n is not None:
         for i in range(n):
             ids, counts = np.unique(tokens[max(0, base + i - params.penalty_last_n):base + i], return_counts=True)
-            ids, counts = ids[ids < v], counts[ids < v]
-            row = x[i]
-            if params.repetition_penalty != 1.0:
-                vals = row[ids]
-                row[ids] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-            row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+            _penalize(x[i], params, ids, ids, counts)
         return x[0] if squeeze else x
     out_ids, out_counts = np.unique(tokens[n_prompt:base], return_counts=True)
     seen_prompt = np.unique(tokens[:n_prompt]) if params.repetition_penalty != 1.0 else None
     for i in range(n):
         if i:  # the drafts before row i join the output
             out_ids, out_counts = _count_one(out_ids, out_counts, int(tokens[base + i - 1]))
-        row = x[i]
-        if seen_prompt is not None:
-            seen = np.union1d(seen_prompt, out_ids)
-            seen = seen[seen < v]
-            vals = row[seen]
-            row[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
-        ids, counts = out_ids[out_ids < v], out_counts[out_ids < v]
-        row[ids] -= params.frequency_penalty * counts + params.presence_penalty
+        seen = np.union1d(seen_prompt, out_ids) if seen_prompt is not None else out_ids
+        _penalize(x[i], params, seen, out_ids, out_counts)
     return x[0] if squeeze else x
+
+
+def _penalize(row: np.ndarray, params: SamplingParams, seen: np.ndarray, ids: np.ndarray, counts: np.ndarray) -> None:
+    """The penalties on one row [V], in place: repetition on the tokens `seen` (positive logits / r, negative * r),
+    then frequency (times counts) and presence subtracted on `ids`. Ids past the row (a draft's larger vocabulary)
+    are left out."""
+    v = len(row)
+    if params.repetition_penalty != 1.0:
+        seen = seen[seen < v]
+        vals = row[seen]
+        row[seen] = np.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    row[ids[ids < v]] -= params.frequency_penalty * counts[ids < v] + params.presence_penalty
 
 
 def _count_one(ids: np.ndarray, counts: np.ndarray, token: int) -> tuple[np.ndarray, np.ndarray]:
