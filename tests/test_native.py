@@ -696,6 +696,42 @@ def test_header_reads_in_threads_leave_ggml_logging_to_a_live_logger(tmp_path):
     assert logger() == before
 
 
+def test_a_failed_load_names_its_own_cause_while_other_threads_log_errors(tmp_path, monkeypatch):
+    """llama.cpp's log is one stream for the process, and error messages quote its last error line: a load that
+    fails names the cause its own thread logged, not an error another thread logs meanwhile (the server's slots,
+    a draft loading beside its target), nor "no details" once their lines have pushed its own out. Here another
+    thread logs 300 error lines between llama.cpp's failed load and the message being written."""
+    import threading
+
+    import gguf
+
+    from speculant.backends import llamacpp
+    from speculant.errors import ModelError
+
+    path = tmp_path / "fooarch.gguf"
+    writer = gguf.GGUFWriter(str(path), "fooarch")  # well formed, an architecture llama.cpp does not know
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((8, 16), dtype=np.float32))
+    writer.write_header_to_file(), writer.write_kv_data_to_file(), writer.write_tensors_to_file(), writer.close()
+    load = llamacpp.ll.llama_model_load_from_file
+
+    def load_then_another_thread_logs(*args):
+        model = load(*args)
+
+        def other_thread():
+            for _ in range(300):
+                llamacpp._log_callback(2, b"llama_model_load: error loading model: another thread's cause\n", None)
+        t = threading.Thread(target=other_thread)
+        t.start()
+        t.join()
+        return model
+
+    monkeypatch.setattr(llamacpp.ll, "llama_model_load_from_file", load_then_another_thread_logs)
+    with pytest.raises(ModelError) as raised:
+        llamacpp.LlamaCppBackend(path, n_ctx=64)
+    assert "unknown model architecture: 'fooarch'" in str(raised.value)
+
+
 def test_ggml_calls_reach_the_copy_libllama_linked():
     """The wheel holds libggml-base.so and libggml-base.so.0 as copies; loading the other name (llama_cpp._ggml
     does) maps a second ggml with a logger and backend registry of its own. Our ggml calls must reach libllama's

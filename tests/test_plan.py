@@ -39,12 +39,12 @@ def _llama_log(path, n_ctx, repack):
 
     from speculant.backends import llamacpp
 
-    kept, llamacpp._LOG = llamacpp._LOG, collections.deque()
+    kept, llamacpp._LOG.lines = llamacpp._thread_lines(), collections.deque()  # this thread's, unbounded
     try:
         llamacpp.LlamaCppBackend(path, n_ctx=n_ctx, repack=repack).close()
-        return "".join(llamacpp._LOG)
+        return "".join(line for _, line in llamacpp._LOG.lines)
     finally:
-        llamacpp._LOG = kept
+        llamacpp._LOG.lines = kept
 
 
 def _mib(log, what):

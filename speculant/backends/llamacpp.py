@@ -26,8 +26,10 @@ from __future__ import annotations
 import collections
 import copy
 import ctypes
+import itertools
 import os
 import sys
+import threading
 from pathlib import Path
 from typing import Optional, Sequence
 
@@ -45,14 +47,25 @@ try:
 except ImportError as e:  # pragma: no cover - an install problem, reported clearly
     raise ModelError("llama-cpp-python is not installed; run `make setup`") from e
 
-_LOG = collections.deque(maxlen=50)  # recent llama.cpp log lines, for error messages
+# recent llama.cpp log lines, for error messages, kept per thread as (number, line): a load, a pass or a grammar
+# reads the lines its own thread logged since it began (_ThreadLog), so two models loading at once in two threads
+# (the server's slots, a draft beside its target) neither give each other's causes nor push them out
+_LOG = threading.local()
+_LINE_NUMBERS = itertools.count()
+
+
+def _thread_lines() -> collections.deque:
+    lines = getattr(_LOG, "lines", None)
+    if lines is None:
+        lines = _LOG.lines = collections.deque(maxlen=50)
+    return lines
 _VERBOSE = os.environ.get("SPECULANT_VERBOSE", "") not in ("", "0")
 
 
 @ll.llama_log_callback
 def _log_callback(level: int, text: bytes, user_data) -> None:
     line = text.decode("utf-8", errors="replace")
-    _LOG.append(line)
+    _thread_lines().append((next(_LINE_NUMBERS), line))
     if _VERBOSE:
         print(line, end="", flush=True)
 
@@ -64,8 +77,18 @@ ll.llama_backend_init()
 load_backends()  # our wheel picks its CPU kernels (ISA level) at run time: see speculant/native.py
 
 
-def _last_errors() -> str:
-    lines = [line.strip() for line in _LOG if line.strip()]
+class _ThreadLog:
+    """The llama.cpp log lines this thread logs from now on (an iterable of str, read at any time)."""
+
+    def __init__(self):
+        self.lines, self.after = _thread_lines(), next(_LINE_NUMBERS)
+
+    def __iter__(self):
+        return iter([line for n, line in list(self.lines) if n > self.after])
+
+
+def _last_errors(log: _ThreadLog) -> str:
+    lines = [line.strip() for line in log if line.strip()]
     errors = [line for line in lines if "error" in line.lower()]  # the cause ("unknown model architecture")
     failed = [line for line in lines if "failed" in line.lower()]  # before llama.cpp's "failed to load model"
     return (errors or failed or lines or ["no details"])[-1]
@@ -110,7 +133,7 @@ class LlamaCppBackend(Backend):
             split = (ctypes.c_float * ll.llama_max_devices())(*device_split)
             mparams.devices = ctypes.cast(device_list, ctypes.c_void_p)
             mparams.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
-        _LOG.clear()
+        log = _ThreadLog()
         # Ctrl-C inside llama.cpp's callbacks would be lost: it is recorded, the progress callback aborts the
         # load, and KeyboardInterrupt is raised when the C call has returned
         with deferred_signals() as interrupt:
@@ -121,7 +144,7 @@ class LlamaCppBackend(Backend):
                 ll.llama_model_free(self._model)
                 self._model = None
         if not self._model:
-            raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors()}")
+            raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors(log)}")
         self._vocab = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
@@ -146,7 +169,7 @@ class LlamaCppBackend(Backend):
         if not self._ctx:
             ll.llama_model_free(self._model)
             self._model = None
-            raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors()}")
+            raise ModelError(f"llama.cpp could not create a context for {self.path}: {_last_errors(log)}")
         self._cells = ll.llama_n_ctx_seq(self._ctx)  # KV cells of each sequence's stream
         self.n_ctx = min(n_ctx, self._cells)  # llama.cpp pads n_ctx; keep the user's limit
         self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
@@ -279,9 +302,10 @@ class LlamaCppBackend(Backend):
                 b.seq_id[i][0] = job.seq
                 b.logits[i] = first_logit <= p < real
                 i += 1
+        log = _ThreadLog()
         rc = ll.llama_decode(self._ctx, b)
         if rc != 0:
-            raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors()})")
+            raise RuntimeError(f"llama_decode failed with code {rc} ({_last_errors(log)})")
         n_out = sum(j.n_logits for j in jobs)
         if n_out:
             logits = np.ctypeslib.as_array(ll.llama_get_logits(self._ctx), shape=(n_out, self.n_vocab))
@@ -399,7 +423,8 @@ class LlamaCppBackend(Backend):
     def grammar(self, gbnf: str, root: str = "root"):
         from ..constraint import GrammarConstraint
 
-        return GrammarConstraint.from_gbnf(self._vocab, self.n_vocab, frozenset(self._eog), gbnf, root, log=_LOG)
+        return GrammarConstraint.from_gbnf(self._vocab, self.n_vocab, frozenset(self._eog), gbnf, root,
+                                           log=_ThreadLog())
 
     def is_eog(self, token: int) -> bool:
         return token in self._eog
