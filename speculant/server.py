@@ -46,7 +46,7 @@ import uuid
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager, aclosing
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from .backends.base import common_prefix
 from .constraint import TriggeredGrammar, either_grammar, json_grammar
@@ -54,7 +54,7 @@ from .engine import MAX_TOP_LOGPROBS
 from .errors import Cancelled, ContextOverflowError, SpeculantError
 from .rpc import WorkerError
 from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
-from .verify import SamplingParams, with_eog_banned, with_repeat_last_n
+from .verify import INFILL_STAGES, InfillVocab, SamplingParams, with_eog_banned, with_repeat_last_n
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -120,6 +120,7 @@ class ServerConfig:
     n_vocab: Optional[int] = None  # the target's vocabulary (logit_bias ids are checked against it)
     n_ctx: Optional[int] = None  # a slot's context (n_predict -1; repeat_last_n); create_app fills it in
     eog_ids: tuple = ()  # the target's end-of-generation tokens (ignore_eos bans them); create_app fills them in
+    infill_vocab: Optional[Callable[[], InfillVocab]] = None  # the target's, for the infill sampler (create_app)
     endpoint_slots: bool = True  # GET /slots answers (llama-server's --slots / --no-slots)
 
     def api_keys(self) -> list[str]:
@@ -403,7 +404,8 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] =
         raise _bad(str(e)) from None
     if _get_bool(body, "ignore_eos", cfg.ignore_eos):  # llama-server's: every end-of-generation token banned
         params = with_eog_banned(params, cfg.eog_ids)
-    return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None), texts
+    return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None,
+                           cfg.infill_vocab), texts
 
 
 # llama-server's sampler chain: its default order, the names and aliases its "samplers" field takes (common/sampling.cpp)
@@ -420,11 +422,7 @@ _OUR_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
 
 def _sampler_chain(body: dict) -> tuple[str, ...]:
     """The "samplers" field as llama-server reads it: names (any case, its aliases) or one character each; ones it
-    does not know are skipped, as it skips them. Its adaptive-p sampler (which picks the token itself) is refused.
-    Its infill sampler, which llama.vim and llama.vscode list on every /infill request, is not applied: a
-    heuristic over the candidates' texts (end the middle when end-of-generation tokens hold enough of the mass,
-    else merge tokens that are prefixes of others) that speculant does not have; refusing it would turn those
-    editors away (README, /infill)."""
+    does not know are skipped, as it skips them. Its adaptive-p sampler (which picks the token itself) is refused."""
     given = body.get("samplers")
     if given is None:
         return LLAMA_SAMPLERS
@@ -438,13 +436,16 @@ def _sampler_chain(body: dict) -> tuple[str, ...]:
     if "adaptive_p" in chain:
         raise _bad("'samplers': the adaptive-p sampler is not supported by this server; leave 'adaptive_p' out of "
                    "the list", "samplers", "unsupported_value")
-    return tuple(name for name in chain if name != "infill")
+    return chain
 
 
-def _in_chain(params: SamplingParams, chain: tuple[str, ...]) -> SamplingParams:
+def _in_chain(params: SamplingParams, chain: tuple[str, ...],
+              infill_vocab: Optional[Callable[[], InfillVocab]] = None) -> SamplingParams:
     """params as llama-server's chain applies them: a sampler left out of it does nothing (temperature left out
     samples at 1, as its chain then does). Those that change the distribution must come in the order speculant
-    applies them; two orders that give different distributions are a 400, not a silent difference."""
+    applies them; two orders that give different distributions are a 400, not a silent difference. The infill
+    sampler (llama.vim and llama.vscode list it on every /infill request) may come anywhere once:
+    SamplingParams.infill, read after the active sampler before it; infill_vocab() gives the target's vocabulary."""
     if chain == LLAMA_SAMPLERS:
         return params
     off = {"penalties": dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
@@ -461,11 +462,24 @@ def _in_chain(params: SamplingParams, chain: tuple[str, ...]) -> SamplingParams:
         raise _bad(f"'samplers': {', '.join(order)} in this order is not supported by this server; it applies "
                    f"{', '.join(_OUR_ORDER)} in that order (llama-server's default)", "samplers",
                    "unsupported_value")
+    if "infill" in chain:
+        if chain.count("infill") > 1:
+            raise _bad("'samplers': the infill sampler is listed more than once; this server applies it once",
+                       "samplers", "unsupported_value")
+        if infill_vocab is None:
+            raise _bad("'samplers': the infill sampler is not available here", "samplers", "unsupported_value")
+        before = [name for name in chain[:chain.index("infill")] if active.get(name)]
+        if active["penalties"] and "penalties" not in before:  # speculant applies them to the logits first
+            raise _bad("'samplers': the infill sampler before the penalties is not supported by this server; list "
+                       "it after them", "samplers", "unsupported_value")
+        before = [name for name in before if name in INFILL_STAGES]
+        params = dataclasses.replace(params, infill=infill_vocab(), infill_after=before[-1] if before else "")
     return params
 
 
 def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
-                    default_last_n: Optional[int] = None) -> SamplingParams:
+                    default_last_n: Optional[int] = None,
+                    infill_vocab: Optional[Callable[[], InfillVocab]] = None) -> SamplingParams:
     """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n N:
     the penalties count the last N tokens, prompt included, as llama.cpp's (SamplingParams.penalty_last_n; -1: the
     context, 0: no penalties); left out, default_last_n (None: OpenAI's and vLLM's penalties, /v1's).
@@ -517,7 +531,7 @@ def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
         if last_n < -1:
             raise _bad(f"'repeat_last_n' must be >= -1, got {last_n}", "repeat_last_n")
         params = with_repeat_last_n(params, last_n, n_ctx)
-    params = _in_chain(params, chain)
+    params = _in_chain(params, chain, infill_vocab)
     if number("min_keep", 0, integer=True) > 1 and (params.top_k or params.top_p < 1.0 or params.min_p > 0.0):
         refuse("min_keep", "min_keep above 1 with top_k, top_p or min_p", "0 or 1 passes")
     return params
@@ -1425,6 +1439,7 @@ def create_app(engine, cfg: ServerConfig):
     if cfg.n_ctx is None:
         cfg.n_ctx = engine.target.n_ctx
     cfg.eog_ids = tuple(engine.target.eog_ids())
+    cfg.infill_vocab = engine.target.infill_vocab  # built on the first request whose samplers list "infill"
 
     metrics.set_models(engine_models(engine))
     worker = Worker([engine.for_slot(i) for i in range(cfg.parallel)], metrics, cfg.max_queue)

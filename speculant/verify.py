@@ -26,6 +26,7 @@ the tokens before each position, which in a verify pass include the drafts befor
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 from dataclasses import dataclass
 from typing import Callable, NamedTuple, Optional, Sequence
@@ -55,6 +56,10 @@ class SamplingParams:
     penalty_last_n: Optional[int] = None
     # position-keyed draws (coupled_draw): True, False (rejection sampling), None: whenever a seed is given
     coupled: Optional[bool] = None
+    # llama.cpp's infill sampler (llama-server's "samplers": [..., "infill"]; infill_keep): the vocabulary it
+    # reads, and the sampler of INFILL_STAGES it comes after ("": before them all)
+    infill: Optional["InfillVocab"] = None
+    infill_after: str = "temperature"
 
     def __post_init__(self):
         if isinstance(self.logit_bias, dict):  # {token id: bias}, as OpenAI's field, is taken as its pairs
@@ -100,6 +105,9 @@ class SamplingParams:
                 raise SettingsError(f"logit bias: token ids must be integers >= 0, got {token!r}")
             if not (-100.0 <= bias <= 100.0 or bias == -np.inf):  # -inf bans the token outright
                 raise SettingsError(f"logit bias of token {token} must be in [-100, 100] (or -inf), got {bias}")
+        if self.infill_after not in ("",) + INFILL_STAGES:
+            raise SettingsError(f"the infill sampler comes after one of {', '.join(INFILL_STAGES)} (or first), "
+                                f"got {self.infill_after!r}")
 
     @property
     def greedy(self) -> bool:
@@ -112,13 +120,13 @@ class SamplingParams:
 
     def truncates(self, vocab_size: int) -> bool:
         """Whether top-k, top-p or min-p may drop a token from a row of vocab_size."""
-        return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0
+        return 0 < self.top_k < vocab_size or self.top_p < 1.0 or self.min_p > 0.0 or self.infill is not None
 
     @property
     def adjusts(self) -> bool:
-        """Whether adjust_logits changes anything."""
+        """Whether adjust_logits changes anything (or may: the infill sampler runs on the host, see there)."""
         return bool(self.logit_bias) or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 \
-            or self.repetition_penalty != 1.0
+            or self.repetition_penalty != 1.0 or self.infill is not None
 
     @property
     def penalizes(self) -> bool:
@@ -151,6 +159,17 @@ def with_eog_banned(params: SamplingParams, eog_ids: Sequence[int]) -> SamplingP
 
 
 def adjust_logits(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int], n_prompt: int) -> np.ndarray:
+    """Logit bias and penalties for the last n positions of a pass (_biased_and_penalized); the input is left as
+    it is. Greedy decoding with the infill sampler before the temperature (0: argmax) takes the argmax of what
+    the infill sampler keeps, so its rows keep only that (-inf elsewhere: infill_mask)."""
+    x = _biased_and_penalized(logits, params, tokens, n_prompt)
+    if params.infill is not None and params.greedy and params.infill_after != "temperature":
+        x = infill_mask(x, params)
+    return x
+
+
+def _biased_and_penalized(logits: np.ndarray, params: SamplingParams, tokens: Sequence[int],
+                          n_prompt: int) -> np.ndarray:
     """Logit bias and penalties for the last n positions of a pass; the input is left as it is.
 
     logits: [n, V] (or [V]): row i predicts the token after tokens[:len(tokens) - n + 1 + i], so in a verify
@@ -275,6 +294,9 @@ def probs_from_logits(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = np.atleast_2d(x)
     out = np.zeros(x.shape, dtype=np.float64)  # [n, V]
     v = x.shape[-1]
+    if params.infill is not None:
+        out[:] = [_staged_row(row, params) for row in x]
+        return out[0] if squeeze else out
     for row, dst in zip(x, out):
         # the row's maximum comes off before dividing: x / T overflows to inf (and then NaN) for T < ~1e-307
         top = row.max()
@@ -332,6 +354,181 @@ def _nucleus_cut(probs: np.ndarray, top_p: float) -> float:
         if cum[-1] >= top_p or len(head) == len(probs) or floor == 0.0:
             return float(probs[head[min(int(np.searchsorted(cum, top_p)), len(head) - 1)]])
         floor = floor * 0.1 if floor > 1e-300 else 0.0
+
+
+# ---------------------------------------------------------------------------------------------------------
+# llama.cpp's infill sampler (src/llama-sampler.cpp, llama_sampler_infill_apply)
+
+INFILL_STAGES = ("top_k", "top_p", "min_p", "temperature")  # the samplers it may come after, in their order
+
+
+@dataclass(frozen=True, eq=False)
+class InfillVocab:
+    """What llama.cpp's infill sampler reads of the target's vocabulary: each token's text (token_to_piece
+    without special tokens: control tokens are empty), which tokens end a generation, and the token it ends with
+    when no text token is left (EOT, else EOS). Ids past its end (a draft's padding) read as empty text."""
+
+    pieces: tuple[bytes, ...]  # [V]
+    eog: frozenset[int]
+    end: int
+
+    def piece(self, token: int) -> bytes:
+        return self.pieces[token] if token < len(self.pieces) else b""
+
+
+def infill_keep(ids: np.ndarray, probs: np.ndarray, vocab: InfillVocab,
+                n_candidates: Optional[int] = None) -> tuple[np.ndarray, Optional[int]]:
+    """What llama.cpp's infill sampler keeps of the candidates ids [n] (probabilities probs [n], summing to 1):
+    (mask [n] of the kept, None), or (None, token) when it ends the text with that token alone (EOT, else EOS).
+
+    The sampler: if the end-of-generation tokens hold enough of the mass (3 * p_eog * n > p_text), keep just
+    them. Else, over the candidates most likely first, wherever one token's text starts another's, merge the
+    less likely of the two into the other (in its loop's order: each merge changes the masses later pairs
+    compare); drop
+    text tokens below 0.2, then, renormalised, below 1 / (n_text + 1); none left: EOT alone. The `dist` sampler
+    after it draws from the logits of what it kept, so its merged masses only decide what is kept. n_candidates:
+    the size of llama.cpp's candidate array when it holds tokens at -inf besides these (the EOG test counts
+    them). Pairs are found by sorting the texts, not by comparing all n^2 as llama.cpp does; reference_infill_keep
+    is that loop."""
+    n = len(ids)
+    order = np.argsort(-probs, kind="stable")  # llama.cpp sorts the candidates by logit first
+    p = probs[order].astype(np.float64)  # [n] in that order
+    eog = np.fromiter((int(t) in vocab.eog for t in ids[order]), bool, n)
+    kept = np.zeros(n, dtype=bool)
+    if 3.0 * p[eog].sum() * (n_candidates or n) > p[~eog].sum():
+        kept[order[eog]] = True
+        return kept, None
+    alive = np.ones(n, dtype=bool)  # llama.cpp: logit > -inf (the candidates given are; merged ones are not)
+    pieces = [vocab.piece(int(t)) for t in ids[order]]
+    for i0, later in _extensions(pieces):
+        for i1 in later:  # ascending: the order of llama.cpp's inner loop
+            if not alive[i0]:
+                break
+            if alive[i1]:
+                dst, src = (i1, i0) if p[i1] > p[i0] else (i0, i1)
+                p[dst] += p[src]
+                p[src] = 0.0
+                alive[src] = False
+    keep = eog | (p >= np.float32(0.2))  # llama.cpp's thresholds are floats
+    n_text = int(np.count_nonzero(keep & ~eog))
+    if n_text == 0:
+        return None, vocab.end
+    p = p / p[keep].sum()
+    keep &= eog | (p >= np.float32(1.0 / (n_text + 1)))
+    kept[order[keep & alive]] = True
+    return kept, None
+
+
+def _extensions(pieces: list[bytes]):
+    """(i0, [i1, ... ascending]) for every i0 whose non-empty text starts the text of each i1 != i0."""
+    by_text = sorted(range(len(pieces)), key=pieces.__getitem__)
+    texts = [pieces[i] for i in by_text]
+    for i0 in range(len(pieces)):
+        head = pieces[i0]
+        if not head:
+            continue
+        at = bisect.bisect_left(texts, head)  # texts starting with head follow it in sorted order
+        later = []
+        while at < len(texts) and texts[at].startswith(head):
+            if by_text[at] != i0:
+                later.append(by_text[at])
+            at += 1
+        if later:
+            yield i0, sorted(later)
+
+
+def reference_infill_keep(ids, probs, vocab: InfillVocab, n_candidates=None):
+    """infill_keep as llama.cpp writes it: every ordered pair compared, in its loops' order."""
+    n = len(ids)
+    order = sorted(range(n), key=lambda i: -probs[i])
+    cand = [[int(ids[i]), float(probs[i]), True, i] for i in order]  # id, p, alive, index in ids
+    is_eog = [c[0] in vocab.eog for c in cand]
+    p_eog = sum(c[1] for c, e in zip(cand, is_eog) if e)
+    p_txt = sum(c[1] for c, e in zip(cand, is_eog) if not e)
+    kept = np.zeros(n, dtype=bool)
+    if 3 * p_eog * (n_candidates or n) > p_txt:
+        for c, e in zip(cand, is_eog):
+            kept[c[3]] = e
+        return kept, None
+    for i0 in range(n):
+        for i1 in range(n):
+            if not cand[i0][2]:
+                break
+            if i0 == i1 or not cand[i1][2]:
+                continue
+            t0, t1 = vocab.piece(cand[i0][0]), vocab.piece(cand[i1][0])
+            if 0 < len(t0) <= len(t1) and t1[:len(t0)] == t0:
+                dst, src = (cand[i1], cand[i0]) if cand[i1][1] > cand[i0][1] else (cand[i0], cand[i1])
+                dst[1] += src[1]
+                src[1], src[2] = 0.0, False
+    survivors = [(c, e) for c, e in zip(cand, is_eog) if e or c[1] >= np.float32(0.2)]
+    n_text = sum(1 for _, e in survivors if not e)
+    if n_text == 0:
+        return None, vocab.end
+    total = sum(c[1] for c, _ in survivors)
+    for c, e in survivors:
+        if (e or c[1] / total >= np.float32(1.0 / (n_text + 1))) and c[2]:
+            kept[c[3]] = True
+    return kept, None
+
+
+def _staged_row(row: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """probs_from_logits of one row [V] with the infill sampler in the chain: top_k, top_p, min_p and the
+    temperature in that order, each over what the ones before it kept (as llama.cpp's chain), the infill
+    sampler after params.infill_after; then softmax over what is left. Temperature 0 keeps the argmax."""
+    v = len(row)
+    ids = np.flatnonzero(row > -np.inf)  # [m] llama.cpp's array still holds the others (its EOG test counts them)
+    if not len(ids):
+        raise SettingsError("every token's logit is -inf (a logit bias or mask that bans them all)")
+    x = row[ids].astype(np.float64)
+    size = v
+
+    def softmax(z):
+        e = np.exp(z - z.max())
+        return e / e.sum()
+
+    for stage in ("",) + INFILL_STAGES:
+        keep = None
+        if stage == "top_k" and params.top_k > 0:
+            size = min(size, params.top_k)
+            if params.top_k < len(x):
+                keep = x >= np.partition(x, len(x) - params.top_k)[len(x) - params.top_k]  # ties at the cut kept
+        elif stage == "top_p" and params.top_p < 1.0:
+            probs = softmax(x)
+            keep = probs >= _nucleus_cut(probs, params.top_p)
+        elif stage == "min_p" and params.min_p > 0.0:
+            probs = softmax(x)
+            keep = probs >= params.min_p * probs.max()
+        elif stage == "temperature":
+            if params.temperature == 0.0:  # llama.cpp sends the others to -inf (they stay in its array)
+                keep = np.arange(len(x)) == int(np.argmax(x))
+            else:
+                x = x / params.temperature
+        if keep is not None:
+            ids, x = ids[keep], x[keep]
+            size = size if stage in ("top_k", "temperature") else len(x)
+        if stage == params.infill_after:
+            keep, end = infill_keep(ids, softmax(x), params.infill, size)
+            if end is not None:
+                out = np.zeros(v)
+                out[end] = 1.0
+                return out
+            ids, x = ids[keep], x[keep]
+            size = len(x)
+    out = np.zeros(v)  # [V]
+    out[ids] = softmax(x)
+    return out
+
+
+def infill_mask(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """logits [n, V] (or [V]) with -inf where the infill sampler (and the samplers before it, at temperature
+    1) leaves nothing: greedy decoding then takes the argmax of what it keeps, as llama.cpp's temperature 0
+    after it does."""
+    x = np.array(logits, copy=True)
+    at_one = dataclasses.replace(params, temperature=1.0)
+    for row in np.atleast_2d(x):
+        row[_staged_row(row, at_one) == 0.0] = -np.inf
+    return x
 
 
 def sample(probs: np.ndarray, rng: np.random.Generator) -> int:

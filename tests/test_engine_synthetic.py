@@ -1,6 +1,7 @@
 """The decode loop on tiny synthetic models: exactness (greedy identity, distribution of whole sequences),
 bookkeeping (acceptance when target == draft, call counts) and stopping rules."""
 
+import dataclasses
 import threading
 
 import numpy as np
@@ -10,7 +11,7 @@ import speculant.engine as engine_mod
 from speculant.drafters.model import ModelDrafter
 from speculant.engine import Engine
 from speculant.errors import ContextOverflowError, SettingsError
-from speculant.verify import SamplingParams, residual
+from speculant.verify import InfillVocab, SamplingParams, residual
 
 import synthetic
 from synthetic import TableBackend, pvalue, sequence_counts
@@ -56,13 +57,19 @@ SETTINGS = [SamplingParams(1.0, seed=10_000, coupled=False), SamplingParams(0.7,
             SamplingParams(1.3, top_p=0.8, seed=30_000, coupled=False),
             SamplingParams(0.9, min_p=0.05, seed=40_000, coupled=False),
             SamplingParams(1.0, seed=50_000), SamplingParams(0.8, top_k=5, seed=60_000)]
+# llama.cpp's infill sampler (verify.infill_keep) over texts that prefix each other; 7 ends the text
+INFILL = InfillVocab((b"a", b"ab", b"b", b"ba", b"c", b"abc", b"bc", b""), frozenset({7}), 7)
+SETTINGS += [SamplingParams(1.0, seed=70_000, coupled=False, infill=INFILL, infill_after=""),
+             SamplingParams(1.3, top_k=6, seed=80_000, infill=INFILL, infill_after="top_k")]
 
 
 @pytest.mark.parametrize("params", SETTINGS, ids=["T1", "T0.7-topk4", "T1.3-topp0.8", "T0.9-minp", "coupled-T1",
-                                                  "coupled-T0.8-topk5"])
+                                                  "coupled-T0.8-topk5", "T1-infill", "coupled-T1.3-topk6-infill"])
 def test_sampled_sequences_follow_the_target(params):
     counts = sampled_joint(params, 20_000)
     probs = exact_joint(params)
+    if params.infill is not None:  # it changes the law (the test would pass a verifier that ignored it otherwise)
+        assert 0.5 * np.abs(probs - exact_joint(dataclasses.replace(params, infill=None))).sum() > 0.2
     assert pvalue(counts, probs) > 1e-4
     assert 0.5 * np.abs(counts / counts.sum() - probs).sum() < 0.06
 

@@ -4,6 +4,7 @@ n_indent and t_max_predict_ms stopping rules against a reference, and the endpoi
 0.5B through a real server: the same answer as /v1/completions over the same prompt, streamed or not, and
 speculative (prompt lookup copying from the other files) equal to plain decoding."""
 
+import dataclasses
 import json
 import time
 
@@ -165,7 +166,7 @@ def test_response_fields_and_request_fields():
     assert _fields(res, ["content", "timings/prompt_n", "timings/nope", "nope/x"]) == \
         {"content": "x", "timings/prompt_n": 3}
     assert _fields(res, None) is res and _fields(res, []) is res
-    cfg = ServerConfig("m", max_tokens=128)
+    cfg = ServerConfig("m", max_tokens=128, infill_vocab=lambda: "the target's")
     job, fields = parse_native({"input_prefix": "a", "input_suffix": "b", "prompt": "c", "n_predict": -1,
                                 "seed": -1, "repeat_penalty": 1.1, "samplers": ["penalties", "top_k", "infill"],
                                 "cache_prompt": True, "t_max_prompt_ms": 500, "n_indent": 2,
@@ -173,6 +174,7 @@ def test_response_fields_and_request_fields():
                                 infill=True)
     assert job.max_tokens == 1000 and job.params.seed is None and job.params.repetition_penalty == 1.1
     assert job.params.temperature == 1.0  # left out of "samplers": llama-server's chain then samples at 1
+    assert job.params.infill == "the target's" and job.params.infill_after == ""  # top_k is off: first
     assert job.infill == {"prefix": "a", "suffix": "b", "middle": "c", "extra": [("tmp", "t")], "room": 250,
                           "spm": False}
     assert job.stop_rule.n_indent == 2 and fields == ["content"]
@@ -294,6 +296,29 @@ def test_infill_answers_as_completions_over_the_same_prompt(server, tokenizer):
     assert [e["stop"] for e in events] == [False] * (len(events) - 1) + [True]
     assert "".join(e["content"] for e in events) == res["content"] and events[-1]["content"] == ""
     assert events[-1]["timings"]["predicted_n"] == res["tokens_predicted"]
+
+
+@pytest.mark.models
+def test_llama_vims_sampler_chain_samples_with_the_infill_sampler(server, tokenizer):
+    """llama.vim's request (top_k 40, top_p 0.99, samplers top_k, top_p, infill; no temperature in the chain: 1),
+    seeded: the very tokens plain decoding draws with llama.cpp's infill sampler after top-p (a seed fixes them
+    whatever is drafted), which are not those drawn without it."""
+    from speculant.verify import SamplingParams
+
+    tokens, _ = tokenizer.infill_prompt(PREFIX, SUFFIX, extra=EXTRA, middle=MIDDLE, room=48)
+    vim = {"samplers": ["top_k", "top_p", "infill"], "top_k": 40, "top_p": 0.99}
+    differs = 0
+    for seed in (3, 11):
+        params = SamplingParams(1.0, top_k=40, top_p=0.99, seed=seed, infill=tokenizer.target.infill_vocab(),
+                                infill_after="top_p")
+        want = tokenizer.generate(tokens, max_tokens=48, params=params)
+        res = _infill(server, **vim, seed=seed)
+        assert res["content"] == want.text and res["tokens_predicted"] == len(want.tokens), seed
+        without = tokenizer.generate(tokens, max_tokens=48, params=dataclasses.replace(params, infill=None))
+        differs += without.tokens != want.tokens
+    assert differs
+    bad = httpx.post(server + "/infill", json={**BODY, "samplers": ["infill", "top_k", "infill"]}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "samplers"
 
 
 @pytest.mark.models

@@ -294,9 +294,9 @@ def test_llama_servers_samplers_field_samples_as_its_chain_or_is_refused():
     # llama-server's spellings: aliases in any case, one character per sampler; unknown ones skipped, as it does
     for spelled in (["Top-K", "nucleus", "temp"], ["topk", "top_p", "no_such", "temperature"], "kpt", "kp?t"):
         assert _llama_samplers({"samplers": spelled}, params, 4096) == SamplingParams(0.8, 40, 0.95, 0.0), spelled
-    # llama.vim's and llama.vscode's list: its infill sampler is not applied (documented), the rest is
-    assert _llama_samplers({"samplers": ["top_k", "top_p", "infill"]}, params, 4096) == \
-        SamplingParams(1.0, 40, 0.95, 0.0)
+    # llama.vim's and llama.vscode's list: the rest as listed, the infill sampler after top-p (tests/test_infill_sampler.py)
+    vim = _llama_samplers({"samplers": ["top_k", "top_p", "infill"]}, params, 4096, infill_vocab=lambda: "vocab")
+    assert vim == SamplingParams(1.0, 40, 0.95, 0.0, infill="vocab", infill_after="top_p")
     for body in ({"samplers": ["top_k", "adaptive_p"]}, {"samplers": "kpa"}, {"samplers": 3},
                  {"samplers": ["top_p", "top_k"]}, {"samplers": ["temperature", "min_p"]}):
         with pytest.raises(APIError) as raised:
