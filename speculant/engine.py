@@ -26,8 +26,8 @@ from .drafters.prediction import PredictionDrafter
 from .errors import Cancelled, ContextOverflowError, SettingsError
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
-from .verify import (SamplingParams, TokenLogprob, adjust_logits, coupled_draw, probs_from_logits, token_logprobs,
-                     verify_greedy, verify_greedy_lazy, verify_sampled, verify_sampled_lazy)
+from .verify import (SamplingParams, TokenLogprob, adjust_logits, coupled_draw, probs_from_logits, sampling_logprobs,
+                     token_logprobs, verify_greedy, verify_greedy_lazy, verify_sampled, verify_sampled_lazy)
 
 MAX_DRAFT = 63  # a verify pass (k + 1 tokens) must stay within the invariant kernels (64 tokens: native/)
 LONG_MAX = 16  # default bound of long free drafts (a tracking prediction, a history match): the policy picks k
@@ -341,12 +341,15 @@ class Engine:
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
                prediction: Optional[str | Sequence[int]] = None,
-               logprobs: Optional[int] = None, constraint: Optional[Constraint] = None) -> Iterator[TokenEvent]:
+               logprobs: Optional[int] = None, constraint: Optional[Constraint] = None,
+               post_sampling: bool = False) -> Iterator[TokenEvent]:
         """Generate, yielding tokens as they are accepted. Fills `result` (if given) as it goes.
         prediction: text (or token ids) the output is expected to mostly repeat ("Predicted Outputs"): it is
         drafted first, from wherever the output is aligned with it (drafters/prediction.py); lossless.
         logprobs: also give each token's log-probability under the target and this many alternatives
         (0..MAX_TOP_LOGPROBS) in result.logprobs and the events; they are the same bits as plain decoding's.
+        post_sampling: those of the distribution each token was drawn from instead (the sampling settings
+        applied; greedy: 1 for the token; llama-server's post_sampling_probs), alternatives only where above 0.
         constraint: a grammar the output must follow (constraint.py; e.g. target.grammar(gbnf)); it is
         advanced as tokens are emitted, so it serves one generation."""
         if self.closed:
@@ -358,6 +361,9 @@ class Engine:
                                 f"takes temperature, top_k, ... as keywords)")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        if post_sampling and logprobs is not None and constraint is not None:
+            raise SettingsError("post-sampling probabilities with a grammar are not supported (the model's own "
+                                "log-probabilities are)")
         bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
         if bad:
             raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
@@ -390,7 +396,7 @@ class Engine:
         target.busy(True)  # concurrent requests' passes wait for this one's (batching.py)
         try:
             steps = self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs,
-                               constraint)
+                               constraint, post_sampling)
             while True:
                 # one engine computes one step at a time: generations may interleave (a suspended stream), but two
                 # threads stepping at once would share its KV cache (llama.cpp crashes, or answers go wrong)
@@ -410,7 +416,8 @@ class Engine:
 
     def _loop(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,
               max_tokens: int, result: Result, text: "_TextTracker", verify_step,
-              n_top: Optional[int], constraint: Optional[Constraint]) -> Iterator[TokenEvent]:
+              n_top: Optional[int], constraint: Optional[Constraint],
+              post_sampling: bool = False) -> Iterator[TokenEvent]:
         """The decode loop of `stream`: prefill, then draft -> verify -> accept -> rewind until done."""
         stats, target = result.stats, self.target
         n_prompt = len(context)
@@ -448,7 +455,10 @@ class Engine:
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
                 new_logprobs = None
                 if n_top is not None:  # rows 0..n_accepted predicted the new tokens
-                    new_logprobs = token_logprobs(logits[:n_accepted + 1], new_tokens, n_top)
+                    rows = logits[:n_accepted + 1]  # [n_accepted + 1, V]
+                    new_logprobs = token_logprobs(rows, new_tokens, n_top) if not post_sampling else \
+                        sampling_logprobs(adjust_logits(rows, params, context + new_tokens[:-1], n_prompt), params,
+                                          new_tokens, n_top)
                 context += new_tokens
                 if constraint is not None:
                     for token in new_tokens:

@@ -142,6 +142,7 @@ class Job:
     tokens: list[int] = field(default_factory=list)  # the tokenized prompt, filled before generation
     prediction: Optional[str] = None  # the predicted output ("Predicted Outputs"), drafted first
     logprobs: Optional[int] = None  # alternatives per token when logprobs were asked for (0: the token's only)
+    post_sampling: bool = False  # llama-server's post_sampling_probs: those of the sampling distribution
     grammar: Optional[str] = None  # GBNF the output must follow (response_format JSON, or `grammar`)
     constraint: Any = None  # its constraint.Constraint, made when the prompt is tokenized
     grammar_param: str = "grammar"  # the request field it came from
@@ -640,6 +641,10 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     job = Job(prompt, False, max_tokens, params, [s for s in _get_stop(body, cfg) if s],
               _get_bool(body, "stream", False), False, grammar=_get_grammar(body), logprobs=n_probs or None,
               bias_texts=bias_texts)
+    job.post_sampling = _get_bool(body, "post_sampling_probs", False)
+    if job.post_sampling and job.logprobs is not None and job.grammar is not None:
+        raise _bad("'post_sampling_probs' with a grammar or JSON schema is not supported by this server (the "
+                   "model's own log-probabilities are: leave it out)", "post_sampling_probs", "unsupported_value")
     if infill:
         job.infill = {"prefix": texts["input_prefix"], "suffix": texts["input_suffix"], "middle": texts["prompt"],
                       "extra": chunks, "room": min(max_tokens, n_ctx // 4), "spm": cfg.spm_infill}
@@ -754,7 +759,11 @@ def _schema_grammar(schema, param: str) -> str:
 
 def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
     """Chat: logprobs (bool) and top_logprobs (0..20, only with logprobs); completions: logprobs (0..20)
-    -> the number of alternatives per token, or None when logprobs are not wanted."""
+    -> the number of alternatives per token, or None when logprobs are not wanted. llama-server's
+    post_sampling_probs is read on its own endpoints (/completion, /infill), refused here rather than ignored."""
+    if _get_bool(body, "post_sampling_probs", False):
+        raise _bad("'post_sampling_probs' is read on /completion and /infill (with n_probs); OpenAI's logprobs "
+                   "here are the model's own", "post_sampling_probs", "unsupported_value")
     if not chat:
         return _get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
     wanted = _get_bool(body, "logprobs", False)
@@ -1294,7 +1303,7 @@ class Worker:
             first_step = True
             gen = engine.stream(job.tokens, max_tokens=job.max_tokens, params=job.params, stop=job.stop,
                                 is_chat=job.is_chat, result=result, prediction=job.prediction,
-                                logprobs=job.logprobs, constraint=job.constraint)
+                                logprobs=job.logprobs, constraint=job.constraint, post_sampling=job.post_sampling)
             while True:
                 if self.closing and time.monotonic() >= self.deadline:
                     job.cut = True
@@ -1733,13 +1742,15 @@ def create_app(engine, cfg: ServerConfig):
         log_request(request, "200", t0)
         return {"content": engine.target.detokenize(tokens)}
 
-    def probabilities(entries) -> list:
-        """llama-server's completion_probabilities (n_probs) of TokenLogprob entries."""
+    def probabilities(entries, post_sampling: bool = False) -> list:
+        """llama-server's completion_probabilities (n_probs) of TokenLogprob entries; post_sampling: as its
+        post_sampling_probs gives them, probabilities ("prob", "top_probs") of the sampling distribution."""
         def one(token: int, logprob: float) -> dict:
             raw = engine.target.token_bytes(token)
             return {"id": token, "token": raw.decode("utf-8", errors="replace"), "bytes": list(raw),
-                    "logprob": logprob}
-        return [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]} for e in entries]
+                    **({"prob": math.exp(logprob)} if post_sampling else {"logprob": logprob})}
+        top = "top_probs" if post_sampling else "top_logprobs"
+        return [{**one(e.token, e.logprob), top: [one(t, lp) for t, lp in e.top]} for e in entries]
 
     def first_token_timer(t0: float):
         """on_token() for each token event: observes the time to the first one."""
@@ -1811,7 +1822,8 @@ def create_app(engine, cfg: ServerConfig):
                    "model": cfg.model_id, "tokens_predicted": stats.generated_tokens,
                    "tokens_evaluated": len(job.tokens)}
             if job.logprobs is not None:
-                out["completion_probabilities"] = probabilities(entries if probs is None else probs)
+                out["completion_probabilities"] = probabilities(entries if probs is None else probs,
+                                                                job.post_sampling)
             if not final:
                 return out
             prompt_n, prompt_ms = len(job.tokens) - stats.cached_prompt_tokens, stats.prefill_time * 1000

@@ -256,6 +256,25 @@ def token_logprobs(logits: np.ndarray, tokens: Sequence[int], n_top: int) -> lis
     return out
 
 
+def sampling_logprobs(adjusted: np.ndarray, params: SamplingParams, tokens: Sequence[int],
+                      n_top: int) -> list[TokenLogprob]:
+    """token_logprobs of the distributions the tokens were drawn from: adjusted [n, V] (adjust_logits) through
+    probs_from_logits, or at temperature 0 all on the argmax (llama-server's post_sampling_probs; its
+    alternatives stop at the first of probability 0, as its do)."""
+    out = []
+    for row, token in zip(np.atleast_2d(adjusted), tokens):
+        if params.greedy:
+            probs = np.zeros(len(row))  # [V]
+            probs[int(np.argmax(row))] = 1.0
+        else:
+            probs = probs_from_logits(row, params)  # [V]
+        top = top_ids(probs, min(n_top, len(probs)))
+        with np.errstate(divide="ignore"):  # a token the sampler left out: log 0 = -inf
+            out.append(TokenLogprob(int(token), float(np.log(probs[token])),
+                                    tuple((int(t), float(np.log(probs[t]))) for t in top if probs[t] > 0.0)))
+    return out
+
+
 def top_ids(row: np.ndarray, n: int) -> np.ndarray:
     """Ids of the n largest values of row [V], largest first, ties by id (the head of a stable argsort of
     -row). Sorted among the values above a cut lowered until at least n are in: every value at least the n-th

@@ -207,6 +207,36 @@ def test_logprobs_from_verify_passes_equal_plain_decoding():
     assert [e.top for e in zero.logprobs] == [()] * 5
 
 
+def test_post_sampling_probabilities_are_the_samplers_and_equal_plain_decodings():
+    """llama-server's post_sampling_probs: each token's probability under the distribution it was drawn from (bias,
+    penalties with the drafts before the row, top-k, temperature), its alternatives those above 0, most likely
+    first; the same numbers from verify passes as from plain decoding, and at temperature 0 all on the token."""
+    from speculant.verify import probs_from_logits
+
+    for params in (SamplingParams(0.8, top_k=4, seed=3, **PENALTIES), SamplingParams(1.3, top_p=0.7, seed=4),
+                   SamplingParams(0.0, **PENALTIES)):
+        plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=40, params=params, logprobs=6,
+                                                         post_sampling=True)
+        spec = make_spec(4).generate(PROMPT, max_tokens=40, params=params, logprobs=6, post_sampling=True)
+        assert spec.stats.accepted > 0 and spec.tokens == plain.tokens and spec.logprobs == plain.logprobs
+        target, hist = TableBackend(V, seed=0), list(PROMPT)
+        for entry, token in zip(spec.logprobs, spec.tokens):
+            row = reference_adjust(target.logits_after(hist), params, hist, len(PROMPT))
+            if params.greedy:
+                assert int(np.argmax(row)) == token and entry.logprob == 0.0 and entry.top == ((token, 0.0),)
+            else:
+                probs = probs_from_logits(row, params)
+                assert np.exp(entry.logprob) == pytest.approx(probs[token], rel=1e-6)  # float32 logits
+                alternatives = [t for t in np.argsort(-probs, kind="stable") if probs[t] > 0][:6]
+                assert [t for t, _ in entry.top] == alternatives
+                assert np.exp([lp for _, lp in entry.top]) == pytest.approx(probs[alternatives], rel=1e-6)
+            hist.append(token)
+        truncated = [len(e.top) for e in spec.logprobs]
+        assert max(truncated) <= (4 if params.top_k else 6) and (params.greedy or min(truncated) < 6)
+    model = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=5, params=params, logprobs=2)
+    assert [e.logprob for e in model.logprobs] != [0.0] * 5  # without it: the model's own, as before
+
+
 def test_logprobs_follow_the_tokens_through_stop_strings_and_events():
     texts = [b"a", b"b", b"c", b"d", b"e", b"f", b"\xe2\x82", b"\xac"]  # 6 + 7: a split euro sign
     eng = Engine(TableBackend(V, seed=0, texts=texts), ModelDrafter(TableBackend(V, seed=1, texts=texts), V),

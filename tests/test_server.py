@@ -1413,6 +1413,29 @@ def test_completion_reads_logprobs_as_n_probs(server):
     assert probs == by_n_probs.json()["completion_probabilities"] and all(len(p["top_logprobs"]) == 2 for p in probs)
 
 
+def test_completion_post_sampling_probs(server):
+    """llama-server's post_sampling_probs with n_probs: probabilities ("prob", "top_probs") of the distribution each
+    token was drawn from (top-k 3: at most 3 alternatives, summing to 1, the token among them; temperature 0: the
+    token alone, at 1), and the same tokens as without it. On /v1 (whose logprobs are the model's) and with a
+    grammar it is a 400 naming it, not ignored."""
+    body = {"prompt": PROMPT, "n_predict": 6, "n_probs": 5, "temperature": 0.9, "top_k": 3, "seed": 5}
+    r = _post(server, "/completion", {**body, "post_sampling_probs": True})
+    assert r.status_code == 200, r.text
+    for p in r.json()["completion_probabilities"]:
+        top = p["top_probs"]
+        assert "logprob" not in p and "top_logprobs" not in p and 1 <= len(top) <= 3
+        assert sum(t["prob"] for t in top) == pytest.approx(1.0, abs=1e-6)
+        assert [t["prob"] for t in top] == sorted((t["prob"] for t in top), reverse=True)
+        assert {t["id"]: t["prob"] for t in top}[p["id"]] == p["prob"]
+    assert r.json()["content"] == _post(server, "/completion", body).json()["content"]
+    greedy = _post(server, "/completion", {**body, "temperature": 0, "post_sampling_probs": True}).json()
+    assert all(p["prob"] == 1.0 and [t["id"] for t in p["top_probs"]] == [p["id"]]
+               for p in greedy["completion_probabilities"])
+    for path, extra in (("/v1/completions", {"logprobs": 2}), ("/completion", {"grammar": 'root ::= "a"+'})):
+        bad = _post(server, path, {**body, **extra, "post_sampling_probs": True})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "post_sampling_probs", bad.text
+
+
 def test_logit_bias_in_llama_servers_array_form(server):
     """logit_bias as llama-server documents it first: [[id, bias]], [[id, false]] (a ban), [["text", bias]] (each
     token of the text); the object form still works, and both forms go on every endpoint."""
