@@ -12,7 +12,7 @@ import signal
 import sys
 from typing import Optional, Sequence
 
-from . import models
+from . import models, samplers
 from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
@@ -200,6 +200,12 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=[],
                    help="stop string (repeatable; llama.cpp's -r/--reverse-prompt; escapes processed, see -e)")
     _add_escape_arg(p)
+    p.add_argument("--samplers", default=None, metavar="SAMPLERS",
+                   help="the samplers that run, in order, separated by ';', as llama.cpp's flag: one left out does "
+                        "nothing (the temperature left out samples at 1). speculant has penalties, top_k, top_p, "
+                        "min_p, temperature (in that order) and infill (default: llama.cpp's chain)")
+    p.add_argument("--sampling-seq", "--sampler-seq", dest="sampling_seq", default=None, metavar="SEQUENCE",
+                   help="--samplers as one character each, as llama.cpp's flag (e k p m t i; its default edskypmxt)")
     p.add_argument("--repeat-penalty", type=float, default=1.0,
                    help="divide positive logits (multiply negative ones) of tokens among the last --repeat-last-n by "
                         "this (1 = off, the default)")
@@ -539,18 +545,41 @@ def parse_logit_bias(items: Sequence[str]) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
-def sampling_params(args, seed: Optional[int]):
-    """SamplingParams from the sampling flags (validated there)."""
+def sampling_params(args, seed: Optional[int], backend=None):
+    """SamplingParams from the sampling flags (validated there), as --samplers chains them. The infill sampler
+    reads the model's vocabulary: without `backend` (flags checked before the model loads) it is left out."""
     from .verify import SamplingParams, with_repeat_last_n
 
     if args.repeat_last_n < -1:
         raise SettingsError(f"--repeat-last-n must be >= -1 (0: no penalties, -1: the whole context), got "
                             f"{args.repeat_last_n}")
-    return with_repeat_last_n(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
-                                             logit_bias=parse_logit_bias(args.logit_bias),
-                                             presence_penalty=args.presence_penalty,
-                                             frequency_penalty=args.frequency_penalty,
-                                             repetition_penalty=args.repeat_penalty), args.repeat_last_n)
+    params = with_repeat_last_n(SamplingParams(args.temp, args.top_k, args.top_p, args.min_p, seed,
+                                               logit_bias=parse_logit_bias(args.logit_bias),
+                                               presence_penalty=args.presence_penalty,
+                                               frequency_penalty=args.frequency_penalty,
+                                               repetition_penalty=args.repeat_penalty), args.repeat_last_n)
+    chain = sampler_chain(args)
+    if chain is None:
+        return params
+    try:
+        params = samplers.in_chain(params, chain, lambda: backend.infill_vocab() if backend is not None else None)
+    except SettingsError as e:
+        raise SettingsError(f"{'--samplers' if args.samplers is not None else '--sampling-seq'}: {e}") from None
+    return params
+
+
+def sampler_chain(args) -> Optional[tuple[str, ...]]:
+    """--samplers or --sampling-seq as llama.cpp reads them (samplers.py); None: neither given."""
+    if args.samplers is not None and args.sampling_seq is not None:
+        raise SettingsError("--samplers and --sampling-seq both give the samplers: give one")
+    try:
+        if args.samplers is not None:
+            return samplers.from_names(args.samplers.split(";"))
+        if args.sampling_seq is not None:
+            return samplers.from_chars(args.sampling_seq)
+    except SettingsError as e:
+        raise SettingsError(f"{'--samplers' if args.samplers is not None else '--sampling-seq'}: {e}") from None
+    return None
 
 
 def sampling_seed(seed: int) -> int:
@@ -636,6 +665,8 @@ def cmd_generate(args) -> int:
                 print(f"speculant: warning: {no_template}; without --chat the prompt goes in as it is",
                       file=sys.stderr)
         constraint = engine.target.grammar(gbnf) if gbnf is not None else None
+        if "infill" in (sampler_chain(args) or ()):  # checked above; now with the model's vocabulary
+            params = sampling_params(args, seed, engine.target)
         if args.ignore_eos:
             from .verify import with_eog_banned
 

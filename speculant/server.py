@@ -48,13 +48,15 @@ from contextlib import asynccontextmanager, aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+from . import samplers
 from .backends.base import common_prefix
 from .constraint import TriggeredGrammar, either_grammar, json_grammar
 from .engine import MAX_TOP_LOGPROBS
-from .errors import Cancelled, ContextOverflowError, SpeculantError
+from .errors import Cancelled, ContextOverflowError, SettingsError, SpeculantError
 from .rpc import WorkerError
 from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
-from .verify import INFILL_STAGES, InfillVocab, SamplingParams, with_eog_banned, with_repeat_last_n
+from .samplers import LLAMA_SAMPLERS
+from .verify import InfillVocab, SamplingParams, with_eog_banned, with_repeat_last_n
 
 _LOG = logging.getLogger("speculant.server")
 
@@ -121,6 +123,7 @@ class ServerConfig:
     n_ctx: Optional[int] = None  # a slot's context (n_predict -1; repeat_last_n); create_app fills it in
     eog_ids: tuple = ()  # the target's end-of-generation tokens (ignore_eos bans them); create_app fills them in
     infill_vocab: Optional[Callable[[], InfillVocab]] = None  # the target's, for the infill sampler (create_app)
+    samplers: tuple = LLAMA_SAMPLERS  # the chain of requests without "samplers" (serve --samplers)
     endpoint_slots: bool = True  # GET /slots answers (llama-server's --slots / --no-slots)
 
     def api_keys(self) -> list[str]:
@@ -406,81 +409,37 @@ def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] =
     if _get_bool(body, "ignore_eos", cfg.ignore_eos):  # llama-server's: every end-of-generation token banned
         params = with_eog_banned(params, cfg.eog_ids)
     return _llama_samplers(body, params, n_ctx or cfg.n_ctx, cfg.repeat_last_n if native else None,
-                           cfg.infill_vocab), texts
+                           cfg.infill_vocab, cfg.samplers), texts
 
 
-# llama-server's sampler chain: its default order, the names and aliases its "samplers" field takes (common/sampling.cpp)
-LLAMA_SAMPLERS = ("penalties", "dry", "top_n_sigma", "top_k", "typ_p", "top_p", "min_p", "xtc", "temperature")
-_SAMPLER_CHARS = {"e": "penalties", "d": "dry", "s": "top_n_sigma", "k": "top_k", "y": "typ_p", "p": "top_p",
-                  "m": "min_p", "x": "xtc", "t": "temperature", "i": "infill", "a": "adaptive_p"}
-_SAMPLER_NAMES = {**{name: name for name in _SAMPLER_CHARS.values()},
-                  **{name.replace("_", sep): name for name in _SAMPLER_CHARS.values() if "_" in name
-                     for sep in ("-", "")},
-                  "nucleus": "top_p", "temp": "temperature", "typ": "typ_p"}
-# the samplers speculant has, in the order it applies them (verify.adjust_logits, then probs_from_logits)
-_OUR_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")
-
-
-def _sampler_chain(body: dict) -> tuple[str, ...]:
-    """The "samplers" field as llama-server reads it: names (any case, its aliases) or one character each; ones it
-    does not know are skipped, as it skips them. Its adaptive-p sampler (which picks the token itself) is refused."""
+def _sampler_chain(body: dict, default: tuple[str, ...] = LLAMA_SAMPLERS) -> tuple[str, ...]:
+    """The "samplers" field as llama-server reads it: names (any case, its aliases) or one string of one character
+    each (samplers.py); left out, the server's default chain (serve --samplers)."""
     given = body.get("samplers")
     if given is None:
-        return LLAMA_SAMPLERS
-    if isinstance(given, str):
-        chain = tuple(_SAMPLER_CHARS[c] for c in given if c in _SAMPLER_CHARS)
-    elif isinstance(given, list) and all(isinstance(name, str) for name in given):
-        chain = tuple(_SAMPLER_NAMES[name.lower()] for name in given if name.lower() in _SAMPLER_NAMES)
-    else:
+        return default
+    if not (isinstance(given, str) or isinstance(given, list) and all(isinstance(name, str) for name in given)):
         raise _bad("'samplers' must be an array of sampler names or a string of sampler characters", "samplers",
                    "invalid_type")
-    if "adaptive_p" in chain:
-        raise _bad("'samplers': the adaptive-p sampler is not supported by this server; leave 'adaptive_p' out of "
-                   "the list", "samplers", "unsupported_value")
-    return chain
+    try:
+        return samplers.from_chars(given) if isinstance(given, str) else samplers.from_names(given)
+    except SettingsError as e:
+        raise _bad(f"'samplers': {e}", "samplers", "unsupported_value") from None
 
 
 def _in_chain(params: SamplingParams, chain: tuple[str, ...],
               infill_vocab: Optional[Callable[[], InfillVocab]] = None) -> SamplingParams:
-    """params as llama-server's chain applies them: a sampler left out of it does nothing (temperature left out
-    samples at 1, as its chain then does). Those that change the distribution must come in the order speculant
-    applies them; two orders that give different distributions are a 400, not a silent difference. The infill
-    sampler (llama.vim and llama.vscode list it on every /infill request) may come anywhere once:
-    SamplingParams.infill, read after the active sampler before it; infill_vocab() gives the target's vocabulary."""
-    if chain == LLAMA_SAMPLERS:
-        return params
-    off = {"penalties": dict(repetition_penalty=1.0, presence_penalty=0.0, frequency_penalty=0.0),
-           "top_k": dict(top_k=0), "top_p": dict(top_p=1.0), "min_p": dict(min_p=0.0),
-           "temperature": dict(temperature=1.0)}
-    params = dataclasses.replace(params, **{k: v for name, kw in off.items() if name not in chain
-                                            for k, v in kw.items()})
-    active = {"penalties": (params.repetition_penalty != 1.0 or params.presence_penalty != 0.0
-                            or params.frequency_penalty != 0.0),
-              "top_k": params.top_k > 0, "top_p": params.top_p < 1.0, "min_p": params.min_p > 0.0,
-              "temperature": params.temperature != 1.0}  # greedy too: after the penalties it would skip them
-    order = [name for name in chain if active.get(name)]
-    if len(order) != len(set(order)) or order != sorted(order, key=_OUR_ORDER.index):
-        raise _bad(f"'samplers': {', '.join(order)} in this order is not supported by this server; it applies "
-                   f"{', '.join(_OUR_ORDER)} in that order (llama-server's default)", "samplers",
-                   "unsupported_value")
-    if "infill" in chain:
-        if chain.count("infill") > 1:
-            raise _bad("'samplers': the infill sampler is listed more than once; this server applies it once",
-                       "samplers", "unsupported_value")
-        if infill_vocab is None:
-            raise _bad("'samplers': the infill sampler is not available here", "samplers", "unsupported_value")
-        before = [name for name in chain[:chain.index("infill")] if active.get(name)]
-        if active["penalties"] and "penalties" not in before:  # speculant applies them to the logits first
-            raise _bad("'samplers': the infill sampler before the penalties is not supported by this server; list "
-                       "it after them", "samplers", "unsupported_value")
-        before = [name for name in before if name in INFILL_STAGES]
-        params = dataclasses.replace(params, infill=infill_vocab(), infill_after=before[-1] if before else "")
-    return params
+    """samplers.in_chain, its refusals a 400 naming "samplers" (an order that would change the distribution)."""
+    try:
+        return samplers.in_chain(params, chain, infill_vocab)
+    except SettingsError as e:
+        raise _bad(f"'samplers': {e}", "samplers", "unsupported_value") from None
 
 
 def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
                     default_last_n: Optional[int] = None,
-                    infill_vocab: Optional[Callable[[], InfillVocab]] = None) -> SamplingParams:
+                    infill_vocab: Optional[Callable[[], InfillVocab]] = None,
+                    default_chain: tuple[str, ...] = LLAMA_SAMPLERS) -> SamplingParams:
     """llama-server's other sampling fields, read on every endpoint as llama-server reads them. repeat_last_n N:
     the penalties count the last N tokens, prompt included, as llama.cpp's (SamplingParams.penalty_last_n; -1: the
     context, 0: no penalties); left out, default_last_n (None: OpenAI's and vLLM's penalties, /v1's).
@@ -488,7 +447,7 @@ def _llama_samplers(body: dict, params: SamplingParams, n_ctx: Optional[int],
     output, and pass at their neutral ones (llama-server's defaults) or when "samplers" leaves them out (_in_chain);
     n_keep and n_discard only matter when a full context is shifted, which never happens here (it ends the
     generation)."""
-    chain = _sampler_chain(body)
+    chain = _sampler_chain(body, default_chain)
 
     def number(name, default, integer=False):
         v = body.get(name)
@@ -2192,9 +2151,9 @@ def cmd_serve(args) -> int:
         args.parallel = DEFAULT_PARALLEL if serves_parallel(args) else 1
     check_parallel(args.parallel)
     seed = None if args.seed == -1 else args.seed  # -1: every request without a seed samples randomly
-    from .cli import sampling_params
+    from .cli import sampler_chain, sampling_params
 
-    defaults = sampling_params(args, seed)  # validates them
+    defaults = sampling_params(args, seed)  # validates them (the chain of --samplers too)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or "").strip(", "):
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
@@ -2234,6 +2193,7 @@ def cmd_serve(args) -> int:
         frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,
         logit_bias=defaults.logit_bias, ignore_eos=args.ignore_eos, repeat_last_n=args.repeat_last_n,
         n_vocab=engine.target.n_vocab, endpoint_slots=args.slots,
+        samplers=sampler_chain(args) or LLAMA_SAMPLERS,
     )
     app = create_app(engine, cfg)
     _setup_logging(args.log_level)

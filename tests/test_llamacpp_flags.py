@@ -193,6 +193,32 @@ REFUSED = [  # (command, flags, what the one line must say)
 ]
 
 
+def test_samplers_run_the_chain_they_list(small, seen):
+    """llama-cli's --samplers (names separated by ';') and --sampling-seq (one character each): only the samplers
+    listed run, the temperature left out samples at 1; the infill sampler reads the model's vocabulary after the
+    sampler before it; an order that would change the distribution, adaptive-p, or both flags: one line each."""
+    from speculant.verify import SamplingParams
+
+    def want(*args):
+        return SamplingParams(*args, 4, penalty_last_n=64)  # --repeat-last-n's default window
+
+    base = ["-p", "hi", "--temp", "0.7", "--top-k", "20", "--top-p", "0.9", "--min-p", "0.1", "-s", "4"]
+    assert seen(*base, "--samplers", "top_k;top_p")["params"] == want(1.0, 20, 0.9, 0.0)
+    assert seen(*base, "--sampling-seq", "kpt")["params"] == want(0.7, 20, 0.9, 0.0)
+    assert seen(*base, "--samplers", "Top-K;nucleus;temp")["params"] == want(0.7, 20, 0.9, 0.0)
+    assert seen(*base, "--samplers", "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature")[
+        "params"] == seen(*base)["params"]
+    infill = seen(*base, "--samplers", "top_k;top_p;infill")["params"]
+    assert infill.infill is not None and infill.infill_after == "top_p" and len(infill.infill.pieces) == 49152
+    for flags, fragment in ((["--samplers", "top_p;top_k"], "--samplers: samplers top_p, top_k in this order"),
+                            (["--sampling-seq", "tk"], "--sampling-seq: samplers temperature, top_k in this order"),
+                            (["--samplers", "top_k;adaptive_p"], "--samplers: the adaptive-p sampler"),
+                            (["--samplers", "top_k", "--sampling-seq", "k"], "--samplers and --sampling-seq both")):
+        assert_clean_error(run("generate", "-m", "no-such-model", *base, *flags), fragment)  # before the model
+    assert_clean_error(run("serve", "-m", "no-such-model", *base[2:], "--samplers", "temperature;min_p"),
+                       "--samplers: samplers temperature, min_p in this order")
+
+
 @pytest.mark.parametrize("command, flags, fragment", REFUSED, ids=[" ".join(r[1]) for r in REFUSED])
 def test_llama_cpp_flags_that_mean_nothing_here_are_refused_in_one_line(command, flags, fragment):
     prompt = ["-p", "hi"] if command != "serve" else []

@@ -306,6 +306,14 @@ def test_llama_servers_samplers_field_samples_as_its_chain_or_is_refused():
     with pytest.raises(APIError, match="typical"):
         _llama_samplers({"typical_p": 0.5}, params, 4096)
     assert _llama_samplers({"typical_p": 0.5, "samplers": "kpmt"}, params, 4096) == params
+    # serve --samplers: the chain of requests that leave "samplers" out
+    from speculant.server import ServerConfig, _get_sampling
+
+    cfg = ServerConfig("m", samplers=("top_k",), temperature=0.8, top_k=40, top_p=0.9)
+    got = _get_sampling({}, cfg)[0]
+    assert (got.temperature, got.top_k, got.top_p) == (1.0, 40, 1.0)
+    got = _get_sampling({"samplers": ["top_p", "temperature"]}, cfg)[0]
+    assert (got.temperature, got.top_k, got.top_p) == (0.8, 0, 0.9)
 
 
 @settings(max_examples=200, deadline=None)
