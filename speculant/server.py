@@ -1599,8 +1599,8 @@ def create_app(engine, cfg: ServerConfig):
             defaults = with_eog_banned(defaults, cfg.eog_ids)
         metrics.requests.labels("/props", "200").inc()
         log_request(request, "200", t0)
-        return {"default_generation_settings": {"params": settings(defaults, cfg.max_tokens), "n_ctx": cfg.n_ctx},
-                **props}
+        params = {**settings(defaults, cfg.max_tokens), "samplers": list(cfg.samplers)}  # as serve --samplers
+        return {"default_generation_settings": {"params": params, "n_ctx": cfg.n_ctx}, **props}
 
     @app.get("/slots")
     async def get_slots(request: Request):

@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from speculant import models
-from speculant.server import spawn_local
+from speculant.server import LLAMA_SAMPLERS, spawn_local
 
 pytestmark = pytest.mark.models
 
@@ -1475,6 +1475,7 @@ def test_props_slots_models_and_apply_template(server, client):
     health = httpx.get(server + "/health").json()
     assert props["default_generation_settings"]["n_ctx"] == CTX and props["total_slots"] == health["slots"]
     assert props["default_generation_settings"]["params"]["n_predict"] == 128
+    assert props["default_generation_settings"]["params"]["samplers"] == list(LLAMA_SAMPLERS)  # llama-server's
     assert Path(props["model_path"]).is_file() and props["model_alias"] == MODEL
     assert "<|im_start|>" in props["chat_template"] and props["build_info"].startswith("speculant")
     prompt = _post(server, "/apply-template", {"messages": QUESTION_2}).json()["prompt"]
