@@ -545,9 +545,10 @@ def parse_logit_bias(items: Sequence[str]) -> tuple[tuple[int, float], ...]:
     return tuple(out.items())
 
 
-def sampling_params(args, seed: Optional[int], backend=None):
-    """SamplingParams from the sampling flags (validated there), as --samplers chains them. The infill sampler
-    reads the model's vocabulary: without `backend` (flags checked before the model loads) it is left out."""
+def sampling_params(args, seed: Optional[int], backend=None, chained: bool = True):
+    """SamplingParams from the sampling flags (validated there), as --samplers chains them (chained False: as
+    given). The infill sampler reads the model's vocabulary: without `backend` (flags checked before the model
+    loads) it is left out."""
     from .verify import SamplingParams, with_repeat_last_n
 
     if args.repeat_last_n < -1:
@@ -559,7 +560,7 @@ def sampling_params(args, seed: Optional[int], backend=None):
                                                frequency_penalty=args.frequency_penalty,
                                                repetition_penalty=args.repeat_penalty), args.repeat_last_n)
     chain = sampler_chain(args)
-    if chain is None:
+    if chain is None or not chained:
         return params
     try:
         params = samplers.in_chain(params, chain, lambda: backend.infill_vocab() if backend is not None else None)
@@ -574,7 +575,13 @@ def sampler_chain(args) -> Optional[tuple[str, ...]]:
         raise SettingsError("--samplers and --sampling-seq both give the samplers: give one")
     try:
         if args.samplers is not None:
-            return samplers.from_names(args.samplers.split(";"))
+            def unknown(name):
+                if name not in warned:  # once, however often the flags are read
+                    warned.add(name)
+                    print(f"speculant: warning: --samplers: no sampler is named {name!r}; it is skipped, as "
+                          f"llama.cpp skips it", file=sys.stderr)
+            warned = vars(args).setdefault("_unknown_samplers", set())
+            return samplers.from_names(args.samplers.split(";"), unknown)
         if args.sampling_seq is not None:
             return samplers.from_chars(args.sampling_seq)
     except SettingsError as e:

@@ -39,6 +39,8 @@ LONG_MAX_CHEAP, CHEAP_R16 = 32, 3.0
 # one-token passes (a GPU's fixed-width passes), as longer drafts then pay (docs/bench/trees/: summarization 3.09x at
 # k = 4, 3.81x at 8 predicted for the H200); on this CPU (r(8) 1.7) k <= 8 read 1.46x against k <= 4's 1.49x
 DRAFT_MAX, DRAFT_MAX_FLAT, FLAT_R8 = 4, 8, 1.3
+INFILL_WITH_GRAMMAR = ("the infill sampler with a grammar (or a JSON schema, or required tool calls) is not "
+                       "supported: llama.cpp samples those two in an order speculant does not reproduce")
 MAX_TOP_LOGPROBS = 20  # alternatives per token with logprobs (OpenAI's bound)
 
 
@@ -361,6 +363,8 @@ class Engine:
                                 f"takes temperature, top_k, ... as keywords)")
         if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        if constraint is not None and params.infill is not None:
+            raise SettingsError(INFILL_WITH_GRAMMAR)
         if post_sampling and logprobs is not None and constraint is not None:
             raise SettingsError("post-sampling probabilities with a grammar are not supported (the model's own "
                                 "log-probabilities are)")

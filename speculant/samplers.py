@@ -25,9 +25,14 @@ SAMPLER_NAMES = {**{name: name for name in SAMPLER_CHARS.values()},
 OUR_ORDER = ("penalties", "top_k", "top_p", "min_p", "temperature")  # the order speculant applies them in
 
 
-def from_names(names: Iterable[str]) -> tuple[str, ...]:
-    """A chain of names (any case, llama.cpp's aliases); ones it does not know are skipped, as it skips them."""
-    return _supported(tuple(SAMPLER_NAMES[n.strip().lower()] for n in names if n.strip().lower() in SAMPLER_NAMES))
+def from_names(names: Iterable[str], unknown: Optional[Callable[[str], None]] = None) -> tuple[str, ...]:
+    """A chain of names (any case, llama.cpp's aliases; spaces are part of a name, as there); ones it does not
+    know are skipped, as it skips them (unknown(name) is told, as it warns)."""
+    names = list(names)
+    for name in names:
+        if name.lower() not in SAMPLER_NAMES and unknown is not None:
+            unknown(name)
+    return _supported(tuple(SAMPLER_NAMES[n.lower()] for n in names if n.lower() in SAMPLER_NAMES))
 
 
 def from_chars(chars: str) -> tuple[str, ...]:

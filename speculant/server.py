@@ -51,7 +51,7 @@ from typing import Any, AsyncIterator, Callable, Optional
 from . import samplers
 from .backends.base import common_prefix
 from .constraint import TriggeredGrammar, either_grammar, json_grammar
-from .engine import MAX_TOP_LOGPROBS
+from .engine import INFILL_WITH_GRAMMAR, MAX_TOP_LOGPROBS
 from .errors import Cancelled, ContextOverflowError, SettingsError, SpeculantError
 from .rpc import WorkerError
 from .tools import CLOSE, OPEN, ToolsError, held_back, message_for_template, parse_tools
@@ -719,17 +719,20 @@ def _schema_grammar(schema, param: str) -> str:
 def _get_logprobs(body: dict, chat: bool) -> Optional[int]:
     """Chat: logprobs (bool) and top_logprobs (0..20, only with logprobs); completions: logprobs (0..20)
     -> the number of alternatives per token, or None when logprobs are not wanted. llama-server's
-    post_sampling_probs is read on its own endpoints (/completion, /infill), refused here rather than ignored."""
-    if _get_bool(body, "post_sampling_probs", False):
+    post_sampling_probs is read on its own endpoints (/completion, /infill): with logprobs asked for here it is
+    refused rather than ignored."""
+    if not chat:
+        n = _get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+    else:
+        wanted = _get_bool(body, "logprobs", False)
+        top = _get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
+        if top is not None and not wanted:
+            raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        n = (top or 0) if wanted else None
+    if _get_bool(body, "post_sampling_probs", False) and n is not None:
         raise _bad("'post_sampling_probs' is read on /completion and /infill (with n_probs); OpenAI's logprobs "
                    "here are the model's own", "post_sampling_probs", "unsupported_value")
-    if not chat:
-        return _get_int(body, "logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    wanted = _get_bool(body, "logprobs", False)
-    top = _get_int(body, "top_logprobs", None, lo=0, hi=MAX_TOP_LOGPROBS)
-    if top is not None and not wanted:
-        raise _bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
-    return (top or 0) if wanted else None
+    return n
 
 
 MAX_BIAS_TOKENS = 4096  # tokens the texts of one request's logit_bias may add up to
@@ -1183,6 +1186,8 @@ class Worker:
                 job.tokens = self.engine.tokenize_prompt(job.prompt, is_chat=job.is_chat, suffix=job.suffix)
             _bias_text_tokens(job, self.engine.target)
             job.constraint = _constraint(job, self.engine)
+            if job.constraint is not None and job.params.infill is not None:
+                raise _bad(f"'samplers': {INFILL_WITH_GRAMMAR}", "samplers", "unsupported_value")
 
         await asyncio.get_running_loop().run_in_executor(self.tokenizer, work)
 
@@ -1407,7 +1412,16 @@ def create_app(engine, cfg: ServerConfig):
     if cfg.n_ctx is None:
         cfg.n_ctx = engine.target.n_ctx
     cfg.eog_ids = tuple(engine.target.eog_ids())
-    cfg.infill_vocab = engine.target.infill_vocab  # built on the first request whose samplers list "infill"
+    # the infill sampler's vocabulary: built on the first request whose samplers list "infill" (~0.4 s, on the
+    # event loop), ahead in a thread for a model editors complete code with (it has fill-in-the-middle tokens)
+    cfg.infill_vocab = engine.target.infill_vocab
+    if engine.target.fim_tokens() is not None:
+        def build():
+            try:
+                engine.target.infill_vocab()
+            except SpeculantError:  # no end-of-text token: requests listing "infill" get the reason, as a 400
+                pass
+        threading.Thread(target=build, name="infill-vocab", daemon=True).start()
 
     metrics.set_models(engine_models(engine))
     worker = Worker([engine.for_slot(i) for i in range(cfg.parallel)], metrics, cfg.max_queue)
@@ -2153,7 +2167,8 @@ def cmd_serve(args) -> int:
     seed = None if args.seed == -1 else args.seed  # -1: every request without a seed samples randomly
     from .cli import sampler_chain, sampling_params
 
-    defaults = sampling_params(args, seed)  # validates them (the chain of --samplers too)
+    sampling_params(args, seed)  # validates them, in the chain of --samplers too
+    defaults = sampling_params(args, seed, chained=False)  # a request's "samplers" may list what --samplers left out
     if args.host not in ("127.0.0.1", "localhost", "::1") and not (args.api_key or "").strip(", "):
         print(f"speculant: warning: serving on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
@@ -2193,7 +2208,7 @@ def cmd_serve(args) -> int:
         frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,
         logit_bias=defaults.logit_bias, ignore_eos=args.ignore_eos, repeat_last_n=args.repeat_last_n,
         n_vocab=engine.target.n_vocab, endpoint_slots=args.slots,
-        samplers=sampler_chain(args) or LLAMA_SAMPLERS,
+        samplers=LLAMA_SAMPLERS if sampler_chain(args) is None else sampler_chain(args),  # (): none run
     )
     app = create_app(engine, cfg)
     _setup_logging(args.log_level)

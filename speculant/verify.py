@@ -522,7 +522,8 @@ def _staged_row(row: np.ndarray, params: SamplingParams) -> np.ndarray:
             if params.temperature == 0.0:  # llama.cpp sends the others to -inf (they stay in its array)
                 keep = np.arange(len(x)) == int(np.argmax(x))
             else:
-                x = x / params.temperature
+                with np.errstate(over="ignore"):  # x <= 0: a tiny T sends the others to -inf, as it should
+                    x = (x - x.max()) / params.temperature
         if keep is not None:
             ids, x = ids[keep], x[keep]
             size = size if stage in ("top_k", "temperature") else len(x)
@@ -546,7 +547,10 @@ def infill_mask(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     x = np.array(logits, copy=True)
     at_one = dataclasses.replace(params, temperature=1.0)
     for row in np.atleast_2d(x):
-        row[_staged_row(row, at_one) == 0.0] = -np.inf
+        kept = _staged_row(row, at_one) > 0.0  # [V]
+        row[~kept] = -np.inf
+        if np.count_nonzero(kept) == 1 and row[kept][0] == -np.inf:  # EOT alone, though banned: llama.cpp's pick
+            row[kept] = 0.0
     return x
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from speculant.errors import SettingsError
 from speculant.verify import (InfillVocab, SamplingParams, adjust_logits, infill_keep, probs_from_logits,
-                              reference_infill_keep)
+                              reference_infill_keep, with_eog_banned)
 
 # texts over two letters: many are prefixes of others; b"" is a control token's text (never merges)
 SMALL_TEXTS = (b"a", b"ab", b"abb", b"b", b"ba", b"bab", b"", b"aa", b"abb", b"bb", b"<e>", b"",
@@ -217,3 +217,31 @@ def test_greedy_with_infill_before_temperature_0_takes_the_argmax_of_what_it_kee
     flat[6] = -30.0  # 3 x p_eog x 7 is ~1e-12: no EOG branch; six texts of 1/6, none at 0.2: EOT alone
     assert int(np.argmax(adjust_logits(flat, SamplingParams(0.0, infill=flat_texts, infill_after=""), [1], 1))) == 6
     assert probs_from_logits(flat, SamplingParams(1.0, infill=flat_texts, infill_after="")).tolist() == [0.0] * 6 + [1.0]
+    # EOT banned (ignore_eos: a logit of -inf): llama.cpp still ends with it there, greedy or not
+    banned = with_eog_banned(SamplingParams(0.0, infill=flat_texts, infill_after=""), [6])
+    assert int(np.argmax(adjust_logits(flat, banned, [1], 1))) == 6
+    assert probs_from_logits(flat, dataclasses_replace(banned, temperature=0.8))[6] == 1.0
+    # a temperature so small that x / T overflows: the argmax alone (of what the infill sampler kept, when first)
+    row[10] = -np.inf
+    for after, token in (("temperature", 3), ("", 0)):
+        tiny = probs_from_logits(row, SamplingParams(1e-310, infill=SMALL, infill_after=after))
+        assert np.flatnonzero(tiny).tolist() == [token] and tiny[token] == 1.0
+
+
+def dataclasses_replace(params, **kw):
+    import dataclasses
+
+    return dataclasses.replace(params, **kw)
+
+
+@pytest.mark.models
+def test_the_infill_sampler_with_a_grammar_is_refused(small_target):
+    """llama.cpp samples a grammar and the infill sampler in an order speculant does not reproduce (a greedy row
+    whose kept tokens the grammar all forbids): a clear error, not a row of -inf (the server: tests/test_server.py)."""
+    from speculant.engine import Engine
+
+    params = SamplingParams(0.0, top_k=40, infill=small_target.infill_vocab(), infill_after="top_k")
+    with pytest.raises(SettingsError, match="infill sampler with a grammar"):
+        Engine(small_target).generate("1 + 1 =", max_tokens=4, params=params,
+                                      constraint=small_target.grammar("root ::= [0-9]+"))
+    assert Engine(small_target).generate("1 + 1 =", max_tokens=4, params=params).tokens

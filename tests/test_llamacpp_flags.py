@@ -6,6 +6,7 @@ import io
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -208,6 +209,7 @@ def test_samplers_run_the_chain_they_list(small, seen):
     assert seen(*base, "--samplers", "Top-K;nucleus;temp")["params"] == want(0.7, 20, 0.9, 0.0)
     assert seen(*base, "--samplers", "penalties;dry;top_n_sigma;top_k;typ_p;top_p;min_p;xtc;temperature")[
         "params"] == seen(*base)["params"]
+    assert seen(*base, "--sampling-seq", "")["params"] == want(1.0, 0, 1.0, 0.0)  # none: llama.cpp's dist alone
     infill = seen(*base, "--samplers", "top_k;top_p;infill")["params"]
     assert infill.infill is not None and infill.infill_after == "top_p" and len(infill.infill.pieces) == 49152
     for flags, fragment in ((["--samplers", "top_p;top_k"], "--samplers: samplers top_p, top_k in this order"),
@@ -217,6 +219,42 @@ def test_samplers_run_the_chain_they_list(small, seen):
         assert_clean_error(run("generate", "-m", "no-such-model", *base, *flags), fragment)  # before the model
     assert_clean_error(run("serve", "-m", "no-such-model", *base[2:], "--samplers", "temperature;min_p"),
                        "--samplers: samplers temperature, min_p in this order")
+
+
+def test_samplers_names_are_read_as_llama_cpp_reads_them(small, seen, capsys):
+    """Names are whole between the ';' (a space is part of one, as in llama.cpp, so " temperature" is no sampler):
+    one that is none is skipped, with one warning, as llama.cpp skips and warns."""
+    got = seen("-p", "hi", "--temp", "0.7", "--samplers", "top_k; temperature")["params"]
+    assert got.temperature == 1.0 and got.top_k == 40
+    warnings = [line for line in capsys.readouterr().err.splitlines() if "warning" in line]
+    assert warnings == ["speculant: warning: --samplers: no sampler is named ' temperature'; it is skipped, as "
+                        "llama.cpp skips it"]
+
+
+def test_serve_samplers_set_the_default_chain_not_the_defaults(small):
+    """serve --samplers is the chain of requests that leave "samplers" out; the flags' values stay the server's
+    defaults (a request listing the penalties gets --repeat-penalty, though the default chain leaves them out)."""
+    import signal
+
+    import httpx
+
+    from speculant.server import spawn_local
+
+    proc, url = spawn_local(["-m", SMALL, "-t", "1", "-c", "256", "--samplers", "top_k;temperature",
+                             "--repeat-penalty", "1.3", "--presence-penalty", "0.5", "--temp", "0.7"], timeout=120,
+                            exe=str(Path(sys.executable).with_name("speculant")))
+    try:
+        params = httpx.get(url + "/props", timeout=30).json()["default_generation_settings"]["params"]
+        assert params["samplers"] == ["top_k", "temperature"] and params["repeat_penalty"] == 1.3
+        assert params["presence_penalty"] == 0.5 and params["temperature"] == 0.7
+        body = {"prompt": "Once upon a time", "n_predict": 32, "seed": 1, "top_k": 1}  # top-k 1: greedy
+        base = httpx.post(url + "/completion", json=body, timeout=60).json()["content"]
+        penalized = httpx.post(url + "/completion", json={**body, "samplers": ["penalties", "top_k"]},
+                               timeout=60).json()["content"]
+        assert base and penalized != base  # the server's 1.3 and 0.5
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
 
 
 @pytest.mark.parametrize("command, flags, fragment", REFUSED, ids=[" ".join(r[1]) for r in REFUSED])

@@ -1434,6 +1434,19 @@ def test_completion_post_sampling_probs(server):
     for path, extra in (("/v1/completions", {"logprobs": 2}), ("/completion", {"grammar": 'root ::= "a"+'})):
         bad = _post(server, path, {**body, **extra, "post_sampling_probs": True})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "post_sampling_probs", bad.text
+    assert _post(server, "/v1/completions", {**body, "post_sampling_probs": True}).status_code == 200  # no logprobs
+
+
+def test_the_infill_sampler_with_a_grammar_is_refused(server):
+    """llama.cpp samples a grammar and the infill sampler in an order speculant does not reproduce (a greedy row
+    could keep no allowed token): a 400 naming "samplers", on every way a grammar comes."""
+    base = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "samplers": ["top_k", "infill", "temperature"]}
+    for path, extra in (("/completion", {"grammar": 'root ::= [0-9]+'}),
+                        ("/completion", {"json_schema": {"type": "integer"}}),
+                        ("/v1/completions", {"response_format": {"type": "json_object"}})):
+        r = _post(server, path, {**base, **extra})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "samplers", (path, r.text)
+    assert _post(server, "/completion", base).status_code == 200
 
 
 def test_logit_bias_in_llama_servers_array_form(server):

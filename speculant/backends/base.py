@@ -6,6 +6,7 @@ A backend owns one model and one KV cache for one sequence. The engine never imp
 
 from __future__ import annotations
 
+import threading
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Callable, Optional, Sequence
@@ -14,6 +15,7 @@ import numpy as np
 
 from ..errors import Cancelled, SettingsError
 
+_INFILL_VOCAB_LOCK = threading.Lock()
 # a draft model's prompt is processed this many tokens at a time, so that a request whose client left stops it
 # between two (the default 0.5B draft, 2 cores: 0.18-0.4 s each over a 2k-token prompt, 4.5 s in all, as in one go)
 CATCH_UP_TOKENS = 128
@@ -147,6 +149,10 @@ class Backend(ABC):
     def infill_vocab(self) -> "InfillVocab":
         """What llama.cpp's infill sampler reads of this vocabulary (verify.InfillVocab): every token's text,
         built once (~0.3 s for 152k tokens)."""
+        with _INFILL_VOCAB_LOCK:  # built once, whichever thread asks first (the server builds it ahead)
+            return self._built_infill_vocab()
+
+    def _built_infill_vocab(self) -> "InfillVocab":
         if getattr(self, "_infill_vocab", None) is None:
             from ..verify import InfillVocab
 
