@@ -565,8 +565,12 @@ def sampling_params(args, seed: Optional[int], backend=None, chained: bool = Tru
     try:
         params = samplers.in_chain(params, chain, lambda: backend.infill_vocab() if backend is not None else None)
     except SettingsError as e:
-        raise SettingsError(f"{'--samplers' if args.samplers is not None else '--sampling-seq'}: {e}") from None
+        raise SettingsError(f"{_chain_flag(args)}: {e}") from None
     return params
+
+
+def _chain_flag(args) -> str:
+    return "--samplers" if args.samplers is not None else "--sampling-seq"
 
 
 def sampler_chain(args) -> Optional[tuple[str, ...]]:
@@ -585,7 +589,7 @@ def sampler_chain(args) -> Optional[tuple[str, ...]]:
         if args.sampling_seq is not None:
             return samplers.from_chars(args.sampling_seq)
     except SettingsError as e:
-        raise SettingsError(f"{'--samplers' if args.samplers is not None else '--sampling-seq'}: {e}") from None
+        raise SettingsError(f"{_chain_flag(args)}: {e}") from None
     return None
 
 

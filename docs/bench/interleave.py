@@ -2,14 +2,18 @@
 
 Used by fim/fim_bench.py and infill/infill_bench.py (they put this folder on sys.path).
 """
+import dataclasses
 import json
 
 
-def run_interleaved(engines: dict, target, cases: list[tuple[str, list[int]]], max_tokens: int) -> dict:
+def run_interleaved(engines: dict, target, cases: list[tuple[str, list[int]]], max_tokens: int,
+                    params=None) -> dict:
     """Every (name, prompt tokens) case through every engine, the order rotating case by case (the machine's
     load drifts). Each engine processes the prompt itself; only decoding is timed (stats.decode_time). Every
     output must equal the first engine's (plain decoding), token for token. Prints a line per case, the totals'
-    speedups over the first engine and a JSON line; returns that JSON's dict."""
+    speedups over the first engine and a JSON line; returns that JSON's dict. params: the sampling settings
+    (default greedy); a seeded one is seeded anew per case (its seed + the case's index), so that the outputs
+    are still one function of the rows, whatever is drafted."""
     names = list(engines)
     first = names[0]
     totals = {name: [0, 0.0] for name in names}
@@ -18,7 +22,9 @@ def run_interleaved(engines: dict, target, cases: list[tuple[str, list[int]]], m
         got = {}
         for way in names[i % len(names):] + names[:i % len(names)]:
             target.rewind(0)
-            r = engines[way].generate(prompt, max_tokens=max_tokens)
+            kw = {} if params is None else {"params": params if params.seed is None else
+                                            dataclasses.replace(params, seed=params.seed + i)}
+            r = engines[way].generate(prompt, max_tokens=max_tokens, **kw)
             got[way] = r
             totals[way][0] += r.stats.generated_tokens
             totals[way][1] += r.stats.decode_time

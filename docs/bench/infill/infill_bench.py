@@ -9,6 +9,8 @@ order rotates): plain decoding, prompt lookup (which copies from the other files
 cursor), the draft model, and lookup then the draft model (the draft ones adaptive). Greedy; every speculative
 output must equal plain decoding's (checked). Prints tokens/s per case, the totals' speedups and a JSON line.
 Usage: python docs/bench/infill/infill_bench.py [max tokens per case (default 64)] [cases per file (default 3)]
+[vim: sample as llama.vim asks (top-k 40, top-p 0.9, then llama.cpp's infill sampler, temperature 1), seeded
+per case (the seed couples the draws: outputs must still be plain decoding's)]
 """
 import sys
 from importlib.resources import files
@@ -17,6 +19,7 @@ from pathlib import Path
 from speculant import models
 from speculant.api import load_backend, load_drafter
 from speculant.engine import Engine
+from speculant.verify import SamplingParams
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from interleave import run_interleaved  # noqa: E402
@@ -40,7 +43,7 @@ def cases(per_file: int):
     return out
 
 
-def main(max_tokens=64, per_file=3):
+def main(max_tokens=64, per_file=3, vim=False):
     target = load_backend(models.DEFAULT_TARGET, n_ctx=4096, threads=2)
     engines = {"plain": Engine(target),
                "lookup": Engine(target, load_drafter(target, "lookup"), draft_max=4, adaptive=True),
@@ -54,8 +57,12 @@ def main(max_tokens=64, per_file=3):
                                                      room=max_tokens)
         assert not cut
         todo.append((name, prompt))
-    run_interleaved(engines, target, todo, max_tokens)
+    params = None
+    if vim:  # llama.vim's request: "samplers": ["top_k", "top_p", "infill"], top_k 40, top_p 0.90
+        params = SamplingParams(1.0, top_k=40, top_p=0.9, seed=0, infill=target.infill_vocab(), infill_after="top_p")
+    run_interleaved(engines, target, todo, max_tokens, params)
 
 
 if __name__ == "__main__":
-    main(*(int(a) for a in sys.argv[1:]))
+    args = sys.argv[1:]
+    main(*(int(a) for a in args if a != "vim"), vim="vim" in args)
