@@ -451,18 +451,17 @@ class Engine:
                     n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
-                    n_accepted, next_token, masking_time = _verify(logits, draft, params, rng, candidate, n_prompt,
-                                                                   constraint)
+                    # logit bias and penalties per row, each with the drafts before it
+                    adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
+                    n_accepted, next_token, masking_time = _verify(adjusted, draft, params, rng, candidate, constraint)
                 # masking costs per emitted token, drafting or not: kept out of what the policy weighs
                 verify_time = time.perf_counter() - t - masking_time
                 # accept, rewind
                 new_tokens = draft.tokens[:n_accepted] + [next_token]
                 new_logprobs = None
                 if n_top is not None:  # rows 0..n_accepted predicted the new tokens
-                    rows = logits[:n_accepted + 1]  # [n_accepted + 1, V]
-                    new_logprobs = token_logprobs(rows, new_tokens, n_top) if not post_sampling else \
-                        sampling_logprobs(adjust_logits(rows, params, context + new_tokens[:-1], n_prompt), params,
-                                          new_tokens, n_top)
+                    new_logprobs = token_logprobs(logits[:n_accepted + 1], new_tokens, n_top) if not post_sampling \
+                        else sampling_logprobs(adjusted[:n_accepted + 1], params, new_tokens, n_top)
                 context += new_tokens
                 if constraint is not None:
                     for token in new_tokens:
@@ -617,13 +616,11 @@ class _Output:
         return False
 
 
-def _verify(logits: np.ndarray, draft, params: SamplingParams, rng: np.random.Generator, candidate: list[int],
-            n_prompt: int, constraint: Optional[Constraint]) -> tuple[int, int, float]:
-    """Verify a draft against the target's logits [k+1, V] of the pass over candidate[-(k+1):]: logit bias and
-    penalties per row (each with the drafts before it), a grammar's mask per row (on demand, up to the first
-    rejection), then greedy, coupled draws (a seeded request) or rejection sampling. Returns (n_accepted, next
-    token, seconds spent masking)."""
-    adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
+def _verify(adjusted: np.ndarray, draft, params: SamplingParams, rng: np.random.Generator, candidate: list[int],
+            constraint: Optional[Constraint]) -> tuple[int, int, float]:
+    """Verify a draft against the target's adjusted logits [k+1, V] (adjust_logits) of the pass over
+    candidate[-(k+1):]: a grammar's mask per row (on demand, up to the first rejection), then greedy, coupled
+    draws (a seeded request) or rejection sampling. Returns (n_accepted, next token, seconds spent masking)."""
     if params.couples:  # row i draws the token at position len(candidate) - k + i; the drafts' q play no part
         at = len(candidate) - len(draft)
         if constraint is not None:

@@ -180,7 +180,7 @@ def _biased_and_penalized(logits: np.ndarray, params: SamplingParams, tokens: Se
     params.penalty_last_n = N, as llama.cpp's penalties sampler: the same three over the last N tokens before the
     row's position, prompt included.
     """
-    if not params.adjusts:
+    if not (params.logit_bias or params.penalizes):  # (params.adjusts counts the infill sampler too)
         return logits
     x = np.array(logits, dtype=np.result_type(logits.dtype, np.float32), copy=True)
     squeeze = x.ndim == 1
