@@ -151,10 +151,27 @@ def connections(pid: int, endpoints: Sequence[str]) -> dict[str, str]:
     return states
 
 
-def probe(endpoint: str, timeout: float = 3.0) -> None:
+_CMD_SPECULANT_IDENTITY = 0xC5  # our patch's command (native/*.patch, ggml-rpc.cpp); stock servers close on it
+ANY_BUILD_ENV = "SPECULANT_RPC_ANY_BUILD"
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    """Up to n bytes: fewer only when the peer closed the connection."""
+    data = b""
+    while len(data) < n:
+        chunk = sock.recv(n - len(data))
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+def probe(endpoint: str, timeout: float = 3.0) -> Optional[dict[str, str]]:
     """Check that a ggml RPC worker of our protocol answers at endpoint (its HELLO handshake), or raise a
-    one-line WorkerError saying what is there instead. Only while no client holds the worker: it serves one
-    connection at a time."""
+    one-line WorkerError saying what is there instead; return what the worker says of its build (its backends'
+    features: SPECULANT, the build key, CPU_VARIANT, ...; and SPECULANT_INVARIANT_ROWS as set there), or None
+    for a worker that does not say (llama.cpp's own rpc-server, an older speculant). Only while no client holds
+    the worker: it serves one connection at a time."""
     try:
         sock = socket.create_connection(_split(endpoint), timeout=timeout)
     except ConnectionRefusedError:
@@ -165,12 +182,7 @@ def probe(endpoint: str, timeout: float = 3.0) -> None:
     with sock:
         try:
             sock.sendall(struct.pack("<BQ", _CMD_HELLO, _CAPS_SIZE) + bytes(_CAPS_SIZE))
-            reply = b""
-            while len(reply) < 8 + 4:
-                chunk = sock.recv(8 + 4 + _CAPS_SIZE - len(reply))
-                if not chunk:
-                    break
-                reply += chunk
+            reply = _recv_exact(sock, 8 + 4 + _CAPS_SIZE)
         except socket.timeout:
             raise WorkerError(f"{endpoint} accepted a connection but did not answer the RPC handshake within "
                               f"{timeout:g} s: not a speculant worker (ggml rpc-server), or one busy serving "
@@ -178,13 +190,58 @@ def probe(endpoint: str, timeout: float = 3.0) -> None:
         except OSError as e:
             raise WorkerError(f"{endpoint} closed the RPC handshake ({e.strerror or e}): not a speculant worker",
                               endpoint) from None
-    if len(reply) < 12 or struct.unpack("<Q", reply[:8])[0] != 4 + _CAPS_SIZE:
-        raise WorkerError(f"{endpoint} is not a speculant worker (ggml rpc-server): it answered "
-                          f"{reply[:16]!r} to the RPC handshake", endpoint)
-    major, minor = reply[8], reply[9]
-    if major != RPC_PROTO_MAJOR:
-        raise WorkerError(f"the worker at {endpoint} speaks RPC protocol {major}.{minor}, this client "
-                          f"{RPC_PROTO_MAJOR}.x: run the same speculant (llama.cpp) version on both", endpoint)
+        if len(reply) < 12 or struct.unpack("<Q", reply[:8])[0] != 4 + _CAPS_SIZE:
+            raise WorkerError(f"{endpoint} is not a speculant worker (ggml rpc-server): it answered "
+                              f"{reply[:16]!r} to the RPC handshake", endpoint)
+        major, minor = reply[8], reply[9]
+        if major != RPC_PROTO_MAJOR:
+            raise WorkerError(f"the worker at {endpoint} speaks RPC protocol {major}.{minor}, this client "
+                              f"{RPC_PROTO_MAJOR}.x: run the same speculant (llama.cpp) version on both", endpoint)
+        try:
+            sock.sendall(struct.pack("<BQ", _CMD_SPECULANT_IDENTITY, 0))
+            size = _recv_exact(sock, 8)
+            if len(size) < 8 or struct.unpack("<Q", size)[0] > 1 << 20:
+                return None  # a server without our patch closes on the command
+            text = _recv_exact(sock, struct.unpack("<Q", size)[0]).decode("utf-8", "replace")
+        except OSError:  # a reset or a timeout: no identity either
+            return None
+    return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
+
+
+def check_identity(endpoint: str, identity: Optional[dict[str, str]]) -> list[str]:
+    """Refuse (WorkerError) a worker whose layers would not compute a pass as this build does, so that speculative
+    output could differ from plain decoding: another build, llama.cpp's own rpc-server, other batch-invariant pass
+    sizes. With SPECULANT_RPC_ANY_BUILD=1 those become warnings. Return the warnings for the caller to print."""
+    from .native import invariant_rows, load_backends, system_features
+
+    load_backends()
+    own = system_features()
+    if "SPECULANT" not in own:  # this build promises nothing to keep (native.exactness_problems says so)
+        return []
+    problems, notes = [], []
+    if identity is None or "SPECULANT" not in identity:
+        problems.append(f"the worker at {endpoint} is not a speculant worker of this build (llama.cpp's own "
+                        f"rpc-server, or an older speculant): its kernels need not compute a verify pass as they "
+                        f"compute single tokens, so speculative output could differ from plain decoding; run "
+                        f"`speculant worker` of this version (build {own['SPECULANT']}) there")
+    elif identity["SPECULANT"] != own["SPECULANT"]:
+        problems.append(f"the worker at {endpoint} runs speculant build {identity['SPECULANT']}, this process "
+                        f"{own['SPECULANT']}: their kernels can round differently, so run the same speculant "
+                        f"version (llama.cpp build) on both")
+    else:
+        rows = identity.get("SPECULANT_INVARIANT_ROWS") or "64"
+        theirs = int(rows) if rows.lstrip("-").isdigit() else 0  # as atoll reads it: 0 for junk
+        if theirs != invariant_rows():
+            problems.append(f"the worker at {endpoint} computes batch-invariant passes of up to {theirs} tokens, "
+                            f"this process up to {invariant_rows()}: set SPECULANT_INVARIANT_ROWS alike on both "
+                            f"(or on neither)")
+        if identity.get("CPU_VARIANT") and identity["CPU_VARIANT"] != own.get("CPU_VARIANT"):
+            notes.append(f"the worker at {endpoint} runs llama.cpp's {identity['CPU_VARIANT']} kernels, this "
+                         f"machine {own.get('CPU_VARIANT')}: speculative output equals plain decoding over these "
+                         f"workers, but can differ in the last bits from a run on one machine")
+    if problems and os.environ.get(ANY_BUILD_ENV) != "1":
+        raise WorkerError(f"{problems[0]} ({ANY_BUILD_ENV}=1 uses it anyway, without exact output)", endpoint)
+    return [f"{p}; {ANY_BUILD_ENV}=1: using it anyway, output is not promised exact" for p in problems] + notes
 
 
 # -- the ggml side (worker process and the supervised target's child process) -----------------------------

@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -35,8 +36,8 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _start_worker(port: int, host: str = "127.0.0.1") -> subprocess.Popen:
-    proc = subprocess.Popen([*CLI, "worker", "--host", host, "--port", str(port), "-t", "1"], env=ENV,
+def _start_worker(port: int, host: str = "127.0.0.1", env=None) -> subprocess.Popen:
+    proc = subprocess.Popen([*CLI, "worker", "--host", host, "--port", str(port), "-t", "1"], env=env or ENV,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
@@ -317,6 +318,104 @@ def test_a_port_that_is_not_a_worker():
     finally:
         silent.close()
         http.close()
+
+
+def _hello_then(identity):
+    """on_accept for _listener: ggml's rpc-server of protocol 7 as far as the handshake goes (its HELLO reply), then
+    on the next command either what our patched server answers to the identity command (identity: bytes), or, as
+    a stock server does with a command it does not know, closing the connection (identity None)."""
+    def serve(conn):
+        conn.recv(1 + 8 + 24)
+        conn.sendall(struct.pack("<Q", 28) + bytes([7, 0, 0, 0]) + bytes(24))
+        command = conn.recv(1 + 8)
+        if identity is not None and command[:1] == b"\xc5":
+            conn.sendall(struct.pack("<Q", len(identity)) + identity)
+        conn.close()
+    return serve
+
+
+def test_a_worker_of_another_build_is_refused():
+    """A worker whose layers would not compute a pass as this build does (llama.cpp's own rpc-server, another
+    speculant build, other batch-invariant pass sizes) is refused before anything loads: over it, speculative output
+    could differ from plain decoding. SPECULANT_RPC_ANY_BUILD=1 turns that into a warning."""
+    from speculant.native import load_backends, system_features
+    from speculant.rpc import check_identity
+
+    load_backends()
+    own = system_features()
+    if "SPECULANT" not in own:
+        pytest.skip("llama-cpp-python not built by speculant: it promises nothing to check")
+    stock, stock_ep = _listener(b"", on_accept=_hello_then(None))
+    other, other_ep = _listener(b"", on_accept=_hello_then(b"BACKEND=CPU\nSPECULANT=000000000000\nCPU_VARIANT=x64\n"))
+    try:
+        assert probe(stock_ep) is None
+        with pytest.raises(WorkerError, match=f"the worker at {stock_ep} is not a speculant worker of this build"):
+            check_identity(stock_ep, probe(stock_ep))
+        assert probe(other_ep)["SPECULANT"] == "000000000000"
+        with pytest.raises(WorkerError, match=f"runs speculant build 000000000000, this process {own['SPECULANT']}"):
+            check_identity(other_ep, probe(other_ep))
+        os.environ["SPECULANT_RPC_ANY_BUILD"] = "1"
+        try:
+            assert "using it anyway" in check_identity(stock_ep, probe(stock_ep))[0]
+        finally:
+            del os.environ["SPECULANT_RPC_ANY_BUILD"]
+        if models.cached_path(MODEL).exists():  # the CLI says so in one line
+            r = _cli("generate", "-m", MODEL, "-p", "Hi", "--rpc", stock_ep)
+            assert r.returncode == 1 and "Traceback" not in r.stderr
+            assert r.stderr.strip().splitlines()[-1].startswith(
+                f"speculant: error: the worker at {stock_ep} is not a speculant worker of this build")
+    finally:
+        stock.close()
+        other.close()
+
+
+def test_real_workers_say_their_build_and_settings():
+    """A real worker names its build, kernels and batch-invariant pass size; one started with other pass sizes is
+    refused by the CLI in one line, and runs with SPECULANT_RPC_ANY_BUILD=1 (with a warning); one on other kernels
+    (the AVX2 variant) is let in with a note."""
+    from speculant.native import load_backends, loaded_variant, system_features
+    from speculant.rpc import check_identity
+
+    if not models.cached_path(MODEL).exists():
+        pytest.skip(f"{MODEL} not pulled")
+    load_backends()
+    own = system_features()
+    if "SPECULANT" not in own:
+        pytest.skip("llama-cpp-python not built by speculant")
+    port = _free_port()
+    proc = _start_worker(port, env={**ENV, "SPECULANT_INVARIANT_ROWS": "8"})
+    endpoint = f"127.0.0.1:{port}"
+    try:
+        identity = probe(endpoint)
+        assert identity["SPECULANT"] == own["SPECULANT"] and identity["CPU_VARIANT"] == own["CPU_VARIANT"]
+        assert identity["SPECULANT_INVARIANT_ROWS"] == "8"
+        with pytest.raises(WorkerError, match="batch-invariant passes of up to 8 tokens, this process up to 64"):
+            check_identity(endpoint, identity)
+        r = _cli("generate", "-m", MODEL, "-p", "Hi", "-n", "4", "--rpc", endpoint)
+        assert r.returncode == 1 and "Traceback" not in r.stderr
+        assert "SPECULANT_INVARIANT_ROWS alike on both" in r.stderr.strip().splitlines()[-1]
+        r = subprocess.run([*CLI, "generate", "-m", MODEL, "-p", "Hi", "-n", "4", "--rpc", endpoint],
+                           env={**ENV, "SPECULANT_RPC_ANY_BUILD": "1"}, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.count("using it anyway, output is not promised exact") == 1
+    finally:
+        _stop(proc)
+    info = native_build_variants()
+    if loaded_variant() == "haswell" or "haswell" not in info:
+        return
+    proc = _start_worker(port, env={**ENV, "SPECULANT_CPU_VARIANT": "haswell"})
+    try:
+        notes = check_identity(endpoint, probe(endpoint))
+        assert len(notes) == 1 and f"runs llama.cpp's haswell kernels, this machine {loaded_variant()}" in notes[0]
+    finally:
+        _stop(proc)
+
+
+def native_build_variants() -> list[str]:
+    from speculant.native import build_info
+
+    info = build_info()
+    return info["variants"].split(",") if info else []
 
 
 def test_binding_beyond_loopback_warns():

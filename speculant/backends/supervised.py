@@ -17,6 +17,7 @@ from __future__ import annotations
 import multiprocessing as mp
 import os
 import signal
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -25,7 +26,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import Cancelled, ModelError, SpeculantError
-from ..rpc import WorkerError, connections, probe, reachable
+from ..rpc import WorkerError, check_identity, connections, probe, reachable
 from .base import Backend, VocabInfo
 
 WATCH_S = 0.2  # how often a waiting call checks the child process
@@ -122,6 +123,7 @@ class SupervisedBackend(Backend):
         fd, self._log_path = tempfile.mkstemp(prefix="speculant-target-", suffix=".log")
         os.close(fd)
         self.down: dict[str, str] = {}  # endpoint -> why, for the workers found down by the last failure
+        self._warned: set[tuple[str, str]] = set()
         self._start()
 
     # -- the child ------------------------------------------------------------------------------------------
@@ -129,10 +131,14 @@ class SupervisedBackend(Backend):
         """Check every worker answers, then start a child and wait until its model is loaded."""
         for endpoint in self.endpoints:
             try:
-                probe(endpoint)
+                warnings = check_identity(endpoint, probe(endpoint))
             except WorkerError as e:
                 self.down = {endpoint: str(e)}
                 raise
+            for line in warnings:
+                if (endpoint, line) not in self._warned:  # once, not at every restart
+                    self._warned.add((endpoint, line))
+                    print(f"speculant: warning: {line}", file=sys.stderr, flush=True)
         self.down = {}
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
