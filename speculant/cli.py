@@ -385,9 +385,12 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("-p", "--prompt", help="prompt text")
     src.add_argument("-f", "--file", help="read the prompt from a file ('-' for stdin)")
     g.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    g.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
-                   help="a system message before the prompt; implies --chat, as llama-cli applies the chat "
-                        "template for it (taken as typed: llama.cpp processes no escapes in it)")
+    system = g.add_mutually_exclusive_group()
+    system.add_argument("-sys", "--system-prompt", default=None, metavar="TEXT",
+                        help="a system message before the prompt; implies --chat, as llama-cli applies the chat "
+                             "template for it (taken as typed: llama.cpp processes no escapes in it)")
+    system.add_argument("-sysf", "--system-prompt-file", default=None, metavar="FILE",
+                        help="-sys read from a file ('-' for stdin), less one trailing newline, as llama-cli")
     g.add_argument("-no-cnv", "--no-conversation", action="store_true",
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
     g.add_argument("--ignore-eos", action="store_true",
@@ -643,7 +646,7 @@ def cmd_generate(args) -> int:
     from .stats import SpecStats
 
     one_request_pages()
-    if args.system_prompt:  # as llama-cli, which applies the chat template when given a system prompt
+    if args.system_prompt or args.system_prompt_file is not None:  # llama-cli applies the chat template for one
         args.chat = True
     if args.n_predict < 1 and args.n_predict != -1:
         raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
@@ -653,10 +656,14 @@ def cmd_generate(args) -> int:
     params = sampling_params(args, seed)
     prompt_on_stdin = args.prompt is None and args.file in (None, "-")
     readers = [flag for flag, on_stdin in (("the prompt", prompt_on_stdin), ("--prediction", args.prediction == "-"),
-                                           ("--suffix", args.suffix == "-")) if on_stdin]
+                                           ("--suffix", args.suffix == "-"),
+                                           ("-sysf", args.system_prompt_file == "-")) if on_stdin]
     if len(readers) > 1:
         raise SettingsError(f"{' and '.join(readers)} would both read stdin: give all but one a file (-p TEXT or "
                             f"-f FILE for the prompt)")
+    if args.system_prompt_file is not None:
+        text = _read_prediction(args.system_prompt_file, "system prompt")
+        args.system_prompt = text[:-1] if text.endswith("\n") else text
     prediction = _read_prediction(args.prediction)
     suffix = _read_prediction(args.suffix, "suffix")
     if suffix is not None and args.chat:

@@ -123,6 +123,23 @@ def test_system_prompt_is_a_chat_message_before_the_users(small, seen):
                        "does not go with -sys")
 
 
+def test_system_prompt_file(small, seen, tmp_path, monkeypatch):
+    """-sysf FILE is -sys read from a file (or stdin), less one trailing newline and with no escapes, as
+    llama-cli's; it implies --chat too."""
+    f = tmp_path / "system.txt"
+    f.write_text("Be\\nbrief.\nAlways.\n\n")
+    r = seen("-sysf", str(f), "-p", "Hi")
+    assert r["is_chat"]
+    assert r["prompt"].startswith("<|im_start|>system\nBe\\nbrief.\nAlways.\n<|im_end|>\n<|im_start|>user\nHi")
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Be brief.\n")))
+    assert seen("--system-prompt-file", "-", "-p", "Hi")["prompt"] == seen("-sys", "Be brief.", "-p", "Hi")["prompt"]
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-sysf", str(tmp_path / "none.txt")),
+                       "cannot read system prompt file")
+    assert_clean_error(run("generate", "-m", "no-such-model", "-sysf", "-"), "the prompt and -sysf would both read stdin")
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-sys", "x", "-sysf", str(f)),
+                       "not allowed with argument -sys")
+
+
 def test_stop_newline_ends_the_answer_at_its_first_line(small):
     """`--stop '\\n'` was the two characters backslash and n, which never matched."""
     base = ["generate", "-m", small, "-t", "1", "-n", "24", "--json", "--chat", "-p",
