@@ -1830,16 +1830,21 @@ def create_app(engine, cfg: ServerConfig):
 
         if job.stream:
             async def sse():
+                sent = 0  # characters of the answer streamed so far
                 async with aclosing(worker.run(job, result)) as events:
                     async for event in events:
                         on_token()
                         if event.text or event.logprobs:
                             entries.extend(event.logprobs)
+                            sent += len(event.text)
                             event_json = response(False, event.text, event.logprobs)
                             yield f"data: {json.dumps(event_json, ensure_ascii=False)}\n\n"
                 if job.cut:
                     raise APIError(503, "the server shut down before this completion finished",
                                    type="server_error", code="shutting_down")
+                rest = answer()[sent:]  # held back as the start of a stop string that never came
+                if rest:
+                    yield f"data: {json.dumps(response(False, rest, []), ensure_ascii=False)}\n\n"
                 yield f"data: {json.dumps(response(True, '', []), ensure_ascii=False)}\n\n"
 
             return event_stream(sse(), endpoint, done)

@@ -211,6 +211,31 @@ def test_stop_strings(client):
     assert "".join(c.choices[0].text for c in chunks) == want
 
 
+@pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
+def test_a_stream_that_ends_inside_a_possible_stop_string_sends_its_tail(server, path):
+    """The end of an answer that could still start a stop string is held back while streaming; when the answer
+    ends there (by length), the held text is streamed before the end (llama-server's /completion lost it)."""
+    native = path == "/completion"
+    limit = "n_predict" if native else "max_tokens"
+
+    def text(chunks):
+        return "".join(c["content"] if native else c["choices"][0]["text"] for c in chunks)
+
+    for n in (1, 4, 7):
+        body = {"model": MODEL, "prompt": PROMPT, limit: n, "temperature": 0}
+        r = _post(server, path, body).json()
+        full = r["content"] if native else r["choices"][0]["text"]
+        assert len(full) >= 3
+        never = [full[-3:] + "\u2603never"]  # the answer's last characters start it
+        held = _post(server, path, {**body, "stop": never}).json()
+        assert (held["content"] if native else held["choices"][0]["text"]) == full
+        with httpx.stream("POST", server + path, headers={"Authorization": f"Bearer {KEY}"},
+                          json={**body, "stop": never, "stream": True}, timeout=60) as r:
+            chunks = [json.loads(line[6:]) for line in r.iter_lines()
+                      if line.startswith("data: ") and line != "data: [DONE]"]
+        assert text(chunks) == full
+
+
 def test_logprobs_chat_and_completions(server, client):
     """OpenAI's logprobs objects, from the target's verify passes: one entry per token, the token's bytes spell
     the text, alternatives most likely first; streamed chunks carry the same entries as the whole answer."""
