@@ -99,6 +99,9 @@ def _bad(message: str, param: Optional[str] = None, code: Optional[str] = "inval
 class ServerConfig:
     model_id: str
     draft_id: Optional[str] = None
+    # a request's "model" must be model_id (vLLM, whose --served-model-name sets it); off (serve without
+    # --served-model-name), any name is served, as llama-server does (clients hard-code names like "gpt-4o")
+    check_model: bool = True
     api_key: Optional[str] = None  # llama-server's --api-key: one key, or several separated by commas
     max_body_bytes: int = 1 << 20
     max_queue: int = 64
@@ -294,7 +297,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     model = body.get("model")
     if model is not None and not isinstance(model, str):
         raise _bad("'model' must be a string", "model", "invalid_type")
-    if model is not None and model not in (cfg.model_id, ""):
+    if model is not None and model not in (cfg.model_id, "") and cfg.check_model:
         raise APIError(404, f"the model '{model}' does not exist; this server serves '{cfg.model_id}'",
                        param="model", code="model_not_found")
     n = _get_int(body, "n", 1, lo=1, hi=MAX_N)
@@ -557,7 +560,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     model = body.get("model")
-    if model is not None and model not in (cfg.model_id, ""):
+    if model is not None and model not in (cfg.model_id, "") and cfg.check_model:
         raise APIError(404, f"the model {json.dumps(model)[:80]} does not exist; this server serves "
                        f"'{cfg.model_id}'", param="model", code="model_not_found")
     texts, chunks, prompt = {}, [], ""
@@ -2071,7 +2074,8 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
                         "/metrics; several keys separated by commas, each accepted (as llama-server) (default: "
                         "$SPECULANT_API_KEY, else llama-server's $LLAMA_API_KEY, else none)")
     p.add_argument("--served-model-name", default=None,
-                   help="model id clients send and /v1/models lists (default: the -m value)")
+                   help="model id clients send and /v1/models lists (default: the -m value); given, a request "
+                        "naming another model is a 404, as vLLM's; left out, any name is served, as llama-server")
     p.add_argument("-np", "--parallel", type=int, default=None,
                    help=f"requests decoded at once (default {DEFAULT_PARALLEL}; 1 for the torch backend, --rpc, "
                         "--self-spec and --draft-vocab), each with its own -c tokens of KV cache: their passes "
@@ -2204,7 +2208,7 @@ def cmd_serve(args) -> int:
         raise SpeculantError(f"--logit-bias: token id {bad[0]} is outside the vocabulary "
                              f"(0..{engine.target.n_vocab - 1})")
     cfg = ServerConfig(
-        model_id=args.served_model_name or args.model, draft_id=draft_label(args), api_key=args.api_key or None,
+        model_id=args.served_model_name or args.model, check_model=bool(args.served_model_name), draft_id=draft_label(args), api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
