@@ -375,11 +375,12 @@ def _get_max_tokens(body: dict, cfg: ServerConfig, lo: int, n_ctx: Optional[int]
     return cfg.max_tokens
 
 
-def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] = None,
+def _get_sampling(body: dict, cfg: ServerConfig, *, random_seed: Optional[int] = -1,
                   n_ctx: Optional[int] = None, native: bool = False) -> tuple[SamplingParams, tuple]:
     """The sampling fields (the server's defaults for those left out), the same on every endpoint: OpenAI's, and
     llama-server's (repeat_penalty, ignore_eos, logit_bias as pairs; its other samplers: _llama_samplers).
-    random_seed: a seed that asks for a random one (llama-server's -1); native: llama-server's own endpoints,
+    random_seed: a seed that asks for a random one (llama-server's -1, on every endpoint: a client sending -1
+    means no seed, and OpenAI's API gives no meaning to one); native: llama-server's own endpoints,
     whose penalties count the last repeat_last_n tokens (the serve flag's, 64, where a request leaves it out) where
     /v1's count as OpenAI's and vLLM's. Returns the params and the logit_bias texts whose tokens are added when the
     prompt is tokenized (Job.bias_texts)."""
@@ -599,7 +600,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     fields = body.get("response_fields")
     if fields is not None and not (isinstance(fields, list) and all(isinstance(f, str) for f in fields)):
         raise _bad("'response_fields' must be an array of strings", "response_fields", "invalid_type")
-    params, bias_texts = _get_sampling(body, cfg, random_seed=-1, n_ctx=n_ctx, native=True)
+    params, bias_texts = _get_sampling(body, cfg, n_ctx=n_ctx, native=True)
     job = Job(prompt, False, max_tokens, params, [s for s in _get_stop(body, cfg) if s],
               _get_bool(body, "stream", False), False, grammar=_get_grammar(body), logprobs=n_probs or None,
               bias_texts=bias_texts)
@@ -1817,7 +1818,8 @@ def create_app(engine, cfg: ServerConfig):
                     "has_new_line": "\n" in (rule.text if rule is not None and rule.ended else result.text),
                     "generation_settings": {"n_predict": job.max_tokens, "temperature": job.params.temperature,
                                             "top_k": job.params.top_k, "top_p": job.params.top_p,
-                                            "min_p": job.params.min_p, "seed": job.params.seed,
+                                            "min_p": job.params.min_p,
+                                            "seed": -1 if job.params.seed is None else job.params.seed,
                                             "stop": job.stop, "n_indent": rule.n_indent if rule else 0,
                                             "t_max_predict_ms": rule.t_max_ms if rule else 0},
                     "timings": timings, "speculative": stats.to_dict()}

@@ -630,6 +630,7 @@ def test_seed_reproducibility(client):
     a = sample(7)
     assert sample(7) == a
     assert len({a, sample(8), sample(9)}) > 1  # sampling really happens
+    assert len({sample(-1) for _ in range(3)}) > 1  # -1 asks for a random seed, as on llama-server (was seed -1)
 
 
 def test_concurrent_clients_get_their_own_answers(server, client):
