@@ -286,7 +286,19 @@ def render_messages(body: dict, render_chat, tools) -> str:
         except ToolsError as e:
             raise _bad(f"messages[{i}]: {e}", "messages") from None
     # tool_choice none: the model is not told of the tools (so it cannot call them)
-    return render_chat(flat, tools.functions if tools is not None and tools.active else None)
+    functions = tools.functions if tools is not None and tools.active else None
+    continued = body.get("continue_final_message")
+    if continued is not None and not isinstance(continued, bool):
+        raise _bad("'continue_final_message' must be a boolean", "continue_final_message", "invalid_type")
+    last = flat[-1]
+    if continued is not False and last["role"] == "assistant" and not last.get("tool_calls") and len(flat) > 1:
+        # a final assistant message is continued (llama-server's default; vLLM's continue_final_message): the
+        # answer goes on from its text, where the template would close that turn and open a new one
+        return render_chat(flat[:-1], functions) + last["content"]
+    if continued:
+        raise _bad("'continue_final_message': the last message must be an assistant's (without tool calls) after "
+                   "another role's", "continue_final_message")
+    return render_chat(flat, functions)
 
 
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:

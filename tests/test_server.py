@@ -849,6 +849,28 @@ def test_bad_input_through_the_client(client):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2).usage.completion_tokens == 2
 
 
+def test_a_final_assistant_message_is_continued(server, client):
+    """A conversation that ends with an assistant message is continued from its text (llama-server's default,
+    vLLM's continue_final_message), not closed and answered anew; continue_final_message: false closes it."""
+    user = {"role": "user", "content": "Name a color."}
+    started = {"role": "assistant", "content": "The color is"}
+    opened = _post(server, "/apply-template", {"messages": [user]}).json()["prompt"]
+    prompt = _post(server, "/apply-template", {"messages": [user, started]}).json()["prompt"]
+    assert prompt == opened + "The color is"
+    expected = _post(server, "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0}).json()["content"]
+    chat = client.chat.completions.create(model=MODEL, messages=[user, started], max_tokens=8, temperature=0)
+    assert chat.choices[0].message.content == expected
+    streamed = client.chat.completions.create(model=MODEL, messages=[user, started], max_tokens=8, temperature=0,
+                                              stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == expected
+    closed = _post(server, "/apply-template", {"messages": [user, started], "continue_final_message": False})
+    assert closed.json()["prompt"].startswith(prompt) and len(closed.json()["prompt"]) > len(prompt)
+    for body, param in (({"messages": [user, started], "continue_final_message": "yes"}, "continue_final_message"),
+                        ({"messages": [user], "continue_final_message": True}, "continue_final_message")):
+        r = _post(server, "/v1/chat/completions", {"model": MODEL, "max_tokens": 2, **body})
+        assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
 def test_any_model_name_is_served_unless_a_served_name_is_given(server):
     """Without --served-model-name any "model" is served, as llama-server does (clients hard-code names); with it,
     another name is a 404 naming the field, as vLLM's."""
