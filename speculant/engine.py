@@ -174,7 +174,7 @@ class Engine:
         elif isinstance(prompt, str):
             if self.closed:
                 raise SettingsError("this engine is closed: load another one")
-            if not prompt.strip() and not is_chat:
+            if not prompt and not is_chat:  # whitespace is text (OpenAI's API takes " ")
                 raise SettingsError("the prompt is empty")
             bos = self.target.bos_token
             add_special = not (is_chat and bos and prompt.startswith(bos))  # the template wrote BOS already

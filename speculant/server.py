@@ -170,6 +170,7 @@ class Job:
     choice: int = 0  # n > 1: which generation of its prompt this is (the first processes the prompt)
     bias_texts: tuple = ()  # llama-server's [["text", bias]] logit_bias entries: every token of the text, added
     # to params.logit_bias when the prompt is tokenized (Worker.tokenize)
+    return_tokens: bool = False  # llama-server's: the generated token ids in "tokens" (/completion, /infill)
 
 
 def _is_int(v) -> bool:
@@ -617,6 +618,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
               _get_bool(body, "stream", False), False, grammar=_get_grammar(body), logprobs=n_probs or None,
               bias_texts=bias_texts)
     job.post_sampling = _get_bool(body, "post_sampling_probs", False)
+    job.return_tokens = _get_bool(body, "return_tokens", False)
     if job.post_sampling and job.logprobs is not None and job.grammar is not None:
         raise _bad("'post_sampling_probs' with a grammar or JSON schema is not supported by this server (the "
                    "model's own log-probabilities are: leave it out)", "post_sampling_probs", "unsupported_value")
@@ -650,7 +652,7 @@ def _get_prompts(prompt, empty_ok: bool = False) -> list:
     prompts, each a str or a list of ids (empty only where empty_ok)."""
     def one(p, where: str):
         if isinstance(p, str):
-            if not p.strip() and not empty_ok:
+            if not p and not empty_ok:
                 raise _bad(f"{where} is empty", "prompt")
             return p
         if isinstance(p, list) and (p or empty_ok) and all(_is_int(t) for t in p):
@@ -1801,13 +1803,15 @@ def create_app(engine, cfg: ServerConfig):
         entries = []  # with n_probs: the TokenLogprobs of the tokens handed out
         on_token = first_token_timer(t0)
 
-        def response(final: bool, content: str, probs=None) -> dict:
+        def response(final: bool, content: str, probs=None, tokens=()) -> dict:
+            """tokens: with return_tokens, a stream chunk's (the final answer without a stream: all of them)"""
             stats, rule = result.stats, job.stop_rule
             if rule is not None and rule.ended or result.finish_reason == "length":
                 stop_type = "limit"
             else:
                 stop_type = "word" if result.stop_string else "eos" if stats.ended_by_eog else "none"
-            out = {"index": 0, "content": content, "tokens": [], "id_slot": -1, "stop": final,
+            out = {"index": 0, "content": content, "tokens": list(tokens) if job.return_tokens else [],
+                   "id_slot": -1, "stop": final,
                    "model": cfg.model_id, "tokens_predicted": stats.generated_tokens,
                    "tokens_evaluated": len(job.tokens)}
             if job.logprobs is not None:
@@ -1848,13 +1852,16 @@ def create_app(engine, cfg: ServerConfig):
         if job.stream:
             async def sse():
                 sent = 0  # characters of the answer streamed so far
+                pending = []  # with return_tokens: ids of the tokens not yet in a chunk
                 async with aclosing(worker.run(job, result)) as events:
                     async for event in events:
                         on_token()
-                        if event.text or event.logprobs:
+                        pending.append(event.token)
+                        if event.text or event.logprobs or job.return_tokens:
                             entries.extend(event.logprobs)
                             sent += len(event.text)
-                            event_json = response(False, event.text, event.logprobs)
+                            event_json = response(False, event.text, event.logprobs, pending)
+                            pending = []
                             yield f"data: {json.dumps(event_json, ensure_ascii=False)}\n\n"
                 if job.cut:
                     raise APIError(503, "the server shut down before this completion finished",
@@ -1877,7 +1884,7 @@ def create_app(engine, cfg: ServerConfig):
             done("499")
             return Response(status_code=499)
         done("200")
-        return _fields(response(True, answer()), fields)
+        return _fields(response(True, answer(), tokens=result.tokens), fields)
 
     @app.post("/infill")
     async def infill(request: Request):

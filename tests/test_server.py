@@ -278,6 +278,29 @@ def test_logprobs_chat_and_completions(server, client):
         cut.choices[0].logprobs.tokens
 
 
+def test_return_tokens_gives_the_generated_ids(server):
+    """llama-server's return_tokens: the generated token ids in "tokens" (else []), each stream chunk with its own,
+    every token in a chunk even while its text is held back; they spell the answer."""
+    body = {"prompt": PROMPT, "n_predict": 12, "temperature": 0}
+    assert _post(server, "/completion", body).json()["tokens"] == []
+    res = _post(server, "/completion", {**body, "return_tokens": True}).json()
+    assert len(res["tokens"]) == res["tokens_predicted"] == 12
+    assert _post(server, "/detokenize", {"tokens": res["tokens"]}).json()["content"] == res["content"]
+    with httpx.stream("POST", server + "/completion", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={**body, "return_tokens": True, "stream": True, "stop": [res["content"][-4:] + "~~"]}) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
+    assert [t for c in chunks for t in c["tokens"]] == res["tokens"]
+    assert "".join(c["content"] for c in chunks) == res["content"]
+    assert _post(server, "/completion", {**body, "return_tokens": "yes"}).status_code == 400
+
+
+def test_a_whitespace_prompt_is_text(server):
+    """A prompt of spaces has tokens and is decoded (OpenAI's API takes it); an empty one is a 400."""
+    for path in ("/v1/completions", "/completion"):
+        assert _post(server, path, {"model": MODEL, "prompt": " ", "max_tokens": 2}).status_code == 200
+        assert _post(server, path, {"model": MODEL, "prompt": "", "max_tokens": 2}).status_code == 400
+
+
 def test_llama_server_completion_endpoint(server, client):
     """llama-server's own /completion (and /completions): the answer /v1/completions gives, in llama-server's
     objects (content, stop_type, timings, completion_probabilities with n_probs), streamed as llama-server
