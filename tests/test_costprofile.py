@@ -190,6 +190,8 @@ UNSOUND_PROFILES = [
     {"ratio": {"1": 1.0, "2": 1.5}, "measured_ms": [10]},
     {"ratio": {}},
     {"ratio": [1.0, 1.5]},
+    # measured on a busy machine (a 2-token pass priced at 5.9 one-token passes): the policy never drafted again
+    {"ratio": {"1": 1.0, "2": 5.9, "3": 5.9, "4": 5.9}, "measured_ms": {"1": 33.5, "2": 198.0, "3": 47.0, "4": 51.0}},
     [],
     None,
 ]
@@ -225,6 +227,28 @@ def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeyp
     pol = AdaptivePolicy(cost_prior=prof, t1_prior=costprofile.one_pass_seconds(b))
     assert pol.prior_ratio(20) > pol.prior_ratio(16) > 1.0
     assert best_draft_length(0.8, 0.001, pol.target_time, 1, 8) >= 1
+
+
+def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys):
+    """Each size's fastest round is kept (a spike that two of three rounds shared was the median); rounds are added
+    while a size still costs more than PLAUSIBLE x its tokens one-token passes, and a profile that stays so is used
+    but not cached (it would keep every later process from drafting)."""
+    b = _fake_target(home)
+    quiet = {n: 10.0 + 2.0 * (n - 1) for n in costprofile.QUICK_SIZES}
+    spiked = {**quiet, 2: 60.0}
+    rounds = [spiked, spiked, quiet]
+    monkeypatch.setattr(costprofile, "pass_times_ms", lambda backend, ns, depth=0: rounds.pop(0) if len(ns) > 2
+                        else quiet)
+    assert costprofile.get(b) == costprofile.from_times(quiet) == costprofile.load(b)
+    assert json.loads(costprofile.profile_path(b).read_text())["source"] == "quick: fastest of 3 rounds at load"
+    costprofile.profile_path(b).unlink()
+    rounds = [spiked] * 4 + [quiet]  # the fifth round is quiet: measured again until it was
+    assert costprofile.get(b) == costprofile.from_times(quiet) == costprofile.load(b) and rounds == []
+    costprofile.profile_path(b).unlink()
+    capsys.readouterr()
+    rounds = [spiked] * 6  # busy all along: used once, not cached
+    assert costprofile.get(b) == costprofile.from_times(spiked) and rounds == []
+    assert costprofile.load(b) is None and "measured unevenly" in capsys.readouterr().err
 
 
 def test_a_sound_profile_is_read_as_written(home):
