@@ -5,8 +5,9 @@ A profile is r(n) = T(n) / T(1) for n = 1..16 (T(n): one pass over n new tokens 
 verify pass runs). It depends on the model file, the llama.cpp build, the CPU and the thread count, and little
 else, so it is measured once per such key and cached under $SPECULANT_HOME/costs/. `speculant bench --costs`
 writes the careful one (several alternating rounds); a backend without one measures a quick one the first time
-an adaptive policy needs it (the fastest of three rounds, a few seconds; more while one looks disturbed). The policy scales the profile by the T(1) it measures
-itself, so a busy machine shifts absolute times without skewing the shape much.
+an adaptive policy needs it (the fastest of three rounds, a few seconds; more while one looks disturbed). The
+policy scales the profile by the T(1) it measures itself, so a busy machine shifts absolute times without skewing
+the shape much.
 """
 
 from __future__ import annotations
