@@ -59,6 +59,15 @@ def check_ctx_size(n_ctx) -> None:
         raise SettingsError(f"--ctx-size must be 0 (the model's training context) or an integer >= 16, got {n_ctx!r}")
 
 
+def thread_count(text: str) -> Optional[int]:
+    """A -t/--threads value as llama.cpp reads one: <= 0 (its default -1) is all cores (None)."""
+    n = int(text)
+    return None if n <= 0 else n
+
+
+thread_count.__name__ = "int"  # argparse's message for a non-number: "invalid int value"
+
+
 def check_threads(threads: Optional[int], flag: str) -> None:
     """None (all cores) or 1..MAX_THREADS."""
     if threads is not None and not 1 <= threads <= MAX_THREADS:

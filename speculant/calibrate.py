@@ -230,6 +230,8 @@ def cmd_calibrate(args) -> int:
 
 
 def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    from .api import thread_count
+
     from . import models
 
     p = sub.add_parser("calibrate", help="choose the self-speculative layer subset of a model (torch backend)",
@@ -241,7 +243,7 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--dtype", default=None, help="bf16 | fp32 | fp16 (default bf16 where native)")
     p.add_argument("--device", default=None, help="cpu | cuda | cuda:N (default cuda if present)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--draft-max", "--draft", type=int, default=4, help="tokens drafted per step (default 4)")
     p.add_argument("-n", "--n-predict", type=int, default=32, help="tokens per prompt (default 32)")
     p.add_argument("--prompts", type=int, default=len(DEFAULT_PROMPTS),

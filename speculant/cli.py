@@ -13,7 +13,7 @@ import sys
 from typing import Optional, Sequence
 
 from . import models, samplers
-from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default
+from .api import FREE_DRAFTERS, LOOKUP, lookup_by_default, thread_count
 from .errors import SettingsError, SpeculantError
 from .signals import exit_on_sigterm
 
@@ -40,6 +40,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):  # one line and exit 2, like every other error
         self.exit(2, f"speculant: error: {message}\n")
+
+    def parse_known_args(self, args=None, namespace=None):
+        """A flag that takes a value takes the next argument, whatever it starts with, as llama.cpp's parser does
+        (`--stop ---`, `-p -x`: argparse read those as flags and wanted a value)."""
+        args = list(sys.argv[1:] if args is None else args)
+        out = []
+        i = 0
+        while i < len(args):
+            action = self._option_string_actions.get(args[i])
+            if args[i] == "--":
+                out += args[i:]
+                break
+            if action is not None and action.nargs is None and i + 1 < len(args) and args[i + 1].startswith("-"):
+                out.append(f"{args[i]}={args[i + 1]}")
+                i += 2
+                continue
+            out.append(args[i])
+            i += 1
+        return super().parse_known_args(out, namespace)
 
     def _get_option_tuples(self, option_string):
         if len(option_string) > 2 and option_string[0] in self.prefix_chars \
@@ -164,11 +183,11 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
     p.add_argument("-cd", "--ctx-size-draft", type=int, default=None,
                    help="accepted for llama.cpp compatibility: the draft's context is always the target's (-c), "
                         "as it holds the same tokens; only 0 or the -c value are allowed")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="CPU threads (default: all cores)")
     p.add_argument("-tb", "--threads-batch", type=int, default=None,
                    help="accepted for llama.cpp compatibility: prompts are processed with the -t threads, so only "
                         "the -t value is allowed (<= 0: all cores, as in llama.cpp)")
-    p.add_argument("-td", "--threads-draft", type=int, default=None,
+    p.add_argument("-td", "--threads-draft", type=thread_count, default=None,
                    help="CPU threads of the draft model (default: --threads)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
                    help="put part of the target's layers on these `speculant worker`s (llama.cpp RPC); the draft "
@@ -197,8 +216,9 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="random seed for sampling (default -1: a random one, reported with the result)")
     p.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=int, default=128,
                    help="tokens to generate (default 128; -1: until the end of generation or a full context)")
-    p.add_argument("--stop", action="append", default=[],
-                   help="stop string (repeatable; llama.cpp's -r/--reverse-prompt; escapes processed, see -e)")
+    p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[],
+                   help="stop string (repeatable; also llama.cpp's -r/--reverse-prompt, which ends a generation "
+                        "there as this does, but prints it; escapes processed, see -e)")
     _add_escape_arg(p)
     p.add_argument("--samplers", default=None, metavar="SAMPLERS",
                    help="the samplers that run, in order, separated by ';', as llama.cpp's flag: one left out does "

@@ -132,9 +132,11 @@ def render(facts: dict) -> str:
 
 
 def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    from .api import thread_count
+
     p = sub.add_parser("doctor", help="machine, build, loaded CPU kernels, versions and models, on one screen")
     p.add_argument("--json", action="store_true", help="print the facts as one JSON object")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads to report (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="threads to report (default: all cores)")
     p.set_defaults(handler=run)
 
 

@@ -384,6 +384,8 @@ def child(spec: dict) -> int:
 
 
 def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    from .api import thread_count
+
     p = sub.add_parser("quantize", help="quantize a model with llama.cpp's quantizer (a local model you can name)",
                        description="Quantize a registered model or a GGUF file with llama.cpp's own quantizer. "
                                    "The result goes into the model cache (or -o) and gets a name that -m/-md accept. "
@@ -403,7 +405,7 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("--imatrix", default=None, metavar="FILE",
                    help="importance matrix for this model (llama-imatrix's .gguf or .dat): needed by "
                         + ", ".join(sorted(NEEDS_IMATRIX)) + "; improves the other low-bit types")
-    p.add_argument("-t", "--threads", type=int, default=None, help="threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="threads (default: all cores)")
     p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     p.add_argument("--dry-run", action="store_true",
                    help="write nothing: print the size and tensor types the file would get (llama.cpp's dry run), "

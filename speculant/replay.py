@@ -347,6 +347,8 @@ def hf_generate_speed(target_model, draft_model, prompt_len: int, n_new: int, de
 
 
 def add_cli(sub, *_ignored) -> None:
+    from .api import thread_count
+
     from .shapes import SHAPES
 
     p = sub.add_parser("replay", help="replay a bench trace's passes on random weights of bigger models (GPU "
@@ -371,7 +373,7 @@ def add_cli(sub, *_ignored) -> None:
                         "greedy run recorded (e.g. 2,4,6,8)")
     p.add_argument("--no-hf", action="store_true", help="skip transformers' generate / assisted generation")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="CPU threads (default: all cores)")
     p.set_defaults(handler=cmd_replay)
 
 

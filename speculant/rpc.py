@@ -346,13 +346,15 @@ def listen_check(host: str, port: int) -> None:
 # -- CLI --------------------------------------------------------------------------------------------------
 
 def add_cli(sub, add_model_args, add_sampling_args) -> None:
+    from .api import thread_count
+
     p = sub.add_parser("worker", help="serve this machine's CPU to a remote target over llama.cpp RPC "
                                       "(unauthenticated: loopback by default)")
     p.add_argument("--host", "-H", default="127.0.0.1",
                    help="address to bind (default %(default)s: this machine only; anything else is reachable "
                         "without authentication)")
     p.add_argument("--port", "-p", type=int, default=50052, help="port (default %(default)s, as rpc-server)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="CPU threads (default: all cores)")
     p.set_defaults(handler=cmd_worker)
 
 

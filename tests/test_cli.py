@@ -92,7 +92,7 @@ def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     (["--draft-min", "5", "--draft-max", "2", "-md", "lookup"], "--draft-min"),
     (["-c", "4"], "--ctx-size"),
     (["-t", "100000"], "--threads must be 1..512"),  # ggml's limit: more crashed in its thread pool
-    (["-td", "0", "-md", "lookup"], "--threads-draft must be 1..512"),
+    (["-td", "600", "-md", "lookup"], "--threads-draft must be 1..512"),
     (["--presence-penalty", "3"], "presence penalty"),
     (["--repeat-penalty", "0"], "repetition penalty"),
     (["-l", "12*3"], "--logit-bias"),

@@ -123,6 +123,19 @@ def test_system_prompt_is_a_chat_message_before_the_users(small, seen):
                        "does not go with -sys")
 
 
+def test_a_value_may_start_with_a_dash_and_llama_cpp_spellings_are_read(small, seen):
+    """A flag's value is the next argument whatever it starts with, as llama.cpp reads it (`--stop ---` was
+    "expected one argument"); -r/--reverse-prompt are --stop; -t -1 (llama.cpp's default) and 0 are all cores."""
+    r = seen("-p", "-x", "--stop", "---", "-r", "-", "--reverse-prompt", "-n")
+    assert r["prompt"] == "-x" and r["stop"] == ["---", "-", "-n"]
+    parser = cli.build_parser()
+    for value, threads in (("-1", None), ("0", None), ("3", 3)):
+        assert parser.parse_args(["generate", "-m", SMALL, "-t", value, "-td", value]).threads == threads
+    assert parser.parse_args(["generate", "-m", SMALL, "--temp", "-1", "-n", "-1"]).n_predict == -1
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "--stop"), "expected one argument")
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-t", "x"), "invalid int value")
+
+
 def test_system_prompt_file(small, seen, tmp_path, monkeypatch):
     """-sysf FILE is -sys read from a file (or stdin), less one trailing newline and with no escapes, as
     llama-cli's; it implies --chat too."""

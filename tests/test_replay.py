@@ -248,7 +248,7 @@ def _under_a_file(tmp_path):
     (lambda tmp: [str(FIXTURE), "--variants", "nope"], "and variants draft-k4"),
     (_plain_only, "it has only plain runs"),
     (_under_a_file, "--json"),
-    (lambda tmp: [str(FIXTURE), "-t", "-1"], "--threads must be 1..512, got -1"),
+    (lambda tmp: [str(FIXTURE), "-t", "513"], "--threads must be 1..512, got 513"),
 ], ids=["category-typo", "unknown-variant", "plain-only", "json-unwritable", "threads"])
 def test_the_models_are_built_only_when_something_can_be_replayed(argv, message, tmp_path, capsys, monkeypatch):
     import speculant.replay as replay_module

@@ -188,7 +188,7 @@ def test_calibrate_refuses_to_choose_when_nothing_was_drafted(tiny):
 @pytest.mark.parametrize("flags, message", [
     (["-n", "1"], "-n must be >= 2"),
     (["--draft-max", "100"], "--draft-max must be in [1, 63], got 100"),
-    (["-t", "-1"], "--threads must be 1..512, got -1"),
+    (["-t", "513"], "--threads must be 1..512, got 513"),
     (["-c", "-5"], "--ctx-size must be 0 (the model's training context) or an integer >= 16, got -5"),
     (["-c", "8"], "--ctx-size must be 0 (the model's training context) or an integer >= 16, got 8"),
 ])

@@ -28,6 +28,8 @@ __all__ = ["add_cli", "cmd_bench", "METHODS", "Method", "MethodContext", "Varian
 
 
 def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
+    from ..api import thread_count
+
     n_builtin = len(read_suite(None))
     p = sub.add_parser("bench", help="benchmark methods against plain decoding (speedup, acceptance, τ)",
                        description="Run every prompt under every method, interleaved, and report speedups over "
@@ -60,7 +62,7 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate per prompt (default 128)")
     p.add_argument("--repeats", type=int, default=1, help="runs of each prompt x method (default 1)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context window (default 4096)")
-    p.add_argument("-t", "--threads", type=int, default=None, help="CPU threads (default: all cores)")
+    p.add_argument("-t", "--threads", type=thread_count, default=None, help="CPU threads (default: all cores)")
     p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
                    help="put part of the llama.cpp target's layers on these `speculant worker`s (the draft stays here)")
     p.add_argument("-ts", "--tensor-split", default=None, metavar="W1[,W2...]",
