@@ -487,7 +487,7 @@ def _read_prompt(args, exact: bool = False) -> str:
         return args.prompt
     if args.file and args.file != "-":
         try:
-            with open(args.file, encoding="utf-8") as f:
+            with open(args.file, encoding="utf-8", newline="") as f:  # as written, as llama.cpp and stdin read it
                 text = f.read()
         except OSError as e:
             raise SpeculantError(f"cannot read prompt file {args.file}: {e.strerror}") from None
@@ -652,7 +652,7 @@ def _read_prediction(path: Optional[str], what: str = "prediction") -> Optional[
     if path == "-":
         return _read_stdin(f"the {what}")
     try:
-        with open(path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8", newline="") as f:  # as written: "\r\n" stays, as on stdin
             return f.read()
     except OSError as e:
         raise SpeculantError(f"cannot read {what} file {path}: {e.strerror}") from None

@@ -38,7 +38,7 @@ def seen(monkeypatch):
 
     def recording(self, prompt, **kw):
         calls.append({"prompt": prompt, "stop": list(kw["stop"]), "max_tokens": kw["max_tokens"],
-                      "is_chat": kw["is_chat"], "params": kw["params"]})
+                      "is_chat": kw["is_chat"], "params": kw["params"], "prediction": kw.get("prediction")})
         return stream(self, prompt, **kw)
 
     monkeypatch.setattr(Engine, "stream", recording)
@@ -108,6 +108,21 @@ def test_prompt_stop_and_file_escapes_reach_the_engine(small, seen, tmp_path, mo
     for args in ([], ["-f", "-"]):
         monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"x\\ty\n")))
         assert seen(*args)["prompt"] == "x\\ty"
+
+
+def test_files_are_read_as_written_as_stdin_is(small, seen, tmp_path, monkeypatch):
+    """A file's \\r\\n line ends reach the model as they do from stdin, and as llama.cpp reads a file (Python's
+    newline translation made -f and `< file` two prompts); one trailing \\n is dropped from a prompt, as there."""
+    crlf = tmp_path / "crlf.txt"
+    crlf.write_bytes(b"Hello\r\nWorld\r\n")
+    from_file = seen("-f", str(crlf), "--prediction", str(crlf))
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(b"Hello\r\nWorld\r\n")))
+    from_stdin = seen("-f", "-")
+    assert from_file["prompt"] == from_stdin["prompt"] == "Hello\r\nWorld\r"
+    assert from_file["prediction"] == "Hello\r\nWorld\r\n"
+    system = tmp_path / "system.txt"
+    system.write_bytes(b"Be\r\nbrief.\r\n")
+    assert "system\nBe\r\nbrief.\r<|im_end|>" in seen("-sysf", str(system), "-p", "Hi")["prompt"]
 
 
 def test_system_prompt_is_a_chat_message_before_the_users(small, seen):
