@@ -23,7 +23,7 @@ from .constraint import Constraint, MaskedRows
 from .drafters.base import EMPTY, Drafter
 from .drafters.composite import CompositeDrafter
 from .drafters.prediction import PredictionDrafter
-from .errors import Cancelled, ContextOverflowError, SettingsError
+from .errors import Cancelled, ContextOverflowError, SettingsError, nonfinite_logits
 from .policy import AdaptivePolicy, FixedPolicy
 from .stats import SpecStats
 from .verify import (SamplingParams, TokenLogprob, adjust_logits, coupled_draw, probs_from_logits, sampling_logprobs,
@@ -451,6 +451,8 @@ class Engine:
                     n_accepted, next_token = verify_step(candidate, len(draft), draft.probs, params, rng)
                 else:
                     logits = target.sync(candidate, n_logits=len(draft) + 1)  # [k+1, V]
+                    if not np.isfinite(logits[0].sum()):  # one row's sum: a NaN anywhere in it shows there
+                        raise nonfinite_logits(getattr(target, "path", None) or target.name)
                     # logit bias and penalties per row, each with the drafts before it
                     adjusted = adjust_logits(logits, params, candidate, n_prompt)  # [k+1, V]
                     n_accepted, next_token, masking_time = _verify(adjusted, draft, params, rng, candidate, constraint)

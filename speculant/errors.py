@@ -9,6 +9,13 @@ class ModelError(SpeculantError):
     """A model cannot be found, fetched, verified or loaded."""
 
 
+def nonfinite_logits(model) -> ModelError:
+    """A model whose pass gave NaN or infinite logits: decoding would read garbage (NaN rows came out as an empty
+    answer ended by EOS, with success)."""
+    return ModelError(f"{model} computes NaN or infinite logits: its weights are damaged (check the file's sha256, or "
+                      f"fetch it again with `speculant pull`), or llama.cpp cannot compute this model")
+
+
 class VocabMismatchError(SpeculantError):
     """The draft cannot propose tokens for the target: their vocabularies differ."""
 

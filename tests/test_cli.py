@@ -163,6 +163,21 @@ def test_grammar_json_schema_and_logprobs(small, tmp_path):
     assert json.loads(from_file.stdout)["tokens"] == p["tokens"]  # the same schema, so the same greedy output
 
 
+def test_a_model_whose_weights_give_nan_is_an_error_not_an_empty_answer(small, tmp_path):
+    """Damaged weight data (a block's scales overwritten: NaN) made every logit NaN, which decoded as EOS: an empty
+    answer, exit 0. Now the load's warm-up pass says so in one line."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "damaged.gguf"
+    shutil.copyfile(models.cached_path(SMALL), path)
+    tensor = next(t for t in GGUFReader(path, "r").tensors if t.name == "blk.0.attn_q.weight")
+    with open(path, "r+b") as f:
+        f.seek(int(tensor.data_offset))
+        f.write(b"\xff" * 4096)  # Q4_1 blocks whose fp16 scales are NaN
+    r = run("generate", "-m", str(path), "-p", "Hello", "-n", "3", "-t", "1")
+    assert_clean_error(r, "computes NaN or infinite logits", "damaged")
+
+
 def test_empty_prompt_and_prompt_over_the_context(small):
     assert_clean_error(run("generate", "-m", small, "-p", "   "), "empty")
     assert_clean_error(run("generate", "-m", small, "-c", "32", "-p", "word " * 100), "context window")

@@ -414,3 +414,16 @@ def test_drafts_accepted_past_the_end_are_not_counted(end):
     assert sum(s.drafted_by_source.values()) == sum(s.drafted_by_position) == s.drafted
     assert s.draft_lengths == [idx + 1] and s.mean_accepted_length == idx + 1
     assert s.acceptance_by_position == [1.0] * (idx + 1)  # no position past the end, as if none was drafted
+
+
+def test_a_pass_that_gives_nan_logits_is_an_error():
+    """A target whose rows turn NaN after some tokens (damaged weights that only some tokens read) stops the
+    generation with a ModelError naming it, instead of decoding NaN rows (whose argmax is a garbage token)."""
+    from speculant.errors import ModelError
+
+    target = TableBackend(V, seed=0)
+    target.table[:, 3] = np.nan  # every row after token 3
+    with pytest.raises(ModelError, match="table-0 computes NaN or infinite logits"):
+        Engine(target).generate([3], max_tokens=5)
+    target.table[:, 3] = 0.0
+    assert len(Engine(target).generate([3], max_tokens=5).tokens) == 5

@@ -36,7 +36,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..batching import GATHERER, Job
-from ..errors import Cancelled, ModelError, SettingsError
+from ..errors import Cancelled, ModelError, SettingsError, nonfinite_logits
 from ..native import build_info, exactness_problems, invariant_rows, load_backends
 from ..signals import deferred_signals
 from .base import Backend, VocabInfo, common_prefix
@@ -192,8 +192,11 @@ class LlamaCppBackend(Backend):
         # 91 against 61 ms for the first 1-token pass with logits, the 0.5B draft 141 against 18 ms, prompt
         # processing 1.5x slower), and the adaptive policy would time them as what plain decoding and a draft
         # step cost, drafting too much for the rest of the request. One pass here pays that at load instead.
-        self.eval([0], n_logits=1)
+        warm = self.eval([0], n_logits=1)
         self.rewind(0)
+        if not np.isfinite(warm).all():
+            self.close()
+            raise nonfinite_logits(self.path)
 
     # -- decode loop --------------------------------------------------------------------------------------
     def slot(self, i: int) -> "LlamaCppBackend":
