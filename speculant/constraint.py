@@ -809,6 +809,11 @@ def json_grammar(schema: Optional[str | dict] = None, strict: bool = True) -> st
         parsed = json.loads(text)
     except ValueError as e:
         raise SettingsError(f"the JSON schema is not valid JSON: {e}") from None
+    if parsed is True:  # JSON Schema's boolean form: any value
+        parsed = {}
+    if not isinstance(parsed, dict):
+        what = "false, which no value matches" if parsed is False else f"{type(parsed).__name__} {text[:40]}"
+        raise SettingsError(f"a JSON schema is an object (or true), got {what}")
     if strict:
         _check_schema(parsed)
     if isinstance(parsed, dict) and "$ref" in parsed:  # the converter registers no $defs under a root $ref:

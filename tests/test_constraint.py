@@ -778,3 +778,13 @@ def test_tools_beside_a_format_whose_rules_have_numeric_names(small_target):
     assert _grammar_takes(small_target, gbnf, '{"1": 250, "3": "abcd"}')
     assert not _grammar_takes(small_target, gbnf, '{"1": 501, "3": "abcd"}')
     assert _grammar_takes(small_target, gbnf, '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>')
+
+
+@pytest.mark.parametrize("schema, message", [
+    ("123", "got int 123"), ("[]", "got list []"), ('"x"', 'got str "x"'), ("false", "got false, which no value matches"),
+])
+def test_a_schema_that_is_not_an_object_is_refused_by_name(schema, message):
+    """A JSON schema is an object (or true); others were "'int' object has no attribute 'get'"."""
+    with pytest.raises(SettingsError, match=re.escape(f"a JSON schema is an object (or true), {message}")):
+        json_grammar(schema)
+    assert json_grammar("true") == json_grammar("{}")
