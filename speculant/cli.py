@@ -383,6 +383,9 @@ def check_model_flags(args) -> None:
     for name, why in sorted(idle.items()):
         flag = "--" + ("no-adapt" if name == "adapt" and args.adapt is False else name.replace("_", "-"))
         print(f"speculant: warning: {flag} has no effect {why}", file=sys.stderr)
+    if args.draft_max == 0 and (draft or self_spec):
+        print(f"speculant: warning: --draft-max 0: {'--self-spec' if self_spec else '-md ' + draft} drafts nothing, "
+              f"this run decodes plainly", file=sys.stderr)
     for name, default in DRAFT_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)
@@ -822,6 +825,9 @@ def cmd_demo(args) -> int:
     print(f"speculative: {s.tokens_per_s:6.2f} tokens/s  (draft-max {spec.draft_max}"
           f"{', adaptive' if args.adapt else ''}: {s.summary(True, speed=False)})")
     print(f"speedup:     {s.tokens_per_s / p.tokens_per_s:.2f}x   identical output: {'yes' if same else 'NO'}")
+    if not s.drafted:  # both runs decoded plainly: the ratio is the machine's noise
+        print("(nothing was drafted: the adaptive policy judged drafts would not pay here, so the speedup is timing "
+              "noise)")
     spec.close()
     return 0 if same or args.temp > 0 else 1
 

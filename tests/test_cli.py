@@ -327,6 +327,8 @@ def test_flags_without_effect_are_warned_about(small):
     assert proc.returncode == 0 and "warning: --draft-p-min has no effect with prompt lookup" in proc.stderr
     proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "-md", small, "--draft-vocab", "100000")
     assert proc.returncode == 0 and "warning: --draft-vocab 100000 has no effect: the draft has only" in proc.stderr
+    proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "-md", "lookup", "--draft-max", "0")
+    assert proc.returncode == 0 and "warning: --draft-max 0: -md lookup drafts nothing" in proc.stderr
 
 
 def test_stats_line_tells_plain_from_speculative(small):
