@@ -262,6 +262,13 @@ def damaged_message(name: str, why: str) -> str:
     return f"{name} ({cached_path(name)}) is damaged or incomplete ({why}): {fix}"
 
 
+def check_name(model: str) -> None:
+    """Raise resolve()'s error for a name that is neither registered nor an existing path; fetch nothing (a
+    command can say so before checking its other flags)."""
+    if not (model in REGISTRY or model in local_entries() or Path(model).expanduser().exists()):
+        resolve(model)
+
+
 def resolve(model: str) -> Path:
     """A registered name (pulled if needed) or a path to a GGUF file -> a checked local path."""
     if model in REGISTRY or model in local_entries():

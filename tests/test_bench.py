@@ -229,6 +229,9 @@ def test_cli_missing_draft_is_a_clear_error(capsys):
     assert "prompts x" not in err  # said before the bench's banner, as the error it is
     assert main(["bench", "-m", SMALL, "--methods", "draft,adaptive", "--limit", "1", "--no-progress"]) == 1
     assert "methods adaptive, draft need a draft model" in capsys.readouterr().err
+    # an unknown -m is named first (it was "needs a draft model", then the model's error after adding -md)
+    assert main(["bench", "-m", "no-such-model", "--limit", "1", "--no-progress"]) == 1
+    assert "unknown model 'no-such-model'" in capsys.readouterr().err
 
 
 def test_bench_checks_its_output_paths_before_it_runs(tmp_path, capsys):

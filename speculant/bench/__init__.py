@@ -124,6 +124,7 @@ def writable_file(path: str, flag: str) -> None:
 def config_from_args(args):
     from .runner import BenchConfig
 
+    models.check_name(args.model)  # an unknown -m first: the methods' needs are checked against it
     method_names = parse_list(args.methods, str, "--methods")
     draft_max = parse_list(args.draft_max, int, "--draft-max")
     temps = parse_list(args.temp, float, "--temp")
