@@ -52,7 +52,8 @@ class _Parser(argparse.ArgumentParser):
             if args[i] == "--":
                 out += args[i:]
                 break
-            if action is not None and action.nargs is None and i + 1 < len(args) and args[i + 1].startswith("-"):
+            if action is not None and action.nargs is None and i + 1 < len(args) and args[i + 1].startswith("-") \
+                    and args[i + 1] != "--":  # argparse drops a "--" value (a list came out): it stays a missing value
                 out.append(f"{args[i]}={args[i + 1]}")
                 i += 2
                 continue

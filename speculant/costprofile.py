@@ -293,10 +293,10 @@ def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, fl
     while not plausible(times) and len(rounds_ms) < rounds + MORE_ROUNDS:
         rounds_ms.append(pass_times_ms(backend, QUICK_SIZES))
         times = fastest(rounds_ms)
-    if not plausible(times):  # still busy: this process uses it, the next one measures again
-        print(f"speculant: warning: {backend.name}'s pass costs measured unevenly (the machine is busy?); "
-              f"not caching them", file=sys.stderr)
-        return from_times(times)
+    if not plausible(times):  # still busy: the policy starts unprimed (it times passes itself); the next measures again
+        print(f"speculant: warning: {backend.name}'s pass costs measured unevenly (the machine is busy?); not "
+              f"using or caching them", file=sys.stderr)
+        return None
     try:
         save(backend, times, source=f"quick: fastest of {len(rounds_ms)} rounds at load")
     except OSError as e:  # a read-only cache: this process uses what it measured, the next measures again

@@ -130,7 +130,17 @@ def invariant_rows() -> int:
     variable, native/src/speculant-mm.c); a stock build with the tiled kernel off is invariant at any size."""
     if build_info() is None:
         return 1 << 30
-    return int(os.environ.get("SPECULANT_INVARIANT_ROWS", "64"))
+    return rows_setting(os.environ.get("SPECULANT_INVARIANT_ROWS"))
+
+
+def rows_setting(value: Optional[str]) -> int:
+    """SPECULANT_INVARIANT_ROWS as our C kernels read it (speculant_mm_max_rows): 64 when unset, else C's atoll
+    (leading spaces and a sign, then the digits up to the first other character; none: 0)."""
+    if value is None:
+        return 64
+    m = re.match(r"[ \t\n\v\f\r]*([+-]?)([0-9]*)", value)
+    digits = m.group(2) if m.group(2).isascii() else ""
+    return int(m.group(1) + digits) if digits else 0
 
 
 def exactness_problems() -> list[str]:

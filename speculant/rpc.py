@@ -202,9 +202,13 @@ def probe(endpoint: str, timeout: float = 3.0) -> Optional[dict[str, str]]:
             size = _recv_exact(sock, 8)
             if len(size) < 8 or struct.unpack("<Q", size)[0] > 1 << 20:
                 return None  # a server without our patch closes on the command
-            text = _recv_exact(sock, struct.unpack("<Q", size)[0]).decode("utf-8", "replace")
+            n = struct.unpack("<Q", size)[0]
+            text = _recv_exact(sock, n)
+            if len(text) < n:  # cut short: no identity either
+                return None
         except OSError:  # a reset or a timeout: no identity either
             return None
+        text = text.decode("utf-8", "replace")
     return dict(line.partition("=")[::2] for line in text.splitlines() if "=" in line)
 
 
@@ -212,7 +216,7 @@ def check_identity(endpoint: str, identity: Optional[dict[str, str]]) -> list[st
     """Refuse (WorkerError) a worker whose layers would not compute a pass as this build does, so that speculative
     output could differ from plain decoding: another build, llama.cpp's own rpc-server, other batch-invariant pass
     sizes. With SPECULANT_RPC_ANY_BUILD=1 those become warnings. Return the warnings for the caller to print."""
-    from .native import invariant_rows, load_backends, system_features
+    from .native import invariant_rows, load_backends, rows_setting, system_features
 
     load_backends()
     own = system_features()
@@ -229,8 +233,7 @@ def check_identity(endpoint: str, identity: Optional[dict[str, str]]) -> list[st
                         f"{own['SPECULANT']}: their kernels can round differently, so run the same speculant "
                         f"version (llama.cpp build) on both")
     else:
-        rows = identity.get("SPECULANT_INVARIANT_ROWS") or "64"
-        theirs = int(rows) if rows.lstrip("-").isdigit() else 0  # as atoll reads it: 0 for junk
+        theirs = rows_setting(identity.get("SPECULANT_INVARIANT_ROWS"))  # as the worker's kernels read it
         if theirs != invariant_rows():
             problems.append(f"the worker at {endpoint} computes batch-invariant passes of up to {theirs} tokens, "
                             f"this process up to {invariant_rows()}: set SPECULANT_INVARIANT_ROWS alike on both "

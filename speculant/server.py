@@ -170,7 +170,7 @@ class Job:
     choice: int = 0  # n > 1: which generation of its prompt this is (the first processes the prompt)
     bias_texts: tuple = ()  # llama-server's [["text", bias]] logit_bias entries: every token of the text, added
     # to params.logit_bias when the prompt is tokenized (Worker.tokenize)
-    return_tokens: bool = False  # llama-server's: the generated token ids in "tokens" (/completion, /infill)
+    return_tokens: bool = False  # llama-server's: the ids of every token decoded in "tokens" (/completion, /infill)
 
 
 def _is_int(v) -> bool:
@@ -1873,10 +1873,12 @@ def create_app(engine, cfg: ServerConfig):
 
             return event_stream(sse(), endpoint, done)
 
+        generated = []  # every token decoded, those of a stop string too (llama-server's return_tokens)
         async with aclosing(worker.run(job, result, request.is_disconnected)) as events:
             async for event in events:
                 on_token()
                 entries.extend(event.logprobs)
+                generated.append(event.token)
         if job.cut:
             raise APIError(503, "the server shut down before this completion finished", type="server_error",
                            code="shutting_down")
@@ -1884,7 +1886,7 @@ def create_app(engine, cfg: ServerConfig):
             done("499")
             return Response(status_code=499)
         done("200")
-        return _fields(response(True, answer(), tokens=result.tokens), fields)
+        return _fields(response(True, answer(), tokens=generated), fields)
 
     @app.post("/infill")
     async def infill(request: Request):

@@ -231,8 +231,9 @@ def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeyp
 
 def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys):
     """Each size's fastest round is kept (a spike that two of three rounds shared was the median); rounds are added
-    while a size still costs more than PLAUSIBLE x its tokens one-token passes, and a profile that stays so is used
-    but not cached (it would keep every later process from drafting)."""
+    while a size still costs more than PLAUSIBLE x its tokens one-token passes, and a profile that stays so is
+    neither used (the policy starts unprimed, timing passes itself) nor cached (it would keep every later process
+    from drafting)."""
     b = _fake_target(home)
     quiet = {n: 10.0 + 2.0 * (n - 1) for n in costprofile.QUICK_SIZES}
     spiked = {**quiet, 2: 60.0}
@@ -246,8 +247,8 @@ def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys):
     assert costprofile.get(b) == costprofile.from_times(quiet) == costprofile.load(b) and rounds == []
     costprofile.profile_path(b).unlink()
     capsys.readouterr()
-    rounds = [spiked] * 6  # busy all along: used once, not cached
-    assert costprofile.get(b) == costprofile.from_times(spiked) and rounds == []
+    rounds = [spiked] * 6  # busy all along: neither used nor cached
+    assert costprofile.get(b) is None and rounds == []
     assert costprofile.load(b) is None and "measured unevenly" in capsys.readouterr().err
 
 

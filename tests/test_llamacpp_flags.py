@@ -148,6 +148,9 @@ def test_a_value_may_start_with_a_dash_and_llama_cpp_spellings_are_read(small, s
         assert parser.parse_args(["generate", "-m", SMALL, "-t", value, "-td", value]).threads == threads
     assert parser.parse_args(["generate", "-m", SMALL, "--temp", "-1", "-n", "-1"]).n_predict == -1
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "--stop"), "expected one argument")
+    # "--" stays argparse's separator: a flag before it still misses its value (merged, it was an empty list)
+    assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "--stop", "--"), "expected one argument")
+    assert_clean_error(run("serve", "-m", "no-such-model", "--api-key", "--"), "expected one argument")
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-t", "x"), "invalid int value")
 
 

@@ -320,7 +320,7 @@ def test_a_port_that_is_not_a_worker():
         http.close()
 
 
-def _hello_then(identity):
+def _hello_then(identity, cut: int = 0):
     """on_accept for _listener: ggml's rpc-server of protocol 7 as far as the handshake goes (its HELLO reply), then
     on the next command either what our patched server answers to the identity command (identity: bytes), or, as
     a stock server does with a command it does not know, closing the connection (identity None)."""
@@ -329,7 +329,7 @@ def _hello_then(identity):
         conn.sendall(struct.pack("<Q", 28) + bytes([7, 0, 0, 0]) + bytes(24))
         command = conn.recv(1 + 8)
         if identity is not None and command[:1] == b"\xc5":
-            conn.sendall(struct.pack("<Q", len(identity)) + identity)
+            conn.sendall(struct.pack("<Q", len(identity) + cut) + identity)  # cut: announces more than it sends
         conn.close()
     return serve
 
@@ -347,7 +347,9 @@ def test_a_worker_of_another_build_is_refused():
         pytest.skip("llama-cpp-python not built by speculant: it promises nothing to check")
     stock, stock_ep = _listener(b"", on_accept=_hello_then(None))
     other, other_ep = _listener(b"", on_accept=_hello_then(b"BACKEND=CPU\nSPECULANT=000000000000\nCPU_VARIANT=x64\n"))
+    cut, cut_ep = _listener(b"", on_accept=_hello_then(f"SPECULANT={own['SPECULANT']}\n".encode(), cut=5))
     try:
+        assert probe(cut_ep) is None  # a reply cut short says nothing
         assert probe(stock_ep) is None
         with pytest.raises(WorkerError, match=f"the worker at {stock_ep} is not a speculant worker of this build"):
             check_identity(stock_ep, probe(stock_ep))
@@ -367,6 +369,17 @@ def test_a_worker_of_another_build_is_refused():
     finally:
         stock.close()
         other.close()
+        cut.close()
+
+
+def test_invariant_rows_are_read_as_the_kernels_read_them():
+    """SPECULANT_INVARIANT_ROWS as native/src/speculant-mm.c reads it (unset: 64; else C's atoll), on this side and
+    for a worker's, so that the two are compared as their kernels use them (int() raised on junk, and an empty value
+    was 64 here but 0 in C)."""
+    from speculant.native import rows_setting
+
+    cases = {None: 64, "": 0, "64": 64, " 64": 64, "32abc": 32, "abc": 0, "+7": 7, "\u00b2": 0, "  -12x": -12}
+    assert {v: rows_setting(v) for v in cases} == cases
 
 
 def test_real_workers_say_their_build_and_settings():

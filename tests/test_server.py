@@ -291,6 +291,15 @@ def test_return_tokens_gives_the_generated_ids(server):
         chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: ")]
     assert [t for c in chunks for t in c["tokens"]] == res["tokens"]
     assert "".join(c["content"] for c in chunks) == res["content"]
+    # a stop string ends the text; the ids are still every token decoded, as llama-server's, streamed or not
+    stop = _post(server, "/detokenize", {"tokens": res["tokens"][6:8]}).json()["content"]
+    cut = _post(server, "/completion", {**body, "return_tokens": True, "stop": [stop]}).json()
+    assert cut["stop_type"] == "word" and len(cut["tokens"]) == cut["tokens_predicted"] >= 7
+    assert cut["tokens"] == res["tokens"][:len(cut["tokens"])]
+    with httpx.stream("POST", server + "/completion", headers={"Authorization": f"Bearer {KEY}"}, timeout=60,
+                      json={**body, "return_tokens": True, "stream": True, "stop": [stop]}) as r:
+        assert [t for line in r.iter_lines() if line.startswith("data: ")
+                for t in json.loads(line[6:])["tokens"]] == cut["tokens"]
     assert _post(server, "/completion", {**body, "return_tokens": "yes"}).status_code == 400
 
 
