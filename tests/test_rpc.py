@@ -31,9 +31,20 @@ REPEATING = "def add(a, b):\n    return a + b\n\ndef sub(a, b):\n    return a - 
 
 
 def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    return _free_ports(1)[0]
+
+
+def _free_ports(n: int) -> list[int]:
+    """n distinct free ports: each socket is held until all are chosen (one at a time, the kernel may hand the
+    same port out twice, and the fixture then started one worker where two were meant)."""
+    held = [socket.socket() for _ in range(n)]
+    try:
+        for s in held:
+            s.bind(("127.0.0.1", 0))
+        return [s.getsockname()[1] for s in held]
+    finally:
+        for s in held:
+            s.close()
 
 
 def _start_worker(port: int, host: str = "127.0.0.1", env=None) -> subprocess.Popen:
@@ -62,7 +73,7 @@ def _stop(proc: subprocess.Popen) -> None:
 def workers():
     if not models.cached_path(MODEL).exists():
         pytest.skip(f"{MODEL} not pulled")
-    ports = [_free_port(), _free_port()]
+    ports = _free_ports(2)
     procs = {port: _start_worker(port) for port in ports}
     yield procs
     for proc in procs.values():
@@ -271,8 +282,8 @@ def _cli(*args, timeout=60) -> subprocess.CompletedProcess:
 def test_worker_never_started(command):
     if not models.cached_path(MODEL).exists():
         pytest.skip(f"{MODEL} not pulled")
-    port = _free_port()
-    args = ["-p", "Hi"] if command == "generate" else ["--port", str(_free_port())]
+    port, server_port = _free_ports(2)
+    args = ["-p", "Hi"] if command == "generate" else ["--port", str(server_port)]
     r = _cli(command, "-m", MODEL, "--rpc", f"127.0.0.1:{port}", *args)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines()[-1] == (f"speculant: error: no RPC worker at 127.0.0.1:{port}: connection "
