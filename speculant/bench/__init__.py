@@ -124,7 +124,6 @@ def writable_file(path: str, flag: str) -> None:
 def config_from_args(args):
     from .runner import BenchConfig
 
-    models.check_name(args.model)  # an unknown -m first: the methods' needs are checked against it
     method_names = parse_list(args.methods, str, "--methods")
     draft_max = parse_list(args.draft_max, int, "--draft-max")
     temps = parse_list(args.temp, float, "--temp")
@@ -191,6 +190,7 @@ def cmd_bench(args) -> int:
     out = writable_dir(args.out, "--out")  # before hours of benchmarking, not after
     if args.trace:
         writable_file(args.trace, "--trace")
+    models.check_name(args.model)  # an unknown -m before the methods' need of a draft model
     check_draft(cfg)  # before the banner: an error is all that is printed
     print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
           f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
