@@ -230,9 +230,8 @@ def cmd_calibrate(args) -> int:
 
 
 def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
-    from .api import thread_count
-
     from . import models
+    from .api import thread_count
 
     p = sub.add_parser("calibrate", help="choose the self-speculative layer subset of a model (torch backend)",
                        description="Greedy generation on a few built-in prompts with candidate layer subsets; "

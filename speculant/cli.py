@@ -501,8 +501,11 @@ def _read_prompt(args, exact: bool = False) -> str:
         text = _read_stdin("the prompt")
     else:
         raise SpeculantError("no prompt: pass -p TEXT, -f FILE, or pipe text on stdin")
-    if exact:
-        return text
+    return text if exact else _less_one_newline(text)
+
+
+def _less_one_newline(text: str) -> str:
+    """A file's text less one trailing newline, as llama.cpp's -f and -sysf read one."""
     return text[:-1] if text.endswith("\n") else text
 
 
@@ -686,8 +689,7 @@ def cmd_generate(args) -> int:
         raise SettingsError(f"{' and '.join(readers)} would both read stdin: give all but one a file (-p TEXT or "
                             f"-f FILE for the prompt)")
     if args.system_prompt_file is not None:
-        text = _read_prediction(args.system_prompt_file, "system prompt")
-        args.system_prompt = text[:-1] if text.endswith("\n") else text
+        args.system_prompt = _less_one_newline(_read_prediction(args.system_prompt_file, "system prompt"))
     prediction = _read_prediction(args.prediction)
     suffix = _read_prediction(args.suffix, "suffix")
     if suffix is not None and args.chat:

@@ -89,11 +89,15 @@ def fastest(rounds_ms: list[dict[int, float]]) -> dict[int, float]:
     return {n: min(r[n] for r in rounds_ms) for n in rounds_ms[0]}
 
 
+def implausible_size(times_ms: dict[int, float]) -> Optional[int]:
+    """The first size that costs more than PLAUSIBLE x its token count one-token passes (times in ms, or ratios
+    with r(1) = 1): the machine was busy while it measured. None: none does. (Dips are not judged: a kernel switch
+    makes real ones, e.g. plain Q4_K rows over 3 tokens cost 1.4x those over 4.)"""
+    return next((n for n in sorted(times_ms) if times_ms[n] > PLAUSIBLE * n * times_ms[1]), None)
+
+
 def plausible(times_ms: dict[int, float]) -> bool:
-    """No size costs more than PLAUSIBLE x its token count one-token passes: otherwise the machine was busy while
-    it measured. (Dips are not judged: a kernel switch makes real ones, e.g. plain Q4_K rows over 3 tokens cost
-    1.4x those over 4.)"""
-    return all(t <= PLAUSIBLE * n * times_ms[1] for n, t in times_ms.items())
+    return implausible_size(times_ms) is None
 
 
 def save(backend, times_ms: dict[int, float], source: str) -> Path:
@@ -155,7 +159,7 @@ def _check(data) -> tuple[Optional[dict[int, float]], Optional[str]]:
     sizes = sorted(ratio)
     if any(ratio[b] < ratio[a] for a, b in zip(sizes, sizes[1:])):
         return None, "the ratios decrease with the pass size"
-    slow = next((n for n in sizes if ratio[n] > PLAUSIBLE * n), None)
+    slow = implausible_size(ratio)
     if slow is not None:  # n passes of one token each would have done: the machine was busy while it measured
         return None, f"a pass over {slow} tokens is priced at {ratio[slow]:g} one-token passes"
     measured = data.get("measured_ms", {})

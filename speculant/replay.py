@@ -348,7 +348,6 @@ def hf_generate_speed(target_model, draft_model, prompt_len: int, n_new: int, de
 
 def add_cli(sub, *_ignored) -> None:
     from .api import thread_count
-
     from .shapes import SHAPES
 
     p = sub.add_parser("replay", help="replay a bench trace's passes on random weights of bigger models (GPU "

@@ -80,13 +80,14 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
                 peer_rounds.append(llama_bench_ms(bindir, model_path, ns, depth, prefill, threads))
         med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
         keys = ns + ["prefill_tps"]
-        times = {n: med(ours_rounds, n) for n in ns}
-        if 1 in ns and not costprofile.plausible(times):  # the loader would throw it away (costprofile._check)
-            print("speculant: warning: the pass costs measured unevenly (the machine is busy?): not saved as the "
-                  "adaptive policy's cost profile", file=sys.stderr)
-        elif 1 in ns:  # the adaptive policy's starting point on this machine (costprofile.py)
-            profile = costprofile.save(backend, times, source=f"speculant bench --costs: median of {rounds} rounds")
-            print(f"cost profile for the adaptive policy: {profile}", file=sys.stderr)
+        if 1 in ns:  # the adaptive policy's starting point on this machine (costprofile.py)
+            times = {n: med(ours_rounds, n) for n in ns}
+            if costprofile.plausible(times):
+                profile = costprofile.save(backend, times, source=f"speculant bench --costs: median of {rounds} rounds")
+                print(f"cost profile for the adaptive policy: {profile}", file=sys.stderr)
+            else:  # the loader would throw it away (costprofile._check)
+                print("speculant: warning: the pass costs measured unevenly (the machine is busy?): not saved as "
+                      "the adaptive policy's cost profile", file=sys.stderr)
     finally:
         backend.close()
     return {"model": model_path, "depth": depth, "prefill": prefill, "rounds": rounds, "threads": threads,
