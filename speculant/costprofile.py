@@ -8,6 +8,11 @@ writes the careful one (several alternating rounds); a backend without one measu
 an adaptive policy needs it (the fastest of three rounds, a few seconds; more while one looks disturbed). The
 policy scales the profile by the T(1) it measures itself, so a busy machine shifts absolute times without skewing
 the shape much.
+
+A round counts only where its threads had the CPU to themselves (cpu_share). Beside another busy process, every
+pass waits at each of ggml's thread barriers for a descheduled thread, a fixed cost that flattens the profile
+(measured here: a 2-token pass at 0.98 one-token passes and 4 tokens at 1.15, against 1.17 and 1.61 on a quiet
+machine), and a flat profile makes the policy draft more than pays.
 """
 
 from __future__ import annotations
@@ -27,6 +32,9 @@ QUICK_SIZES = [1, 2, 3, 4, 6, 8, 12, 16]
 # higher was measured while something else ran, and would keep the policy from drafting for good
 PLAUSIBLE = 1.25
 MORE_ROUNDS = 3  # rounds added, at most, when the quick rounds' fastest times still look implausible
+# The share of its threads' time a round got (cpu_share) for it to count: 0.87-1.0 on a quiet machine here, 0.33
+# beside two other programs decoding
+QUIET_SHARE = 0.8
 DEPTH = 100  # context before the measured passes: a typical verify pass is not at the start of the cache
 
 TEXT = ("def merge_intervals(intervals):\n    intervals.sort()\n    out = []\n    for lo, hi in intervals:\n"
@@ -48,6 +56,27 @@ def pass_times_ms(backend, ns: list[int], depth: int = DEPTH) -> dict[int, float
         out[n] = (time.perf_counter() - t) * 1e3
     backend.rewind(0)
     return out
+
+
+def cpu_share(cpu_s: float, wall_s: float, backend) -> float:
+    """The share of its threads' time a stretch of passes got: process CPU seconds over wall seconds times the
+    threads that can run at once (ggml's threads spin at their barriers, so a quiet machine gives about 1). 1.0
+    where it says nothing: a target with layers on RPC workers (its passes wait on the network), or no time."""
+    if getattr(backend, "offloaded", False) or wall_s <= 0:
+        return 1.0
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        cores = os.cpu_count() or 1
+    threads = max(min(getattr(backend, "n_threads", 1) or 1, cores), 1)
+    return cpu_s / (wall_s * threads)
+
+
+def quick_round(backend) -> tuple[dict[int, float], float]:
+    """One round of the quick profile: ms per pass size, and the CPU share its passes got (cpu_share)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    times = pass_times_ms(backend, QUICK_SIZES)
+    return times, cpu_share(time.process_time() - cpu, time.perf_counter() - wall, backend)
 
 
 def profile_key(backend) -> str:
@@ -100,13 +129,16 @@ def plausible(times_ms: dict[int, float]) -> bool:
     return implausible_size(times_ms) is None
 
 
-def save(backend, times_ms: dict[int, float], source: str) -> Path:
-    """Store a profile (atomic write; a write that fails leaves no temporary file behind)."""
+def save(backend, times_ms: dict[int, float], source: str, share: Optional[float] = None) -> Path:
+    """Store a profile (atomic write; a write that fails leaves no temporary file behind). share: the CPU share
+    its rounds got (cpu_share), the lowest of those used."""
     path = profile_path(backend)
     path.parent.mkdir(parents=True, exist_ok=True)
     data = {"model": str(backend.path), "threads": backend.n_threads, "source": source,
             "measured_ms": {str(n): round(v, 3) for n, v in sorted(times_ms.items())},
             "ratio": {str(n): round(v, 4) for n, v in from_times(times_ms).items()}}
+    if share is not None:
+        data["cpu_share"] = round(share, 3)
     _write_atomic(path, json.dumps(data, indent=1))
     return path
 
@@ -167,6 +199,8 @@ def _check(data) -> tuple[Optional[dict[int, float]], Optional[str]]:
         return None, "\"measured_ms\" is not a table"
     if "1" in measured and not (_number(measured["1"]) or 0) > 0:
         return None, f"measured_ms[\"1\"] = {json.dumps(measured['1'])[:20]} is not a positive finite number"
+    if str(data.get("source", "")).startswith("quick") and "cpu_share" not in data:
+        return None, "measured before speculant checked that nothing else ran"  # perhaps flattened (cpu_share)
     return ratio, None
 
 
@@ -292,17 +326,24 @@ def get(backend, measure: bool = True, rounds: int = 3) -> Optional[dict[int, fl
         print(f"speculant: measuring {backend.name}'s pass costs once on this machine (cached in "
               f"{profile_path(backend).parent})", file=sys.stderr)
     pass_times_ms(backend, QUICK_SIZES[:2])  # warm-up
-    rounds_ms = [pass_times_ms(backend, QUICK_SIZES) for _ in range(rounds)]
-    times = fastest(rounds_ms)
-    while not plausible(times) and len(rounds_ms) < rounds + MORE_ROUNDS:
-        rounds_ms.append(pass_times_ms(backend, QUICK_SIZES))
-        times = fastest(rounds_ms)
-    if not plausible(times):  # still busy: the policy starts unprimed (it times passes itself); the next measures again
-        print(f"speculant: warning: {backend.name}'s pass costs measured unevenly (the machine is busy?); not "
-              f"using or caching them", file=sys.stderr)
+    measured = [quick_round(backend) for _ in range(rounds)]  # (times, CPU share) per round
+
+    def quiet() -> list[tuple[dict[int, float], float]]:
+        return [r for r in measured if r[1] >= QUIET_SHARE]
+
+    while (not quiet() or not plausible(fastest([t for t, _ in quiet()]))) and len(measured) < rounds + MORE_ROUNDS:
+        measured.append(quick_round(backend))
+    used = quiet()
+    if not used or not plausible(times := fastest([t for t, _ in used])):
+        # still busy: the policy starts unprimed (it times passes itself); the next process measures again
+        why = (f"while other programs ran (its passes got {max(s for _, s in measured):.0%} of their threads' time "
+               f"at best)" if not used else "unevenly")
+        print(f"speculant: warning: {backend.name}'s pass costs measured {why} (the machine is busy?); not using "
+              f"or caching them", file=sys.stderr)
         return None
     try:
-        save(backend, times, source=f"quick: fastest of {len(rounds_ms)} rounds at load")
+        save(backend, times, source=f"quick: fastest of {len(used)} rounds at load",
+             share=min(s for _, s in used))
     except OSError as e:  # a read-only cache: this process uses what it measured, the next measures again
         print(f"speculant: warning: cannot cache the pass costs in {profile_path(backend).parent}: "
               f"{e.strerror or e}", file=sys.stderr)

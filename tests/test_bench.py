@@ -356,6 +356,7 @@ def test_costs_table_on_a_small_model(tmp_path):
     if same is not None:
         assert [int(n) for n in same] == list(range(1, 17)) and all(v > 0 for v in same.values())
     assert "| 16 |" in proc.stdout and "ggml kernels, same process" in proc.stdout
+    assert 0 < costs["ours_cpu_share"] < 1.5 and "of their threads' time" in proc.stdout
 
 
 def test_parse_llama_tool_output():

@@ -1,6 +1,7 @@
 """The adaptive policy starts from the pass costs measured on this machine (costprofile.py)."""
 
 import json
+import os
 
 import pytest
 
@@ -68,8 +69,8 @@ def _small_backend(home, monkeypatch):
 
 
 @pytest.mark.models
-def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys):
-    b = _small_backend(tmp_path, monkeypatch)  # a machine that has no profile yet
+def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys, quiet_cpu):
+    b = _small_backend(tmp_path, monkeypatch)  # a machine that has no profile yet (nor other programs running)
     try:
         prof = b.cost_profile()
         assert "measuring" in capsys.readouterr().err
@@ -89,7 +90,7 @@ def test_llamacpp_backend_measures_once_and_caches(tmp_path, monkeypatch, capsys
 
 
 @pytest.mark.models
-def test_a_cache_that_cannot_be_written_keeps_the_measured_profile(tmp_path, monkeypatch, capsys):
+def test_a_cache_that_cannot_be_written_keeps_the_measured_profile(tmp_path, monkeypatch, capsys, quiet_cpu):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
     b = _small_backend(blocker / "home", monkeypatch)  # no directory can be made there
@@ -192,9 +193,19 @@ UNSOUND_PROFILES = [
     {"ratio": [1.0, 1.5]},
     # measured on a busy machine (a 2-token pass priced at 5.9 one-token passes): the policy never drafted again
     {"ratio": {"1": 1.0, "2": 5.9, "3": 5.9, "4": 5.9}, "measured_ms": {"1": 33.5, "2": 198.0, "3": 47.0, "4": 51.0}},
+    # a quick profile from before the CPU share was checked: perhaps flattened by another program (the one this
+    # machine cached while the CI ran: 2 tokens at 1.0 one-token passes, 4 at 1.15, against 1.17 and 1.61)
+    {"source": "quick: fastest of 3 rounds at load", "ratio": {"1": 1.0, "2": 1.0, "4": 1.1461},
+     "measured_ms": {"1": 38.368, "2": 37.578, "4": 43.975}},
     [],
     None,
 ]
+
+
+@pytest.fixture
+def quiet_cpu(monkeypatch):
+    """Made-up measurements take no time: every round counts as one that had the CPU to itself."""
+    monkeypatch.setattr(costprofile, "cpu_share", lambda cpu_s, wall_s, backend: 1.0)
 
 
 def _fake_target(home):
@@ -207,7 +218,7 @@ def _fake_target(home):
 
 
 @pytest.mark.parametrize("stored", UNSOUND_PROFILES, ids=lambda v: json.dumps(v)[:60])
-def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeypatch, capsys, stored):
+def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeypatch, capsys, quiet_cpu, stored):
     b = _fake_target(home)
     times = {n: 10.0 + 2.0 * (n - 1) for n in costprofile.QUICK_SIZES}
     measured = []
@@ -229,7 +240,7 @@ def test_an_unsound_cached_profile_is_a_warning_and_measured_again(home, monkeyp
     assert best_draft_length(0.8, 0.001, pol.target_time, 1, 8) >= 1
 
 
-def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys):
+def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys, quiet_cpu):
     """Each size's fastest round is kept (a spike that two of three rounds shared was the median); rounds are added
     while a size still costs more than PLAUSIBLE x its tokens one-token passes, and a profile that stays so is
     neither used (the policy starts unprimed, timing passes itself) nor cached (it would keep every later process
@@ -250,6 +261,61 @@ def test_a_busy_moment_while_measuring_is_not_kept(home, monkeypatch, capsys):
     rounds = [spiked] * 6  # busy all along: neither used nor cached
     assert costprofile.get(b) is None and rounds == []
     assert costprofile.load(b) is None and "measured unevenly" in capsys.readouterr().err
+
+
+def test_rounds_that_shared_the_cpu_are_not_kept(home, monkeypatch, capsys):
+    """A round whose threads got less than QUIET_SHARE of their time ran beside another program: its times are
+    flattened (each pass waits at every barrier for a descheduled thread), so it is not used; rounds are added
+    until one is quiet, and a profile with none is neither used nor cached."""
+    b = _fake_target(home)
+    quiet = {n: 10.0 + 2.0 * (n - 1) for n in costprofile.QUICK_SIZES}
+    flat = {n: 40.0 + 0.5 * (n - 1) for n in costprofile.QUICK_SIZES}  # plausible, and wrong
+    rounds = [(flat, 0.35), (flat, 0.4), (flat, 0.3), (quiet, 0.95)]
+    monkeypatch.setattr(costprofile, "pass_times_ms", lambda backend, ns, depth=0: quiet)  # the warm-up
+    monkeypatch.setattr(costprofile, "quick_round", lambda backend: rounds.pop(0))
+    assert costprofile.get(b) == costprofile.from_times(quiet) == costprofile.load(b) and rounds == []
+    stored = json.loads(costprofile.profile_path(b).read_text())
+    assert stored["cpu_share"] == 0.95 and stored["source"] == "quick: fastest of 1 rounds at load"
+    costprofile.profile_path(b).unlink()
+    capsys.readouterr()
+    rounds = [(flat, 0.4)] * 6  # busy all along
+    assert costprofile.get(b) is None and rounds == [] and costprofile.load(b) is None
+    err = capsys.readouterr().err
+    assert "measured while other programs ran (its passes got 40% of their threads' time at best)" in err, err
+
+
+def test_cpu_share_is_the_threads_time_they_got(monkeypatch):
+    class B:
+        n_threads = 2
+
+    monkeypatch.setattr(costprofile.os, "sched_getaffinity", lambda pid: {0, 1, 2, 3})
+    assert costprofile.cpu_share(1.9, 1.0, B()) == pytest.approx(0.95)
+    monkeypatch.setattr(costprofile.os, "sched_getaffinity", lambda pid: {0})  # 2 threads on 1 core at best
+    assert costprofile.cpu_share(0.9, 1.0, B()) == pytest.approx(0.9)
+    B.offloaded = True  # a pass that waits on RPC workers says nothing of this CPU
+    assert costprofile.cpu_share(0.1, 1.0, B()) == 1.0
+
+
+@pytest.mark.models
+def test_a_machine_busy_with_another_program_measures_no_profile(tmp_path, monkeypatch, capsys):
+    """Real passes beside two processes spinning on every core: the rounds get about half their threads' time and
+    nothing is cached (so the next process measures again); without them the profile is measured and kept."""
+    import subprocess
+    import sys
+
+    b = _small_backend(tmp_path, monkeypatch)
+    b.n_threads = len(os.sched_getaffinity(0))
+    spin = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(b.n_threads)]
+    try:
+        _, share = costprofile.quick_round(b)
+        assert share < costprofile.QUIET_SHARE
+        assert costprofile.get(b) is None and not costprofile.profile_path(b).exists()
+        assert "while other programs ran" in capsys.readouterr().err
+    finally:
+        for p in spin:
+            p.kill()
+            p.wait()
+        b.close()
 
 
 def test_a_sound_profile_is_read_as_written(home):
@@ -290,7 +356,8 @@ def test_generate_measures_again_over_an_unsound_profile(tmp_path, monkeypatch):
                           env=dict(os.environ))
     assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert "warning: ignoring the cached pass costs" in proc.stderr and str(path) in proc.stderr, proc.stderr
-    assert costprofile.load(b) is not None  # measured again, and kept
+    # measured again, and kept (unless other programs took the CPU meanwhile: then not kept, and said)
+    assert costprofile.load(b) is not None or "while other programs ran" in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize("stored", [{"ratio": 0}, {"ratio": -0.5}, {"ratio": float("nan")}, {"ratio": float("inf")},

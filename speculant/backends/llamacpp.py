@@ -121,6 +121,7 @@ class LlamaCppBackend(Backend):
         self.path = Path(path)
         self.embed = embed
         self.repack = repack
+        self.offloaded = bool(devices)  # layers on RPC workers: a pass waits on the network as well
         self.name = self.path.name
         mparams = ll.llama_model_default_params()
         mparams.use_extra_bufts = repack  # weights repacked 8 rows at a time: faster kernels

@@ -28,8 +28,11 @@ from ..errors import SettingsError
 
 
 def ours_ms(backend, ns: list[int], depth: int, prefill: int) -> dict:
-    """One round: ms per pass over n tokens after `depth` tokens, and prompt processing of `prefill` tokens."""
+    """One round: ms per pass over n tokens after `depth` tokens, prompt processing of `prefill` tokens, and the
+    CPU share the passes got (costprofile.cpu_share: below QUIET_SHARE, something else ran)."""
+    cpu, wall = time.process_time(), time.perf_counter()
     out: dict = dict(costprofile.pass_times_ms(backend, ns, depth))
+    out["cpu_share"] = costprofile.cpu_share(time.process_time() - cpu, time.perf_counter() - wall, backend)
     toks = backend.tokenize(costprofile.TEXT)
     assert len(toks) >= prefill, "cost text too short"
     t = time.perf_counter()
@@ -80,10 +83,16 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
                 peer_rounds.append(llama_bench_ms(bindir, model_path, ns, depth, prefill, threads))
         med = lambda rows, key: statistics.median(r[key] for r in rows) if rows else None  # noqa: E731
         keys = ns + ["prefill_tps"]
+        share = med(ours_rounds, "cpu_share")
         if 1 in ns:  # the adaptive policy's starting point on this machine (costprofile.py)
             times = {n: med(ours_rounds, n) for n in ns}
-            if costprofile.plausible(times):
-                profile = costprofile.save(backend, times, source=f"speculant bench --costs: median of {rounds} rounds")
+            if share < costprofile.QUIET_SHARE:  # flattened by waits for descheduled threads (costprofile.py)
+                print(f"speculant: warning: other programs ran while the pass costs were measured (our passes got "
+                      f"{share:.0%} of their threads' time): not saved as the adaptive policy's cost profile",
+                      file=sys.stderr)
+            elif costprofile.plausible(times):
+                profile = costprofile.save(backend, times, source=f"speculant bench --costs: median of {rounds} rounds",
+                                           share=share)
                 print(f"cost profile for the adaptive policy: {profile}", file=sys.stderr)
             else:  # the loader would throw it away (costprofile._check)
                 print("speculant: warning: the pass costs measured unevenly (the machine is busy?): not saved as "
@@ -91,7 +100,7 @@ def measure(model_path: str, *, ns: Optional[list[int]] = None, depth: int = 100
     finally:
         backend.close()
     return {"model": model_path, "depth": depth, "prefill": prefill, "rounds": rounds, "threads": threads,
-            "ours": {k: med(ours_rounds, k) for k in keys},
+            "ours": {k: med(ours_rounds, k) for k in keys}, "ours_cpu_share": share,
             "llama.cpp": {k: med(peer_rounds, k) for k in keys} if have_peer else None,
             "ggml_same_process": {n: med(same_rounds, n) for n in ns} if same_rounds else None,
             "llama_tools": str(bindir) if have_peer else f"not built ({bindir}): run scripts/build_llama_tools.sh"}
@@ -103,7 +112,9 @@ def markdown(costs: dict) -> str:
     ratio = lambda a, b: f"{a / b:.2f}" if a and b else "–"  # noqa: E731
     lines = [f"target pass over n new tokens after {costs['depth']} tokens, ms (median of {costs['rounds']} "
              f"alternating rounds, {costs['threads']} threads); llama.cpp = {costs['llama_tools']}; ggml kernels = "
-             "llama.cpp's own kernels in our process over the same weights in memory", "",
+             "llama.cpp's own kernels in our process over the same weights in memory"
+             + (f"; our passes got {costs['ours_cpu_share']:.0%} of their threads' time (less than "
+                f"{costprofile.QUIET_SHARE:.0%}: other programs ran)" if costs.get("ours_cpu_share") else ""), "",
              "| n | ours (invariant) | llama.cpp defaults | ratio | ggml kernels, same process | ratio |",
              "|---:|---:|---:|---:|---:|---:|"]
     for n, ms in ours.items():
