@@ -399,3 +399,23 @@ def test_other_model_types_stay_on_the_eager_backend(monkeypatch, capsys):
     assert type(b) is TorchBackend
     assert "tiny-qwen3 (qwen3) runs on the eager torch backend" in capsys.readouterr().err
     assert b.eval(IDS[:5], n_logits=1).shape == (1, 512)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_nan_logits_on_the_device_are_an_error_naming_the_model(temperature):
+    """A damaged weight makes every logit NaN; verified on the device, a NaN row picked some token silently (the
+    host path checks each verify pass's first row): the device verification checks it too."""
+    from speculant.backends.torch_static import StaticTorchBackend
+    from speculant.drafters.model import ModelDrafter
+    from speculant.errors import ModelError
+    from speculant.shapes import random_model
+    from speculant.verify import SamplingParams
+
+    model = random_model("tiny", seed=4, std=0.2, device=DEVICE)
+    with torch.no_grad():
+        model.model.norm.weight[3] = float("nan")  # the final norm: every position's logits
+    target = StaticTorchBackend(model, name="damaged-tiny", rows=16)
+    draft = random_backend("tiny", seed=4, std=0.2, device=DEVICE)
+    engine = Engine(target, ModelDrafter(draft, target.n_vocab), draft_max=4)
+    with pytest.raises(ModelError, match="damaged-tiny computes NaN or infinite logits"):
+        engine.generate(PROMPT, max_tokens=8, params=SamplingParams(temperature, seed=1))

@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from .. import verify_torch
-from ..errors import ModelError, SettingsError
+from ..errors import ModelError, SettingsError, nonfinite_logits
 from ..verify import SamplingParams
 from . import triton_kernels
 from .base import common_prefix
@@ -407,18 +407,24 @@ class StaticTorchBackend(TorchBackend):
         """One target pass over the last k+1 tokens of context (the last token and k drafts) and their
         verification on the device (verify_torch); returns (n_accepted, next token), the only host transfer."""
         logits = self.sync_device(context, k + 1)  # [k+1, V] on the device
+        # read after the verification's own transfer (no extra wait): NaN rows would pick token 0 or EOS silently
+        finite = torch.isfinite(logits[0].sum())
         drafts = torch.tensor(list(context[len(context) - k:]), dtype=torch.long).to(self.device)  # [k]
         if params.greedy:
-            return verify_torch.verify_greedy(drafts, logits)
-        if params.couples:  # a seeded request: drafts kept while they equal the target's coupled draws
-            return verify_torch.verify_coupled(drafts, verify_torch.probs_from_logits(logits, params), params.seed,
-                                               len(context) - k)
-        if self._gen is None:
-            self._gen = torch.Generator(device=self.device)
-        self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
-        # q [k, V]: numpy, or already on the device when a static draft chose there (draft_steps)
-        q = None if draft_probs is None else torch.as_tensor(draft_probs).to(self.device)
-        return verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
+            out = verify_torch.verify_greedy(drafts, logits)
+        elif params.couples:  # a seeded request: drafts kept while they equal the target's coupled draws
+            out = verify_torch.verify_coupled(drafts, verify_torch.probs_from_logits(logits, params), params.seed,
+                                              len(context) - k)
+        else:
+            if self._gen is None:
+                self._gen = torch.Generator(device=self.device)
+            self._gen.manual_seed(int(rng.integers(2**63)))  # the request's seed decides the device draws too
+            # q [k, V]: numpy, or already on the device when a static draft chose there (draft_steps)
+            q = None if draft_probs is None else torch.as_tensor(draft_probs).to(self.device)
+            out = verify_torch.verify_sampled(drafts, q, verify_torch.probs_from_logits(logits, params), self._gen)
+        if not bool(finite):
+            raise nonfinite_logits(self.name)
+        return out
 
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
         return self.decode_device(tokens, start, n_logits).cpu().numpy()
