@@ -1574,14 +1574,14 @@ def create_app(engine, cfg: ServerConfig):
         request.state.t0 = time.perf_counter()
         try:
             check_auth(request)
-            if model_id != cfg.model_id:
+            if model_id != cfg.model_id and cfg.check_model:  # else any name is served (as by the completions)
                 raise APIError(404, f"the model '{model_id}' does not exist; this server serves '{cfg.model_id}'",
                                param="model", code="model_not_found")
         except APIError as e:  # counted under /v1/models: a label per asked-for id would grow without bound
             return error_response(e, "/v1/models", request)
         metrics.requests.labels("/v1/models", "200").inc()
         log_request(request, "200", request.state.t0)
-        return model_object()
+        return {**model_object(), "id": model_id, "root": cfg.model_id}  # root: what serves it (vLLM's field)
 
     def settings(params: SamplingParams, max_tokens: int, stream: bool = False, n_probs: int = 0) -> dict:
         """llama-server's generation settings ("params" of /props and /slots, the fields it gives there); the
