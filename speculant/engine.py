@@ -92,6 +92,11 @@ def default_long_max(cost_profile: Optional[dict[int, float]]) -> int:
     return LONG_MAX_CHEAP if (cost_profile or {}).get(16, CHEAP_R16) < CHEAP_R16 else LONG_MAX
 
 
+def _is_mixed(prompt) -> bool:
+    """A sequence holding text pieces (llama-server's mixed prompt), not a string or plain ids."""
+    return isinstance(prompt, (list, tuple)) and any(isinstance(p, str) for p in prompt)
+
+
 class Engine:
     """A target model, optionally with a drafter, and the speculative decode loop."""
 
@@ -165,10 +170,14 @@ class Engine:
         return chat.render(self.target.chat_template(), messages, bos_token=self.target.bos_token,
                            eos_token=self.target.eos_token, tools=tools)
 
-    def tokenize_prompt(self, prompt: str | Sequence[int], *, is_chat: bool = False,
-                        suffix: Optional[str | Sequence[int]] = None) -> list[int]:
-        """The prompt's token ids (text or ids). With a suffix, a fill-in-the-middle prompt: the model writes
-        what goes between the prompt and the suffix (fim_prompt)."""
+    def tokenize_prompt(self, prompt: str | Sequence[int | str], *, is_chat: bool = False,
+                        suffix: Optional[str | Sequence[int | str]] = None) -> list[int]:
+        """The prompt's token ids (text, ids, or both mixed: mixed_ids). With a suffix, a fill-in-the-middle
+        prompt: the model writes what goes between the prompt and the suffix (fim_prompt)."""
+        if _is_mixed(prompt):
+            prompt = self.mixed_ids(prompt)
+        if _is_mixed(suffix):
+            suffix = self.mixed_ids(suffix, first=False)
         if suffix is not None:
             tokens = self.fim_prompt(prompt, suffix)
         elif isinstance(prompt, str):
@@ -267,6 +276,17 @@ class Engine:
             return self.target.tokenize(prediction, add_special=False) if prediction else []
         return self._checked_ids(prediction, "prediction token id")
 
+    def mixed_ids(self, pieces: Sequence[int | str], first: bool = True) -> list[int]:
+        """llama-server's mixed prompt, [12, 34, "text", 56]: the texts tokenized (special tokens read as such,
+        BOS added only where the prompt starts with text) between the ids."""
+        tokens: list[int] = []
+        for i, piece in enumerate(pieces):
+            if isinstance(piece, str):
+                tokens += self.target.tokenize(piece, add_special=first and i == 0)
+            else:
+                tokens += self._checked_ids([piece], "prompt token id")
+        return tokens
+
     def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:
         """Token ids as ints, each checked to be in the target's vocabulary (`what` names them in the error)."""
         try:
@@ -339,7 +359,7 @@ class Engine:
         return CompositeDrafter(pred, drafter), policy
 
     # -- generation ---------------------------------------------------------------------------------------
-    def stream(self, prompt: str | Sequence[int], *, max_tokens: int = 128,
+    def stream(self, prompt: str | Sequence[int | str], *, max_tokens: int = 128,
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
                prediction: Optional[str | Sequence[int]] = None,
@@ -524,7 +544,7 @@ class Engine:
                                                      (target_seconds, evaluated))
         stats.prefill_time = time.perf_counter() - t0
 
-    def generate(self, prompt: str | Sequence[int], **kwargs) -> Result:
+    def generate(self, prompt: str | Sequence[int | str], **kwargs) -> Result:
         result = Result("", [], SpecStats())
         for _ in self.stream(prompt, result=result, **kwargs):
             pass

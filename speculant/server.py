@@ -649,17 +649,21 @@ def _fields(res: dict, paths: Optional[list]) -> dict:
 
 def _get_prompts(prompt, empty_ok: bool = False) -> list:
     """/v1/completions' prompt: a string, an array of token ids, or an array of either (a batch) -> the
-    prompts, each a str or a list of ids (empty only where empty_ok)."""
+    prompts, each a str or a list of ids (empty only where empty_ok). As llama-server, an array may also mix
+    token ids and strings ([12, "text", 34]: one prompt, the texts tokenized where they stand; Engine.mixed_ids),
+    and so may each prompt of a batch."""
     def one(p, where: str):
         if isinstance(p, str):
             if not p and not empty_ok:
                 raise _bad(f"{where} is empty", "prompt")
             return p
-        if isinstance(p, list) and (p or empty_ok) and all(_is_int(t) for t in p):
+        if isinstance(p, list) and (p or empty_ok) and all(_is_int(t) or isinstance(t, str) for t in p):
             return list(p)
-        raise _bad(f"{where} must be a string or a non-empty array of token ids", "prompt", "invalid_type")
+        raise _bad(f"{where} must be a string or a non-empty array of token ids (strings may stand between them)",
+                   "prompt", "invalid_type")
 
-    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+    mixed = isinstance(prompt, list) and any(_is_int(p) for p in prompt) and any(isinstance(p, str) for p in prompt)
+    if isinstance(prompt, list) and prompt and not mixed and all(isinstance(p, (str, list)) for p in prompt):
         if len(prompt) > MAX_PROMPTS:
             raise _bad(f"'prompt' batches at most {MAX_PROMPTS} prompts, got {len(prompt)}", "prompt")
         if len({type(p) for p in prompt}) > 1:  # OpenAI's types: an array of strings or of token-id arrays
@@ -838,7 +842,11 @@ def _wait_for_shared_prefixes(prompts: list[Job]) -> None:
 
 def _echo_text(job: Job, engine) -> str:
     """The prompt as echo returns it: the text given, or the ids' text."""
-    return job.prompt if isinstance(job.prompt, str) else engine.target.detokenize(job.prompt)
+    if isinstance(job.prompt, str):
+        return job.prompt
+    # ids, or ids and texts mixed: each run of ids as one text (a character may span ids)
+    return "".join("".join(run) if is_text else engine.target.detokenize(list(run))
+                   for is_text, run in itertools.groupby(job.prompt, key=lambda p: isinstance(p, str)))
 
 
 def _choice_job(job: Job, i: int, engine) -> Job:

@@ -340,6 +340,26 @@ def test_llama_server_completion_endpoint(server, client):
     assert by_ids["stop_type"] == "word" and by_ids["stopping_word"] == res["content"][4:8]
 
 
+def test_a_prompt_may_mix_token_ids_and_text(server):
+    """llama-server's mixed prompt: [ids, "text", ids] is those ids with the text's tokens between them, on
+    /completion and /v1/completions (also as one prompt of a batch); echo gives its text."""
+    head = _post(server, "/tokenize", {"content": "The capital", "add_special": True}).json()["tokens"]
+    mid = _post(server, "/tokenize", {"content": " of France"}).json()["tokens"]
+    tail = _post(server, "/tokenize", {"content": " is"}).json()["tokens"]
+    body = {"n_predict": 8, "temperature": 0}
+    want = _post(server, "/completion", {**body, "prompt": head + mid + tail}).json()
+    got = _post(server, "/completion", {**body, "prompt": [*head, " of France", *tail]}).json()
+    assert got["content"] == want["content"] and got["tokens_evaluated"] == want["tokens_evaluated"]
+    assert _post(server, "/completion", {**body, "prompt": ["The capital", *mid, " is"]}).json()["content"] \
+        == want["content"]  # starting with text: tokenized as a text prompt starts (BOS where the model has one)
+    v1 = _post(server, "/v1/completions", {"model": MODEL, "max_tokens": 8, "temperature": 0, "echo": True,
+                                           "prompt": [[*head, " of France", *tail], head + mid + tail]}).json()
+    assert [c["text"] for c in v1["choices"]] == ["The capital of France is" + want["content"]] * 2
+    for bad in ([*head, None], [*head, 1.5], [*head, ["x"]]):
+        r = _post(server, "/completion", {**body, "prompt": bad})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt", r.text
+
+
 def test_logit_bias_and_penalties_as_the_cli(client):
     """The request fields do what the CLI flags do (the CLI decodes with the same drafts), and they change the
     answer."""
