@@ -283,6 +283,15 @@ def test_end_to_end_tiny_bench_writes_every_file(tmp_path, capsys):
     md = (out / "summary.md").read_text()
     assert "| **overall** |" in md and "draft-k3" in md
     assert md in capsys.readouterr().out  # the table is printed too
+    # how much of its threads' time each prompt's runs got (one thread: the process's CPU time over the wall time)
+    assert all(0 < r["cpu_share"] < 2 for r in rows) and result["cpu_share"]["min"] <= result["cpu_share"]["median"]
+    assert "- CPU: our threads got" in md
+    from speculant.bench.report import markdown
+
+    result["cpu_share"] = {"median": 0.95, "min": 0.9}
+    assert "our threads got 95% of their time" in markdown(result) and "another program" not in markdown(result)
+    result["cpu_share"] = {"median": 0.6, "min": 0.4}  # a busy machine: said, beside the numbers it spoilt
+    assert "lowest 40%). Below 80% another program took the CPU" in markdown(result)
 
 
 @pytest.mark.parametrize("stop,code", [(KeyboardInterrupt, 130), (SystemExit(143), 143)])

@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
+from ..costprofile import QUIET_SHARE
 from .stats import BASELINE, OVERALL
 
 
@@ -42,6 +43,12 @@ def markdown(result: dict) -> str:
         lines.append(f"- torch target: `{result['models']['torch_target']}`; measured costs (ms) "
                      + ", ".join(f"n={n}: {ms:.2f}" for n, ms in ct.get("target_ms", {}).items())
                      + (f"; draft step {ct['draft_step_ms']:.2f} ms (c = {ct['c']:.3f})" if ct.get("c") else ""))
+    share = result.get("cpu_share")
+    if share:
+        busy = share["min"] < QUIET_SHARE
+        lines.append(f"- CPU: our threads got {share['median']:.0%} of their time over a prompt's runs (median; lowest "
+                     f"{share['min']:.0%})" + (f". Below {QUIET_SHARE:.0%} another program took the CPU from the runs: "
+                                               f"measure again on a quiet machine" if busy else ""))
     lines += [f"- {name}: {note}" for name, note in result.get("notes", {}).items()]
     own = any(r.get("baseline", BASELINE) != BASELINE for r in s)
     mem = result.get("memory")

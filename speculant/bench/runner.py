@@ -26,6 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
+from ..costprofile import cpu_share
 from ..errors import SettingsError, SpeculantError
 from ..replay import draft_agreement
 from ..verify import SamplingParams
@@ -262,8 +263,11 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
                         for v in order:
                             engines[v.label].trace = [] if cfg.trace else None
+                        cpu, wall = time.process_time(), time.perf_counter()
                         runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
                                              p.prediction, p.grammar, p.call_grammar)
+                        # below costprofile.QUIET_SHARE another program took the CPU from these runs
+                        share = cpu_share(time.process_time() - cpu, time.perf_counter() - wall, target)
                         for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
@@ -277,6 +281,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                             row["finish_reason"] = res.finish_reason
                             row["tokens_sha1"] = _token_hash(res.tokens)
                             row["text"] = res.text
+                            row["cpu_share"] = round(share, 3)
                             rows.append(row)
                             tokens[(p.id, temp, rep, v.label)] = res.tokens
                             if cfg.trace:
@@ -315,6 +320,9 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
             "rows": rows,
             "summary": bstats.summarize(rows, costs, {"torch": costs_torch} if costs_torch else None),
         }
+        shares = sorted(r["cpu_share"] for r in rows)
+        if shares:  # how much of its threads' time the runs got: the machine was quiet, or not
+            result["cpu_share"] = {"median": shares[len(shares) // 2], "min": shares[0]}
         if torch_target is not None:
             dtype = str(getattr(torch_target, "dtype", "")).replace("torch.", "")
             result["models"]["torch_target"] = (f"{getattr(torch_target, 'source', cfg.model)} "
