@@ -216,7 +216,8 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-s", "--seed", type=int, default=-1,
                    help="random seed for sampling (default -1: a random one, reported with the result)")
     p.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=int, default=128,
-                   help="tokens to generate (default 128; -1: until the end of generation or a full context)")
+                   help="tokens to generate (default 128; -1 or -2: until the end of generation or a full context; "
+                        "0: none, the prompt only checked)")
     p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[],
                    help="stop string (repeatable; also llama.cpp's -r/--reverse-prompt, which ends a generation "
                         "there as this does, but prints it; escapes processed, see -e)")
@@ -675,8 +676,9 @@ def cmd_generate(args) -> int:
     one_request_pages()
     if args.system_prompt or args.system_prompt_file is not None:  # llama-cli applies the chat template for one
         args.chat = True
-    if args.n_predict < 1 and args.n_predict != -1:
-        raise SettingsError(f"the token limit -n must be >= 1, or -1 for no limit, got {args.n_predict}")
+    if args.n_predict < -2:
+        raise SettingsError(f"the token limit -n must be >= 0, or -1 / -2 (until the context is full), got "
+                            f"{args.n_predict}")
     if args.logprobs is not None and not args.json:
         raise SettingsError("--logprobs prints with --json: add --json")
     seed = sampling_seed(args.seed)
@@ -695,9 +697,7 @@ def cmd_generate(args) -> int:
     if suffix is not None and args.chat:
         raise SettingsError(f"--suffix fills in the middle of a text: it does not go with "
                             f"{'-sys (a chat message)' if args.system_prompt else '--chat'}")
-    prompt = _read_prompt(args, exact=suffix is not None)
-    if not prompt.strip() and suffix is None:
-        raise SettingsError("the prompt is empty")
+    prompt = _read_prompt(args, exact=suffix is not None)  # "" or spaces: as the engine takes them (tokenize_prompt)
     gbnf = _read_grammar(args)
     engine = engine_from_args(args)
     try:
@@ -722,10 +722,14 @@ def cmd_generate(args) -> int:
             text = engine.chat_prompt([*system, {"role": "user", "content": prompt}]) if args.chat else prompt
         result = Result("", [], SpecStats())
         printed = 0
-        limit = engine.target.n_ctx if args.n_predict == -1 else args.n_predict  # -1: until the context is full
+        # llama.cpp's -1 (no limit) and -2 (until the context is full) are one here: the context never shifts
+        limit = engine.target.n_ctx if args.n_predict < 0 else args.n_predict
+        if limit == 0:  # -n 0: the prompt checked (it must fit), nothing generated, as llama-cli
+            result.stats.prompt_tokens = len(engine.tokenize_prompt(text, is_chat=args.chat))
+            result.finish_reason = "length"
         for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
                                    result=result, prediction=prediction, logprobs=args.logprobs,
-                                   constraint=constraint):
+                                   constraint=constraint) if limit else ():
             if not args.json and event.text:
                 _write(event.text)
                 printed += len(event.text)

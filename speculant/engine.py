@@ -183,15 +183,16 @@ class Engine:
         elif isinstance(prompt, str):
             if self.closed:
                 raise SettingsError("this engine is closed: load another one")
-            if not prompt and not is_chat:  # whitespace is text (OpenAI's API takes " ")
-                raise SettingsError("the prompt is empty")
+            # whitespace is text (OpenAI's API takes " "), and an empty prompt is BOS alone where the model
+            # starts with one (as llama.cpp generates from it); empty where it does not: refused below
             bos = self.target.bos_token
             add_special = not (is_chat and bos and prompt.startswith(bos))  # the template wrote BOS already
             tokens = self.target.tokenize(prompt, add_special=add_special)
         else:
             tokens = self._checked_ids(prompt, "prompt token id")
         if not tokens:
-            raise SettingsError("the prompt is empty")
+            raise SettingsError("the prompt is empty" + (f" ({self.target.name} adds no BOS token to start from)"
+                                                         if isinstance(prompt, str) else ""))
         if len(tokens) >= self.target.n_ctx:
             raise ContextOverflowError(
                 f"the prompt has {len(tokens)} tokens but the context window holds {self.target.n_ctx}, "

@@ -60,7 +60,8 @@ from .verify import InfillVocab, SamplingParams, with_eog_banned, with_repeat_la
 
 _LOG = logging.getLogger("speculant.server")
 
-MAX_STOP = 4
+MAX_STOP = 256  # stop strings one request may give: OpenAI's API takes 4, llama-server any number (clients written
+# for it send more); a bound all the same, each string is matched against the text at every step
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_N = 16  # choices one request may ask for
 REUSE_MIN = 32  # cached prompt tokens that decide a request's slot (Worker._pick_slot)
@@ -379,11 +380,11 @@ def _get_max_tokens(body: dict, cfg: ServerConfig, lo: int, n_ctx: Optional[int]
     """The token limit. As llama-server reads it on every endpoint: n_predict, else max_completion_tokens, else
     max_tokens (its aliases, in that order); the server's -n if none. n_predict may be -1 (until the end of
     generation or a full context) or 0 (the prompt processed and cached, nothing generated); `lo` bounds the
-    other two (llama-server's own endpoints pass -1)."""
+    other two (llama-server's own endpoints pass -1), which may be -1 too (llama-server reads them as n_predict)."""
     n_ctx = n_ctx or cfg.n_ctx or 1 << 30
     for name in ("n_predict", "max_completion_tokens", "max_tokens"):
         if body.get(name) is not None:
-            v = _get_int(body, name, None, lo=min(lo, -1) if name == "n_predict" else lo)
+            v = _get_int(body, name, None, lo=min(lo, -1) if name == "n_predict" or body[name] == -1 else lo)
             return n_ctx if v == -1 else v
     return cfg.max_tokens
 
@@ -653,9 +654,7 @@ def _get_prompts(prompt, empty_ok: bool = False) -> list:
     token ids and strings ([12, "text", 34]: one prompt, the texts tokenized where they stand; Engine.mixed_ids),
     and so may each prompt of a batch."""
     def one(p, where: str):
-        if isinstance(p, str):
-            if not p and not empty_ok:
-                raise _bad(f"{where} is empty", "prompt")
+        if isinstance(p, str):  # "" is BOS alone where the model starts with one, else refused when tokenized
             return p
         if isinstance(p, list) and (p or empty_ok) and all(_is_int(t) or isinstance(t, str) for t in p):
             return list(p)
@@ -2195,8 +2194,9 @@ def cmd_serve(args) -> int:
 
     if not (0 < args.port < 65536):
         raise SpeculantError(f"--port must be in 1..65535, got {args.port}")
-    if args.n_predict < 1 and args.n_predict != -1:
-        raise SpeculantError(f"-n must be >= 1, or -1 for no limit, got {args.n_predict}")
+    if args.n_predict < -2 or args.n_predict == 0:
+        raise SpeculantError(f"-n must be >= 1, or -1 / -2 (llama.cpp's: until the context is full), got "
+                             f"{args.n_predict}")
     if args.max_queue < 0 or args.max_body < 1:
         raise SpeculantError("--max-queue must be >= 0 and --max-body >= 1")
     from .api import check_parallel
@@ -2242,7 +2242,7 @@ def cmd_serve(args) -> int:
         model_id=args.served_model_name or args.model, check_model=bool(args.served_model_name), draft_id=draft_label(args), api_key=args.api_key or None,
         max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
-        max_tokens=engine.target.n_ctx if args.n_predict == -1 else args.n_predict,
+        max_tokens=engine.target.n_ctx if args.n_predict < 0 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
         stop=list(args.stop), presence_penalty=defaults.presence_penalty,
         frequency_penalty=defaults.frequency_penalty, repetition_penalty=defaults.repetition_penalty,

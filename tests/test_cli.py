@@ -88,7 +88,7 @@ def test_generate_streams_text_from_stdin_and_file(small, tmp_path):
     (["--top-p", "0"], "top-p"),
     (["--top-p", "1.5"], "top-p"),
     (["--min-p", "1"], "min-p"),
-    (["-n", "0"], "token limit"),
+    (["-n", "-3"], "token limit"),
     (["--draft-min", "5", "--draft-max", "2", "-md", "lookup"], "--draft-min"),
     (["-c", "4"], "--ctx-size"),
     (["-t", "100000"], "--threads must be 1..512"),  # ggml's limit: more crashed in its thread pool
@@ -179,8 +179,26 @@ def test_a_model_whose_weights_give_nan_is_an_error_not_an_empty_answer(small, t
 
 
 def test_empty_prompt_and_prompt_over_the_context(small):
-    assert_clean_error(run("generate", "-m", small, "-p", "   "), "empty")
+    """As llama.cpp: an empty prompt is BOS alone where the model starts with one (gemma), refused where it has
+    none (SmolLM2); spaces are text."""
+    assert_clean_error(run("generate", "-m", small, "-p", ""), "the prompt is empty", "adds no BOS token")
+    assert run("generate", "-m", small, "-p", "   ", "-n", "2", "--json").returncode == 0
     assert_clean_error(run("generate", "-m", small, "-c", "32", "-p", "word " * 100), "context window")
+    if models.cached_path("gemma-3-270m").exists():
+        out = run("generate", "-m", "gemma-3-270m", "-p", "", "-n", "4", "--json")
+        assert out.returncode == 0 and json.loads(out.stdout)["stats"]["prompt_tokens"] == 1, out.stderr
+
+
+def test_token_limits_as_llama_cpp_reads_them(small):
+    """-n -1 and -2 (llama.cpp's: until the context is full; it never shifts here) run to the context's end; -n 0
+    checks the prompt and generates nothing; below -2 is an error."""
+    base = ["generate", "-m", small, "-p", "The capital of France is", "-c", "48", "--ignore-eos", "--json"]
+    full = [json.loads(run(*base, "-n", n).stdout) for n in ("-1", "-2")]
+    assert full[0]["tokens"] == full[1]["tokens"] and full[0]["stats"]["prompt_tokens"] + len(full[0]["tokens"]) == 48
+    none = json.loads(run(*base, "-n", "0").stdout)
+    assert none["text"] == "" and none["stats"]["prompt_tokens"] == full[0]["stats"]["prompt_tokens"]
+    assert_clean_error(run(*base[:-1], "-n", "0", "-c", "16", "-p", "word " * 40), "context window")
+    assert_clean_error(run(*base, "-n", "-3"), "-n must be >= 0, or -1 / -2")
 
 
 def test_bad_models_get_a_clear_error(small, tmp_path):

@@ -208,6 +208,16 @@ def test_stop_strings(client):
     chunks = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0, stop="United",
                                        stream=True)
     assert "".join(c.choices[0].text for c in chunks) == want
+    # more than OpenAI's 4, as llama-server takes them (its clients send them on every endpoint)
+    many = [f"zz{i}" for i in range(9)] + ["United"]
+    assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=32, temperature=0,
+                                     stop=many).choices[0].text == want
+    assert client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+                                          stop=many).choices[0].finish_reason in ("stop", "length")
+    import openai
+
+    with pytest.raises(openai.BadRequestError, match="at most 256"):  # a bound all the same
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stop=["x"] * 257)
 
 
 @pytest.mark.parametrize("path", ["/completion", "/v1/completions"])
@@ -1420,6 +1430,11 @@ def test_n_predict_and_max_completion_tokens_on_every_endpoint(server):
         assert used(path, max_completion_tokens=2, max_tokens=20) == 2, path
     r = _post(server, "/v1/completions", {"model": MODEL, "prompt": PROMPT, "n_predict": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["text"] == "" and r.json()["usage"]["completion_tokens"] == 0
+    # -1 under any name is no limit, as llama-server reads them all as n_predict (a stop string ends this one)
+    assert used("/v1/completions", max_tokens=-1, stop=["."]) == used("/v1/completions", max_tokens=40, stop=["."])
+    for name in ("max_tokens", "max_completion_tokens"):
+        r = _post(server, "/v1/chat/completions", {"model": MODEL, "messages": QUESTION_2, name: -2})
+        assert r.status_code == 400 and r.json()["error"]["param"] == name, r.text
 
 
 def test_repeat_penalty_is_read_under_both_names_everywhere(server):
