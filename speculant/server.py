@@ -1040,6 +1040,8 @@ def request_error(e: SpeculantError, job: Optional["Job"], prompt_param: str) ->
         param = job.grammar_param
     elif job is not None and job.suffix is not None and "fill-in-the-middle" in message:
         param = "suffix"
+    elif message.startswith("the prompt is empty") or "prompt token id" in message:
+        param = prompt_param
     return _bad(message, param)
 
 
