@@ -828,7 +828,7 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": [1, "a", None]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi", []]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": ["hi"] * 17}, 400, "prompt"),
-    ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, None),
+    ("/v1/completions", {"model": MODEL, "prompt": [10 ** 9]}, 400, "prompt"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": "yes"}, 400, "echo"),
     ("/v1/completions", {"model": MODEL, "prompt": "def f():", "suffix": "\nf()\n"}, 400, "suffix"),  # no FIM tokens
