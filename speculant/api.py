@@ -70,6 +70,8 @@ thread_count.__name__ = "int"  # argparse's message for a non-number: "invalid i
 
 def check_threads(threads: Optional[int], flag: str) -> None:
     """None (all cores) or 1..MAX_THREADS."""
+    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)):
+        raise SettingsError(f"{flag} must be an integer, got {threads!r}")
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise SettingsError(f"{flag} must be 1..{MAX_THREADS}, got {threads} (this machine has {os.cpu_count()} "
                             f"cores)")
@@ -313,8 +315,15 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     bound = MAX_DRAFT if draft_max is None else draft_max  # None: the engine's default, at least draft_min
     if not isinstance(draft_min, int) or not (0 <= draft_min <= max(bound, 1)):
         raise SettingsError(f"--draft-min must be an integer in [0, --draft-max], got {draft_min!r}")
+    check_threads(threads, "--threads")
     check_threads(draft_threads, "--threads-draft")
     check_parallel(parallel)
+    if not isinstance(model, str) or not model:
+        raise SettingsError(f"model must be a registered name or a path, got {model!r}")
+    if draft_model is not None and not isinstance(draft_model, str):
+        raise SettingsError(f"draft_model must be a registered name, a path or 'lookup', got {draft_model!r}")
+    if lookup is not None and not isinstance(lookup, bool):
+        raise SettingsError(f"lookup must be True, False or None (the default), got {lookup!r}")
     self_spec = self_spec or self_spec_config is not None
     if parallel > 1 and (self_spec or self_spec_exit is not None):
         raise SettingsError("--self-spec runs on the torch backend, which serves one request at a time (--parallel 1)")
@@ -374,14 +383,16 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
                             repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n)
     if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:  # before anything loads
         raise SettingsError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    if suffix is not None and chat:
+        raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")
+    if chat and not isinstance(prompt, str):
+        raise SettingsError("chat=True takes the user's message as text, not token ids")
     engine = load_engine(model, draft_model, draft_max=draft_max, draft_min=draft_min, draft_p_min=draft_p_min,
                          adaptive=adaptive, lookup=lookup, n_ctx=n_ctx, threads=threads, history=history,
                          backend=backend, draft_backend=draft_backend, dtype=dtype, device=device,
                          self_spec=self_spec, self_spec_exit=self_spec_exit, self_spec_config=self_spec_config,
                          draft_threads=draft_threads)
     try:
-        if suffix is not None and chat:
-            raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")
         if suffix is not None:
             text = engine.fim_prompt(prompt, suffix)
         else:

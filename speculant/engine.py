@@ -291,7 +291,8 @@ class Engine:
     def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:
         """Token ids as ints, each checked to be in the target's vocabulary (`what` names them in the error)."""
         try:
-            integral = not isinstance(ids, (bytes, bytearray)) and all(
+            ids = ids if isinstance(ids, (bytes, bytearray, str)) else list(ids)  # a generator is read once
+            integral = not isinstance(ids, (bytes, bytearray, str)) and all(
                 isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in ids)
         except TypeError:  # not a sequence at all
             integral = False
@@ -382,7 +383,8 @@ class Engine:
         if not isinstance(params, SamplingParams):
             raise SettingsError(f"params must be a SamplingParams, got {type(params).__name__} (speculant.generate "
                                 f"takes temperature, top_k, ... as keywords)")
-        if logprobs is not None and not (isinstance(logprobs, int) and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+        if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)
+                                         and 0 <= logprobs <= MAX_TOP_LOGPROBS):
             raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
         if constraint is not None and params.infill is not None:
             raise SettingsError(INFILL_WITH_GRAMMAR)
@@ -394,7 +396,10 @@ class Engine:
             raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
         if len({t for t, b in params.logit_bias if b == -np.inf}) >= self.target.n_vocab:  # greedy took token 0
             raise SettingsError("every token's logit is -inf (a logit bias that bans them all)")
-        stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
+        try:
+            stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
+        except TypeError:  # not iterable (stop=5)
+            stop = [stop]
         if not all(isinstance(s, str) for s in stop):
             raise SettingsError(f"stop must be a string or a list of strings, got {stop!r}")
         stop = [s for s in stop if s]

@@ -73,11 +73,14 @@ class SamplingParams:
             v = getattr(self, name)
             if not (v is None and name == "seed") and (not isinstance(v, (int, np.integer)) or isinstance(v, bool)):
                 raise SettingsError(f"{name.replace('_', '-')} must be an integer, got {v!r}")
+            if v is not None:  # a numpy integer as a Python one: mixed with Python ints later, it overflowed
+                object.__setattr__(self, name, int(v))
         try:
             pairs = [(t, b) for t, b in self.logit_bias]
         except (TypeError, ValueError):
             raise SettingsError(f"logit bias must be {{token id: bias}} or (token id, bias) pairs, got "
                                 f"{self.logit_bias!r}") from None
+        object.__setattr__(self, "logit_bias", tuple(pairs))  # an iterator is read once
         if not all(isinstance(b, (int, float, np.integer, np.floating)) and not isinstance(b, bool) for _, b in pairs):
             raise SettingsError(f"logit bias values must be numbers, got {self.logit_bias!r}")
         if not np.isfinite(self.temperature) or self.temperature < 0:
@@ -101,10 +104,13 @@ class SamplingParams:
         if not (np.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 10.0):
             raise SettingsError(f"repetition penalty must be in (0, 10] (1 disables it), got {self.repetition_penalty}")
         for token, bias in self.logit_bias:
-            if not isinstance(token, (int, np.integer)) or token < 0:
+            if not isinstance(token, (int, np.integer)) or isinstance(token, bool) or token < 0:
                 raise SettingsError(f"logit bias: token ids must be integers >= 0, got {token!r}")
             if not (-100.0 <= bias <= 100.0 or bias == -np.inf):  # -inf bans the token outright
                 raise SettingsError(f"logit bias of token {token} must be in [-100, 100] (or -inf), got {bias}")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in self.logit_bias))
+        if self.penalty_last_n is not None:
+            object.__setattr__(self, "penalty_last_n", int(self.penalty_last_n))
         if self.infill_after not in ("",) + INFILL_STAGES:
             raise SettingsError(f"the infill sampler comes after one of {', '.join(INFILL_STAGES)} (or first), "
                                 f"got {self.infill_after!r}")

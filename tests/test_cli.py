@@ -605,3 +605,22 @@ def test_backend_draft_without_a_draft_model_is_warned_about(flags, why, capsys)
     args = build_parser().parse_args(["generate", "-p", "hi", "-md", "some-draft"])
     check_model_flags(args)
     assert args.backend_draft == "auto"
+
+
+@pytest.mark.parametrize("kwargs,fragment", [
+    (dict(threads=1.5), "--threads must be an integer"),
+    (dict(draft_threads=True), "--threads-draft must be an integer"),
+    (dict(model=None), "model must be a registered name or a path"),
+    (dict(draft_model=5), "draft_model must be"),
+    (dict(lookup="yes"), "lookup must be True, False or None"),
+    (dict(chat=True, prompt=[1, 2]), "chat=True takes the user's message as text"),
+])
+def test_python_api_arguments_are_checked_before_loading(kwargs, fragment):
+    """Wrong types in speculant.generate were TypeErrors from ctypes or os.path (or taken silently: lookup="yes"),
+    some after the models had loaded."""
+    import speculant
+    from speculant.errors import SettingsError
+
+    prompt = kwargs.pop("prompt", "hi")
+    with pytest.raises(SettingsError, match=fragment):
+        speculant.generate(prompt, **{"model": "no-such-model", **kwargs})

@@ -427,3 +427,23 @@ def test_a_pass_that_gives_nan_logits_is_an_error():
         Engine(target).generate([3], max_tokens=5)
     target.table[:, 3] = 0.0
     assert len(Engine(target).generate([3], max_tokens=5).tokens) == 5
+
+
+def test_python_values_a_caller_may_pass():
+    """Found by a user of the Python API: numpy integers as seeds (an OverflowError after the models loaded),
+    a generator of ids (read twice: "the prompt is empty"), stop=5 (a TypeError), and bools taken as numbers."""
+    eng = Engine(TableBackend(V, seed=0))
+    for seed in (np.int64(7), np.int32(7), np.uint64(7), np.uint32(7)):
+        params = SamplingParams(1.0, seed=seed)
+        assert type(params.seed) is int
+        assert eng.generate(PROMPT, max_tokens=6, params=params).tokens == \
+            eng.generate(PROMPT, max_tokens=6, params=SamplingParams(1.0, seed=7)).tokens
+    assert SamplingParams(logit_bias={np.int64(2): np.float32(1.5)}).logit_bias == ((2, 1.5),)
+    assert SamplingParams(logit_bias=iter([(2, 1.0)])).logit_bias == ((2, 1.0),)
+    assert eng.generate((t for t in PROMPT), max_tokens=4).tokens == eng.generate(PROMPT, max_tokens=4).tokens
+    for kwargs, fragment in [(dict(stop=5), "stop must be"), (dict(stop=[5]), "stop must be"),
+                             (dict(logprobs=True), "top logprobs")]:
+        with pytest.raises(SettingsError, match=fragment):
+            eng.generate(PROMPT, max_tokens=2, **kwargs)
+    with pytest.raises(SettingsError, match="token ids must be integers"):
+        SamplingParams(logit_bias={True: 5})

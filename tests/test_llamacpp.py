@@ -673,3 +673,23 @@ def test_weights_sit_on_huge_pages(thp):
         assert huge_kib > 0.8 * weights_kib, (huge_kib, weights_kib)
     else:
         assert huge_kib < 0.1 * weights_kib, (huge_kib, weights_kib)  # numpy may advise its own big arrays
+
+
+def test_a_closed_model_is_an_error_not_a_crash():
+    """Every use of a closed engine's model, and of a slot whose primary was closed, read freed llama.cpp memory
+    (a segfault or an abort: chat_prompt, prediction_tokens, prompt_logprobs, fill in the middle)."""
+    from speculant.api import load_engine
+    from speculant.errors import SettingsError
+
+    from conftest import SMALL
+
+    engine = load_engine(SMALL, threads=1, n_ctx=256, lookup=False, parallel=2)
+    slot = engine.for_slot(1)
+    assert slot.generate("hi", max_tokens=2).tokens  # before: fine
+    engine.close()
+    for use in (lambda: engine.chat_prompt([{"role": "user", "content": "x"}]),
+                lambda: engine.prediction_tokens("hi"), lambda: engine.prompt_logprobs([1, 2, 3], 1),
+                lambda: engine.target.vocab_info(), lambda: slot.generate("hi", max_tokens=2),
+                lambda: slot.generate([1, 2], max_tokens=2), lambda: slot.target.rewind(0)):
+        with pytest.raises(SettingsError, match="closed"):
+            use()

@@ -146,7 +146,7 @@ class LlamaCppBackend(Backend):
                 self._model = None
         if not self._model:
             raise ModelError(f"llama.cpp could not load {self.path}: {_last_errors(log)}")
-        self._vocab = ll.llama_model_get_vocab(self._model)
+        self._vocab_handle = ll.llama_model_get_vocab(self._model)
         self.n_vocab = ll.llama_vocab_n_tokens(self._vocab)
         self.n_ctx_train = ll.llama_model_n_ctx_train(self._model)
         threads = n_threads or os.cpu_count() or 1
@@ -175,7 +175,7 @@ class LlamaCppBackend(Backend):
         self.n_ctx = min(n_ctx, self._cells)  # llama.cpp pads n_ctx; keep the user's limit
         self.n_batch = min(n_batch, ll.llama_n_batch(self._ctx), ll.llama_n_ubatch(self._ctx))  # llama.cpp may lower it
         self.n_threads = threads
-        self._memory = ll.llama_get_memory(self._ctx)
+        self._memory_handle = ll.llama_get_memory(self._ctx)
         self.n_embd = ll.llama_model_n_embd(self._model)
         self._batch = ll.llama_batch_init(self.n_batch, self.n_embd if embed else 0, 1)
         self.invariant_rows = invariant_rows()
@@ -200,6 +200,22 @@ class LlamaCppBackend(Backend):
             raise nonfinite_logits(self.path)
 
     # -- decode loop --------------------------------------------------------------------------------------
+    # The vocabulary and KV memory live in the model and context that close() frees: read after it, they crashed
+    # the process (a closed engine's chat_prompt, or a slot of a closed primary). Every use goes through these.
+    @property
+    def _vocab(self):
+        self._check_open()
+        return self._primary._vocab_handle
+
+    @property
+    def _memory(self):
+        self._check_open()
+        return self._primary._memory_handle
+
+    def _check_open(self) -> None:
+        if self._primary._model is None or getattr(self._primary, "_ctx", "loading") is None:
+            raise SettingsError(f"{self.name} is closed: load it again")
+
     def slot(self, i: int) -> "LlamaCppBackend":
         """Sequence i of this context, as a backend of its own (0: this object). Slots share the model, the
         context and its passes: a slot's pass merges with the other slots' waiting ones."""
@@ -287,6 +303,7 @@ class LlamaCppBackend(Backend):
         """One llama_decode over the jobs (of different sequences; sequence order). A merged pass needs as
         many tokens of every sequence (llama.cpp's split KV streams): shorter ones are padded by repeating
         their last token at the following positions, without logits, and those positions are dropped after."""
+        self._check_open()
         jobs = sorted(jobs, key=lambda j: j.seq)
         m = max(len(j.tokens) for j in jobs) if len(jobs) > 1 else len(jobs[0].tokens)
         b = self._batch
@@ -434,6 +451,7 @@ class LlamaCppBackend(Backend):
         return token in self._eog
 
     def metadata(self, key: str) -> Optional[str]:
+        self._check_open()
         size = 1 << 16
         while True:
             buf = ctypes.create_string_buffer(size)
