@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -97,12 +97,20 @@ class Gatherer:
                     self._running = True
                     self._cond.release()
                     t = time.perf_counter()
+                    future = self._runner.submit(head.model.run_group, group)
                     try:
-                        self._runner.submit(head.model.run_group, group).result()
+                        future.result()
                     except BaseException as e:  # every job of the failed pass hears of it
                         for j in group:
                             j.error = j.error or e
                     finally:
+                        # Ctrl-C while the pass ran: it still writes these sequences' caches, so it ends before
+                        # anything (a rewind of the interrupted request's sequence, the next pass) may go on
+                        while not future.done():
+                            try:
+                                wait([future])
+                            except BaseException:  # noqa: BLE001 - another Ctrl-C: the pass still has to end
+                                pass
                         self._cond.acquire()
                         self._running = False
                         seconds = time.perf_counter() - t

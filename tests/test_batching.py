@@ -356,3 +356,29 @@ def test_sharing_counts_the_requests_in_progress():
         b.busy(False)
     finally:
         b.close()
+
+
+def test_an_interrupted_pass_ends_before_the_next_one_may_start():
+    """Ctrl-C while a merged pass ran marked it done at once, while the pass thread still wrote the caches: a
+    rewind of that sequence (or another pass) could run beside it. The interrupted caller now waits for it."""
+    import signal
+
+    g = Gatherer(gather_s=0.01)
+    events = []
+
+    class Slow(_Model):
+        def run_group(self, jobs):
+            events.append("start")
+            time.sleep(0.5)
+            super().run_group(jobs)
+            events.append("end")
+
+    model = Slow()
+    timer = threading.Timer(0.1, os.kill, (os.getpid(), signal.SIGINT))  # Ctrl-C in the middle of the pass
+    timer.start()
+    with pytest.raises(KeyboardInterrupt):
+        g.submit(Job(model, 0, 0, [1, 2], 1), _take_all)
+    events.append("interrupted caller goes on")
+    timer.join()
+    assert events == ["start", "end", "interrupted caller goes on"]
+    assert g.submit(Job(model, 0, 0, [3], 1), _take_all) == 3  # and the gatherer still works
