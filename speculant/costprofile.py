@@ -11,8 +11,8 @@ the shape much.
 
 A round counts only where its threads had the CPU to themselves (cpu_share). Beside another busy process, every
 pass waits at each of ggml's thread barriers for a descheduled thread, a fixed cost that flattens the profile
-(measured here: a 2-token pass at 0.98 one-token passes and 4 tokens at 1.15, against 1.17 and 1.61 on a quiet
-machine), and a flat profile makes the policy draft more than pays.
+(measured here: a 2-token pass at 1.0 one-token passes and 4 tokens at 1.15, against 1.17 and 1.63 on a quiet
+machine). The policy corrects its prices from the passes it times, but a cached profile should describe the machine.
 """
 
 from __future__ import annotations
