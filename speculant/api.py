@@ -7,6 +7,8 @@ import os
 import sys
 from typing import Optional, Sequence
 
+import numpy as np
+
 from . import models
 from .backends.base import Backend
 from .drafters import CompositeDrafter, Drafter, HistoryDrafter, LookupDrafter, ModelDrafter
@@ -70,7 +72,7 @@ thread_count.__name__ = "int"  # argparse's message for a non-number: "invalid i
 
 def check_threads(threads: Optional[int], flag: str) -> None:
     """None (all cores) or 1..MAX_THREADS."""
-    if threads is not None and (not isinstance(threads, int) or isinstance(threads, bool)):
+    if threads is not None and (not isinstance(threads, (int, np.integer)) or isinstance(threads, bool)):
         raise SettingsError(f"{flag} must be an integer, got {threads!r}")
     if threads is not None and not 1 <= threads <= MAX_THREADS:
         raise SettingsError(f"{flag} must be 1..{MAX_THREADS}, got {threads} (this machine has {os.cpu_count()} "
@@ -318,6 +320,8 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     check_threads(threads, "--threads")
     check_threads(draft_threads, "--threads-draft")
     check_parallel(parallel)
+    model = os.fspath(model) if isinstance(model, os.PathLike) else model
+    draft_model = os.fspath(draft_model) if isinstance(draft_model, os.PathLike) else draft_model
     if not isinstance(model, str) or not model:
         raise SettingsError(f"model must be a registered name or a path, got {model!r}")
     if draft_model is not None and not isinstance(draft_model, str):

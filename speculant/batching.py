@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor, wait
+from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import wait as wait_for
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
@@ -108,8 +109,8 @@ class Gatherer:
                         # anything (a rewind of the interrupted request's sequence, the next pass) may go on
                         while not future.done():
                             try:
-                                wait([future])
-                            except BaseException:  # noqa: BLE001 - another Ctrl-C: the pass still has to end
+                                wait_for([future])
+                            except KeyboardInterrupt:  # another Ctrl-C: the pass still has to end
                                 pass
                         self._cond.acquire()
                         self._running = False

@@ -217,7 +217,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
                    help="random seed for sampling (default -1: a random one, reported with the result)")
     p.add_argument("-n", "--predict", "--n-predict", dest="n_predict", type=int, default=128,
                    help="tokens to generate (default 128; -1 or -2: until the end of generation or a full context; "
-                        "0: none, the prompt only checked)")
+                        "generate -n 0: none, the prompt only checked)")
     p.add_argument("--stop", "-r", "--reverse-prompt", action="append", default=[],
                    help="stop string (repeatable; also llama.cpp's -r/--reverse-prompt, which ends a generation "
                         "there as this does, but prints it; escapes processed, see -e)")
@@ -724,9 +724,12 @@ def cmd_generate(args) -> int:
         printed = 0
         # llama.cpp's -1 (no limit) and -2 (until the context is full) are one here: the context never shifts
         limit = engine.target.n_ctx if args.n_predict < 0 else args.n_predict
-        if limit == 0:  # -n 0: the prompt checked (it must fit), nothing generated, as llama-cli
+        if limit == 0:  # -n 0: the prompt and settings checked (as a generation would), nothing generated
+            engine.check_settings(params, args.logprobs, constraint)
             result.stats.prompt_tokens = len(engine.tokenize_prompt(text, is_chat=args.chat))
             result.finish_reason = "length"
+            if args.logprobs is not None:
+                result.logprobs = []
         for event in engine.stream(text, max_tokens=limit, params=params, stop=args.stop, is_chat=args.chat,
                                    result=result, prediction=prediction, logprobs=args.logprobs,
                                    constraint=constraint) if limit else ():

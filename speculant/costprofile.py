@@ -61,8 +61,9 @@ def pass_times_ms(backend, ns: list[int], depth: int = DEPTH) -> dict[int, float
 def cpu_share(cpu_s: float, wall_s: float, backend) -> float:
     """The share of its threads' time a stretch of passes got: process CPU seconds over wall seconds times the
     threads that can run at once (ggml's threads spin at their barriers, so a quiet machine gives about 1). 1.0
-    where it says nothing: a target with layers on RPC workers (its passes wait on the network), or no time."""
-    if getattr(backend, "offloaded", False) or wall_s <= 0:
+    where it says nothing: a target with layers on RPC workers (its passes wait on the network, or run in a child
+    process), one on a GPU, or no time."""
+    if getattr(backend, "offloaded", False) or str(getattr(backend, "device", "cpu")) != "cpu" or wall_s <= 0:
         return 1.0
     try:
         cores = len(os.sched_getaffinity(0))

@@ -175,7 +175,7 @@ class Engine:
         """The prompt's token ids (text, ids, or both mixed: mixed_ids). With a suffix, a fill-in-the-middle
         prompt: the model writes what goes between the prompt and the suffix (fim_prompt)."""
         if _is_mixed(prompt):
-            prompt = self.mixed_ids(prompt)
+            prompt = self.mixed_ids(prompt, first=suffix is None)  # fim_prompt adds BOS itself
         if _is_mixed(suffix):
             suffix = self.mixed_ids(suffix, first=False)
         if suffix is not None:
@@ -211,9 +211,9 @@ class Engine:
                                 f"a code model has them (qwen2.5-coder-1.5b-instruct)")
         pre, suf, mid = fim
         parts = []
-        for part in (prefix, suffix):
+        for part, what in ((prefix, "prompt token id"), (suffix, "suffix token id")):
             parts.append(self.target.tokenize(part, add_special=False) if isinstance(part, str)
-                         else self._checked_ids(part, "token id"))
+                         else self._checked_ids(part, what))
         return self.target.tokenize("", add_special=True) + [pre] + parts[0] + [suf] + parts[1] + [mid]
 
     def infill_prompt(self, prefix: str, suffix: str, *, extra: Sequence[tuple[str, str]] = (), middle: str = "",
@@ -285,7 +285,7 @@ class Engine:
             if isinstance(piece, str):
                 tokens += self.target.tokenize(piece, add_special=first and i == 0)
             else:
-                tokens += self._checked_ids([piece], "prompt token id")
+                tokens += self._checked_ids([piece], "prompt token id")  # "prompt": the server names the field
         return tokens
 
     def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:
@@ -361,6 +361,27 @@ class Engine:
         return CompositeDrafter(pred, drafter), policy
 
     # -- generation ---------------------------------------------------------------------------------------
+    def check_settings(self, params: SamplingParams, logprobs: Optional[int] = None,
+                       constraint: Optional[Constraint] = None, post_sampling: bool = False) -> None:
+        """A generation's settings against this target (stream checks them; `-n 0` generates nothing, but says
+        what a generation with them would)."""
+        if not isinstance(params, SamplingParams):
+            raise SettingsError(f"params must be a SamplingParams, got {type(params).__name__} (speculant.generate "
+                                f"takes temperature, top_k, ... as keywords)")
+        if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)
+                                         and 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
+        if constraint is not None and params.infill is not None:
+            raise SettingsError(INFILL_WITH_GRAMMAR)
+        if post_sampling and logprobs is not None and constraint is not None:
+            raise SettingsError("post-sampling probabilities with a grammar are not supported (the model's own "
+                                "log-probabilities are)")
+        bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
+        if bad:
+            raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        if len({t for t, b in params.logit_bias if b == -np.inf}) >= self.target.n_vocab:  # greedy took token 0
+            raise SettingsError("every token's logit is -inf (a logit bias that bans them all)")
+
     def stream(self, prompt: str | Sequence[int | str], *, max_tokens: int = 128,
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
@@ -380,22 +401,7 @@ class Engine:
             raise SettingsError("this engine is closed: load another one")
         if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
             raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
-        if not isinstance(params, SamplingParams):
-            raise SettingsError(f"params must be a SamplingParams, got {type(params).__name__} (speculant.generate "
-                                f"takes temperature, top_k, ... as keywords)")
-        if logprobs is not None and not (isinstance(logprobs, int) and not isinstance(logprobs, bool)
-                                         and 0 <= logprobs <= MAX_TOP_LOGPROBS):
-            raise SettingsError(f"top logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {logprobs!r}")
-        if constraint is not None and params.infill is not None:
-            raise SettingsError(INFILL_WITH_GRAMMAR)
-        if post_sampling and logprobs is not None and constraint is not None:
-            raise SettingsError("post-sampling probabilities with a grammar are not supported (the model's own "
-                                "log-probabilities are)")
-        bad = [t for t, _ in params.logit_bias if t >= self.target.n_vocab]
-        if bad:
-            raise SettingsError(f"logit bias: token id {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
-        if len({t for t, b in params.logit_bias if b == -np.inf}) >= self.target.n_vocab:  # greedy took token 0
-            raise SettingsError("every token's logit is -inf (a logit bias that bans them all)")
+        self.check_settings(params, logprobs, constraint, post_sampling)
         try:
             stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
         except TypeError:  # not iterable (stop=5)
@@ -715,8 +721,17 @@ class _TextTracker:
 
 
 def _overlap(text: str, stop: str) -> int:
-    """Length of the longest suffix of text that is a proper prefix of stop."""
-    for n in range(min(len(stop) - 1, len(text)), 0, -1):
-        if text.endswith(stop[:n]):
-            return n
+    """Length of the longest suffix of text that is a proper prefix of stop. Only an n with stop[n - 1] equal to
+    the text's last character can be one (found by rfind, in C): comparing every n cost len(stop)^2 a token, which
+    256 long stop strings made seconds."""
+    if not text:
+        return 0
+    last, hi = text[-1], min(len(stop) - 1, len(text))
+    while hi > 0:
+        i = stop.rfind(last, 0, hi)
+        if i < 0:
+            return 0
+        if text.endswith(stop[:i + 1]):
+            return i + 1
+        hi = i
     return 0

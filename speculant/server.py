@@ -62,6 +62,7 @@ _LOG = logging.getLogger("speculant.server")
 
 MAX_STOP = 256  # stop strings one request may give: OpenAI's API takes 4, llama-server any number (clients written
 # for it send more); a bound all the same, each string is matched against the text at every step
+MAX_STOP_CHARS = 16384  # their characters together (256 strings of 4000 characters slowed decoding 6x)
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_N = 16  # choices one request may ask for
 REUSE_MIN = 32  # cached prompt tokens that decide a request's slot (Worker._pick_slot)
@@ -524,6 +525,9 @@ def _get_stop(body: dict, cfg: ServerConfig) -> list[str]:
     if isinstance(stop, list) and all(isinstance(s, str) for s in stop):
         if len(stop) > MAX_STOP:
             raise _bad(f"'stop' holds at most {MAX_STOP} strings, got {len(stop)}", "stop")
+        if sum(len(s) for s in stop) > MAX_STOP_CHARS:
+            raise _bad(f"'stop' strings hold at most {MAX_STOP_CHARS} characters together, got "
+                       f"{sum(len(s) for s in stop)}", "stop")
         return stop
     raise _bad("'stop' must be a string or an array of strings", "stop", "invalid_type")
 
@@ -1038,7 +1042,7 @@ def request_error(e: SpeculantError, job: Optional["Job"], prompt_param: str) ->
     message, param = str(e), None
     if job is not None and job.grammar is not None and "grammar" in message:
         param = job.grammar_param
-    elif job is not None and job.suffix is not None and "fill-in-the-middle" in message:
+    elif job is not None and job.suffix is not None and ("fill-in-the-middle" in message or "suffix token id" in message):
         param = "suffix"
     elif message.startswith("the prompt is empty") or "prompt token id" in message:
         param = prompt_param

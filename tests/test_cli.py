@@ -199,6 +199,9 @@ def test_token_limits_as_llama_cpp_reads_them(small):
     assert none["text"] == "" and none["stats"]["prompt_tokens"] == full[0]["stats"]["prompt_tokens"]
     assert_clean_error(run(*base[:-1], "-n", "0", "-c", "16", "-p", "word " * 40), "context window")
     assert_clean_error(run(*base, "-n", "-3"), "-n must be >= 0, or -1 / -2")
+    # the settings are checked as a generation checks them, and the output has the fields it would have
+    assert_clean_error(run(*base, "-n", "0", "-l", "999999+1"), "outside the vocabulary")
+    assert json.loads(run(*base, "-n", "0", "--logprobs", "1").stdout)["logprobs"] == []
 
 
 def test_bad_models_get_a_clear_error(small, tmp_path):
@@ -624,3 +627,15 @@ def test_python_api_arguments_are_checked_before_loading(kwargs, fragment):
     prompt = kwargs.pop("prompt", "hi")
     with pytest.raises(SettingsError, match=fragment):
         speculant.generate(prompt, **{"model": "no-such-model", **kwargs})
+
+
+def test_python_api_takes_paths_and_numpy_integers(small):
+    """A pathlib.Path model and numpy thread counts are what callers pass (they loaded before the type checks)."""
+    import numpy as np
+
+    import speculant
+
+    path = models.cached_path(small)
+    r = speculant.generate("The capital of France is", model=path, draft_model=path, threads=np.int64(1),
+                           draft_threads=np.int32(1), max_tokens=4)
+    assert r.tokens == speculant.generate("The capital of France is", model=small, threads=1, max_tokens=4).tokens

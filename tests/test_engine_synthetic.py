@@ -6,6 +6,8 @@ import threading
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import speculant.engine as engine_mod
 from speculant.drafters.model import ModelDrafter
@@ -447,3 +449,39 @@ def test_python_values_a_caller_may_pass():
             eng.generate(PROMPT, max_tokens=2, **kwargs)
     with pytest.raises(SettingsError, match="token ids must be integers"):
         SamplingParams(logit_bias={True: 5})
+
+
+def _overlap_reference(text, stop):
+    for n in range(min(len(stop) - 1, len(text)), 0, -1):
+        if text.endswith(stop[:n]):
+            return n
+    return 0
+
+
+@settings(max_examples=2000, deadline=None)
+@given(st.text(alphabet="ab c", max_size=14), st.text(alphabet="ab c", max_size=14))
+def test_stop_string_overlap_is_the_reference(text, stop):
+    """The text held back while it could still start a stop string: the longest suffix of the text that is a proper
+    prefix of the stop string (found by candidates now; comparing every length cost len(stop)^2 a token)."""
+    from speculant.engine import _overlap
+
+    assert _overlap(text, stop) == _overlap_reference(text, stop)
+
+
+def test_a_mixed_prompt_is_its_pieces_tokenized_in_place():
+    """llama-server's [ids, "text", ids]: the texts tokenized where they stand, BOS only where the prompt starts
+    with text, and not again inside a fill-in-the-middle prompt (which adds its own)."""
+    class WithBos(TableBackend):
+        def tokenize(self, text, add_special=True, parse_special=True):
+            return ([0] if add_special else []) + super().tokenize(text)
+
+        def fim_tokens(self):
+            return 5, 6, 7
+
+    eng = Engine(WithBos(V, seed=0))
+    assert eng.tokenize_prompt(["1 2", 3]) == [0, 1, 2, 3] == eng.tokenize_prompt("1 2 3")
+    assert eng.tokenize_prompt([1, "2 3", 4]) == [1, 2, 3, 4]
+    assert eng.tokenize_prompt(["1 2", 3], suffix=[4, "2"]) == eng.tokenize_prompt("1 2 3", suffix="4 2") \
+        == [0, 5, 1, 2, 3, 6, 4, 2, 7]
+    with pytest.raises(SettingsError, match="prompt token id"):
+        eng.tokenize_prompt([1, "2", 99])

@@ -218,6 +218,8 @@ def test_stop_strings(client):
 
     with pytest.raises(openai.BadRequestError, match="at most 256"):  # a bound all the same
         client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stop=["x"] * 257)
+    with pytest.raises(openai.BadRequestError, match="at most 16384 characters together"):  # each is matched per step
+        client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, stop=["x" * 4000] * 5)
 
 
 @pytest.mark.parametrize("path", ["/completion", "/v1/completions"])

@@ -114,6 +114,7 @@ class SupervisedBackend(Backend):
                  n_ctx: int = 4096, n_threads: Optional[int] = None, load_timeout: float = 600.0):
         super().__init__()
         self.path = Path(path)
+        self.offloaded = True  # its passes run in a child process and on RPC workers (costprofile.cpu_share)
         self.endpoints = list(endpoints)
         self._weights = list(weights)
         self._kwargs = {"n_ctx": n_ctx, "n_threads": n_threads}
