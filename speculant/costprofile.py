@@ -73,11 +73,16 @@ def cpu_share(cpu_s: float, wall_s: float, backend) -> float:
     return cpu_s / (wall_s * threads)
 
 
+def with_share(backend, fn, *args):
+    """(fn(*args), the CPU share its passes on `backend` got: cpu_share over the call)."""
+    cpu, wall = time.process_time(), time.perf_counter()
+    out = fn(*args)
+    return out, cpu_share(time.process_time() - cpu, time.perf_counter() - wall, backend)
+
+
 def quick_round(backend) -> tuple[dict[int, float], float]:
     """One round of the quick profile: ms per pass size, and the CPU share its passes got (cpu_share)."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    times = pass_times_ms(backend, QUICK_SIZES)
-    return times, cpu_share(time.process_time() - cpu, time.perf_counter() - wall, backend)
+    return with_share(backend, pass_times_ms, backend, QUICK_SIZES)
 
 
 def profile_key(backend) -> str:

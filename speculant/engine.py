@@ -177,7 +177,7 @@ class Engine:
         if _is_mixed(prompt):
             prompt = self.mixed_ids(prompt, first=suffix is None)  # fim_prompt adds BOS itself
         if _is_mixed(suffix):
-            suffix = self.mixed_ids(suffix, first=False)
+            suffix = self.mixed_ids(suffix, first=False, what="suffix token id")
         if suffix is not None:
             tokens = self.fim_prompt(prompt, suffix)
         elif isinstance(prompt, str):
@@ -277,15 +277,15 @@ class Engine:
             return self.target.tokenize(prediction, add_special=False) if prediction else []
         return self._checked_ids(prediction, "prediction token id")
 
-    def mixed_ids(self, pieces: Sequence[int | str], first: bool = True) -> list[int]:
+    def mixed_ids(self, pieces: Sequence[int | str], first: bool = True, what: str = "prompt token id") -> list[int]:
         """llama-server's mixed prompt, [12, 34, "text", 56]: the texts tokenized (special tokens read as such,
-        BOS added only where the prompt starts with text) between the ids."""
+        BOS added only where a first piece of text starts it) between the ids (`what` names them in an error)."""
         tokens: list[int] = []
         for i, piece in enumerate(pieces):
             if isinstance(piece, str):
                 tokens += self.target.tokenize(piece, add_special=first and i == 0)
             else:
-                tokens += self._checked_ids([piece], "prompt token id")  # "prompt": the server names the field
+                tokens += self._checked_ids([piece], what)
         return tokens
 
     def _checked_ids(self, ids: Sequence[int], what: str) -> list[int]:

@@ -30,9 +30,8 @@ from ..errors import SettingsError
 def ours_ms(backend, ns: list[int], depth: int, prefill: int) -> dict:
     """One round: ms per pass over n tokens after `depth` tokens, prompt processing of `prefill` tokens, and the
     CPU share the passes got (costprofile.cpu_share: below QUIET_SHARE, something else ran)."""
-    cpu, wall = time.process_time(), time.perf_counter()
-    out: dict = dict(costprofile.pass_times_ms(backend, ns, depth))
-    out["cpu_share"] = costprofile.cpu_share(time.process_time() - cpu, time.perf_counter() - wall, backend)
+    times, share = costprofile.with_share(backend, costprofile.pass_times_ms, backend, ns, depth)
+    out: dict = {**times, "cpu_share": share}
     toks = backend.tokenize(costprofile.TEXT)
     assert len(toks) >= prefill, "cost text too short"
     t = time.perf_counter()

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Optional
 
-from ..costprofile import cpu_share
+from ..costprofile import with_share
 from ..errors import SettingsError, SpeculantError
 from ..replay import draft_agreement
 from ..verify import SamplingParams
@@ -263,11 +263,10 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
                         params = SamplingParams(temp, base_params.top_k, base_params.top_p, base_params.min_p, seed)
                         for v in order:
                             engines[v.label].trace = [] if cfg.trace else None
-                        cpu, wall = time.process_time(), time.perf_counter()
-                        runs = _generate_all(engines, order, rendered[p.id], cfg.n_predict, params, cfg.interleave,
-                                             p.prediction, p.grammar, p.call_grammar)
-                        # below costprofile.QUIET_SHARE another program took the CPU from these runs
-                        share = cpu_share(time.process_time() - cpu, time.perf_counter() - wall, target)
+                        # share: below costprofile.QUIET_SHARE another program took the CPU from these runs
+                        runs, share = with_share(target, _generate_all, engines, order, rendered[p.id],
+                                                 cfg.n_predict, params, cfg.interleave, p.prediction, p.grammar,
+                                                 p.call_grammar)
                         for v, res in zip(order, runs):
                             s = res.stats
                             row = {"prompt_id": p.id, "category": p.category, "method": v.method.name,
