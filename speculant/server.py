@@ -545,8 +545,9 @@ class InfillStop:
         self.t0: Optional[float] = None  # when the first piece came (generation had started)
         self.ended = ""  # the rule that ended the completion: "n_indent" or "t_max_predict_ms"
 
-    def add(self, piece: str) -> tuple[str, bool]:
-        """The part of `piece` to keep, and whether the completion ends with it."""
+    def add(self, piece: str, final: bool = False) -> tuple[str, bool]:
+        """The part of `piece` to keep, and whether the completion ends with it. final: the generation has ended
+        (the text held back for a stop string that never came): only n_indent can still cut it."""
         if self.t0 is None:
             self.t0 = self.clock()
         begin = start = len(self.text)
@@ -567,7 +568,8 @@ class InfillStop:
                     self.text, self.ended = self.text[:at], "n_indent"
                     return self.text[begin:], True
                 start, self.line = at, None
-        if self.t_max_ms > 0 and (self.clock() - self.t0) * 1000 > self.t_max_ms and "\n" in self.text:
+        if self.t_max_ms > 0 and not final and (self.clock() - self.t0) * 1000 > self.t_max_ms and \
+                "\n" in self.text:
             self.ended = "t_max_predict_ms"
         return piece, bool(self.ended)
 
@@ -1328,6 +1330,12 @@ class Worker:
                     raise worker_down(e) from None
                 if event is _DONE:
                     finished = True
+                    rule = job.stop_rule
+                    if rule is not None and not rule.ended and result.text.startswith(rule.text):
+                        # the tail held back as the start of a stop string that never came: the rule reads it
+                        # too (the answer is the rule's text once it ends)
+                        if rule.add(result.text[len(rule.text):], final=True)[1]:
+                            result.finish_reason = "stop"
                     break
                 if job.stop_rule is not None:
                     event.text, ended = job.stop_rule.add(event.text)

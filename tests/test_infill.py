@@ -5,6 +5,7 @@ n_indent and t_max_predict_ms stopping rules against a reference, and the endpoi
 speculative (prompt lookup copying from the other files) equal to plain decoding."""
 
 import dataclasses
+import itertools
 import json
 import time
 
@@ -347,6 +348,17 @@ def test_infill_stopping_rules_and_fields(server, tokenizer):
         assert res["content"] == (expected if expected is not None else long)
         if expected is not None:
             assert res["stop_type"] == "limit"
+    # a generation that ends on text held back as the start of a stop string: the rule reads that tail too (it
+    # came after the last event, and the answer kept the dedented line)
+    cut = reference_indent_cut(long, 4)
+    assert cut is not None, long
+    probs = _infill(server, n_predict=160, n_probs=1, logit_bias=no_end)["completion_probabilities"]
+    ends = list(itertools.accumulate(len(bytes(p["bytes"])) for p in probs))  # bytes of text after each token
+    last = next(j for j, end in enumerate(ends) if end > len(cut.encode()))  # the token with the dedented char
+    text = long.encode()[:ends[last]].decode()
+    held = text[long.rfind("\n", 0, len(cut)):]  # from the new line before the dedented line
+    res = _infill(server, n_predict=last + 1, n_indent=4, stop=[held + "\u2603never"], logit_bias=no_end)
+    assert res["content"] == cut != text and res["stop_type"] == "limit"
     res = _infill(server, n_predict=160, t_max_predict_ms=1, logit_bias=no_end)  # past 1 ms: the first new line
     assert res["content"] == long[:len(res["content"])] and "\n" in res["content"]
     assert len(res["content"]) < len(long) and res["stop_type"] == "limit"
