@@ -48,6 +48,8 @@ from contextlib import asynccontextmanager, aclosing
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable, Optional
 
+import numpy as np
+
 from . import samplers
 from .backends.base import common_prefix
 from .constraint import TriggeredGrammar, either_grammar, json_grammar
@@ -172,6 +174,8 @@ class Job:
     choice: int = 0  # n > 1: which generation of its prompt this is (the first processes the prompt)
     bias_texts: tuple = ()  # llama-server's [["text", bias]] logit_bias entries: every token of the text, added
     # to params.logit_bias when the prompt is tokenized (Worker.tokenize)
+    continued: str = ""  # chat: the final assistant message's text that the answer continues (its grammar reads it
+    # first, so that the message as a whole follows the grammar)
     return_tokens: bool = False  # llama-server's: the ids of every token decoded in "tokens" (/completion, /infill)
 
 
@@ -252,9 +256,10 @@ def _get_prediction(body: dict) -> Optional[str]:
     return content
 
 
-def render_messages(body: dict, render_chat, tools) -> str:
+def render_messages(body: dict, render_chat, tools) -> tuple[str, str]:
     """A chat request's messages (text content) -> the prompt, rendered with the model's chat template (with the
-    request's tools where they are active): what /v1/chat/completions decodes and /apply-template answers."""
+    request's tools where they are active): what /v1/chat/completions decodes and /apply-template answers; and
+    the text of a final assistant message that the answer continues ("" where it starts a new turn)."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise _bad("'messages' must be a non-empty array of {role, content} objects", "messages",
@@ -297,11 +302,11 @@ def render_messages(body: dict, render_chat, tools) -> str:
     if continued is not False and last["role"] == "assistant" and not last.get("tool_calls") and len(flat) > 1:
         # a final assistant message is continued (llama-server's default; vLLM's continue_final_message): the
         # answer goes on from its text, where the template would close that turn and open a new one
-        return render_chat(flat[:-1], functions) + last["content"]
+        return render_chat(flat[:-1], functions) + last["content"], last["content"]
     if continued:
         raise _bad("'continue_final_message': the last message must be an assistant's (without tool calls) after "
                    "another role's", "continue_final_message")
-    return render_chat(flat, functions)
+    return render_chat(flat, functions), ""
 
 
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
@@ -343,7 +348,7 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
             grammar = either_grammar(grammar, tools.calls_grammar())
 
     if chat:
-        prompt = render_messages(body, render_chat, tools)
+        prompt, continued = render_messages(body, render_chat, tools)
         max_tokens = _get_max_tokens(body, cfg, lo=1)
     else:
         suffix = body.get("suffix")
@@ -369,7 +374,9 @@ def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     job = Job(prompt, chat, max_tokens, params, [s for s in stop if s], stream, include_usage,
               prediction=prediction, logprobs=logprobs, grammar=grammar, grammar_param=grammar_param, n=n,
               tools=tools if tools is not None and tools.active else None, bias_texts=bias_texts)
-    if not chat:
+    if chat:
+        job.continued = continued
+    else:
         job.echo, job.suffix = echo, suffix
         job.more_prompts = batch[1:]
         if len(batch) * n > MAX_N * 4:
@@ -868,7 +875,7 @@ def _constraint(job: Job, engine):
     (constraint.TriggeredGrammar). Where that grammar cannot be made (the torch backend has no grammars), auto
     calls are only parsed, as before."""
     if job.grammar is not None:
-        return engine.target.grammar(job.grammar)
+        return _continued(job, engine.target, engine.target.grammar(job.grammar))
     if job.tools is None:
         return None
     try:
@@ -879,7 +886,24 @@ def _constraint(job: Job, engine):
         return None
     if grammar is None:
         return None
-    return TriggeredGrammar(engine.target.token_text, OPEN.encode(), grammar, CLOSE.encode())
+    return _continued(job, engine.target, TriggeredGrammar(engine.target.token_text, OPEN.encode(), grammar,
+                                                           CLOSE.encode()))
+
+
+def _continued(job: Job, target, constraint):
+    """The constraint advanced over the final assistant message the answer continues (its tokens on their own: a
+    grammar reads token texts, so how the prompt splits them there does not matter). A message the grammar does
+    not allow is a 400: else the answer would start the grammar over after it, and the message as a whole would
+    not follow it (`{"a": ` continued by a whole object)."""
+    if not job.continued:
+        return constraint
+    for token in target.tokenize(job.continued, add_special=False, parse_special=False):
+        if not constraint.allowed(np.array([token]))[0]:
+            raise _bad(f"the final assistant message, which the answer continues, does not follow the "
+                       f"{job.grammar_param if job.grammar_param != 'tools' else 'tool calls'} the answer must: "
+                       f"it breaks off at {target.token_text(token).decode('utf-8', 'replace')!r}", "messages")
+        constraint.accept(token)
+    return constraint
 
 
 class LogprobsFormat:
@@ -1701,7 +1725,7 @@ def create_app(engine, cfg: ServerConfig):
         except ToolsError as e:
             raise _bad(str(e), e.param) from None
         try:
-            prompt = render_messages(body, engine.chat_prompt, tools)
+            prompt, _ = render_messages(body, engine.chat_prompt, tools)
         except SpeculantError as e:
             raise _bad(str(e), "messages") from None
         metrics.requests.labels("/apply-template", "200").inc()

@@ -934,6 +934,27 @@ def test_a_final_assistant_message_is_continued(server, client):
         assert r.status_code == 400 and r.json()["error"]["param"] == param
 
 
+def test_a_continued_message_follows_the_response_format_as_a_whole(server):
+    """With a response format, the final assistant message's text and the answer that continues it make one
+    valid JSON document (the grammar reads the message first); the answer used to start a new object after it."""
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "population": {"type": "integer"}},
+              "required": ["city", "population"], "additionalProperties": False}
+    fmt = {"type": "json_schema", "json_schema": {"name": "city", "schema": schema}}
+    user = {"role": "user", "content": "Describe Paris as JSON with its city name and population."}
+    for started in ('{"city": "', '{"city": "Paris", "population": 2'):
+        body = {"model": MODEL, "messages": [user, {"role": "assistant", "content": started}], "max_tokens": 48,
+                "temperature": 0, "response_format": fmt}
+        r = _post(server, "/v1/chat/completions", body)
+        assert r.status_code == 200, r.text
+        answer = r.json()["choices"][0]
+        assert answer["finish_reason"] == "stop", answer
+        whole = json.loads(started + answer["message"]["content"])
+        assert set(whole) == {"city", "population"} and isinstance(whole["population"], int)
+    r = _post(server, "/v1/chat/completions", {**body, "messages": [user, {"role": "assistant",
+                                                                          "content": "Sure! {"}]})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages" and "'S" in r.json()["error"]["message"]
+
+
 def test_any_model_name_is_served_unless_a_served_name_is_given(server):
     """Without --served-model-name any "model" is served, as llama-server does (clients hard-code names); with it,
     another name is a 404 naming the field, as vLLM's."""
