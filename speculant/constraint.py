@@ -68,7 +68,10 @@ class Constraint(ABC):
 def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingParams,
                   limit: Optional[int] = None) -> np.ndarray:
     """logits [V] -> a copy with -inf wherever the token is not allowed or, as settled above, cannot be picked
-    under `params` once the disallowed tokens are gone. Raises SettingsError when nothing is allowed.
+    under `params` once the disallowed tokens are gone. A token whose logit is -inf (banned: a logit bias,
+    ignore_eos) is never picked. Where the grammar is complete and allows only end-of-generation tokens, all
+    banned, the answer ends there all the same: those tokens get logit 0 (no other token may follow, and
+    llama.cpp's grammar aborts the process on any). Raises SettingsError when nothing else is allowed.
     limit: ask about at most this many of the likeliest tokens (a drafter's shortcut: any q is verified
     exactly); what is found among them is kept, possibly nothing (all -inf)."""
     v = logits.shape[-1]
@@ -79,14 +82,15 @@ def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingPa
         ok = head[constraint.allowed(head)][:want]
         out[ok] = logits[ok]
         return out
+    pickable = logits > -np.inf  # [V]
     if want >= v:
-        ok = constraint.allowed(np.arange(v))
+        ok = pickable & constraint.allowed(np.arange(v))
         if not ok.any():
-            raise SettingsError("the grammar allows no token here")
+            return _ended(out, constraint)
         out[ok] = logits[ok]
         return out
     found: list[int] = []
-    seen = np.zeros(v, dtype=bool)  # asked about already (ties at a cut may fall either side of it)
+    seen = ~pickable  # asked about already (ties at a cut may fall either side of it), or never picked
     m = 1 if want == 1 else max(FIRST_CHECK, want)
     while len(found) < want:
         order = _head(logits, min(m, v))  # the m most likely, most likely first (ties: lower id first)
@@ -98,7 +102,7 @@ def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingPa
             break
         m *= FIRST_CHECK if m == 1 else 8
     if not found:
-        raise SettingsError("the grammar allows no token here")
+        return _ended(out, constraint)
     # tokens tied with the last one kept are kept too (probs_from_logits keeps ties at a top-k cut)
     ties = np.flatnonzero(logits == logits[found[-1]])
     ties = np.setdiff1d(ties, found)
@@ -106,6 +110,17 @@ def constrain_row(logits: np.ndarray, constraint: Constraint, params: SamplingPa
         found.extend(ties[constraint.allowed(ties)].tolist())
     found = np.asarray(found)
     out[found] = logits[found]
+    return out
+
+
+def _ended(out: np.ndarray, constraint: Constraint) -> np.ndarray:
+    """A row where the constraint allows no token that can be picked: its allowed end-of-generation tokens at
+    logit 0 (a complete grammar whose end was banned), else SettingsError."""
+    eog = np.array([t for t in sorted(constraint.eog) if t < len(out)], dtype=np.int64)
+    eog = eog[constraint.allowed(eog)] if len(eog) else eog
+    if not len(eog):
+        raise SettingsError("the grammar allows no token here that the logit bias does not ban")
+    out[eog] = 0.0
     return out
 
 

@@ -460,6 +460,8 @@ class Engine:
         rng = np.random.default_rng(params.seed)
         self._prefill(context, drafter, policy, params, max_tokens, stats, constraint)
         out = _Output(result, text, n_top, max_tokens)
+        if constraint is not None:  # where the grammar ends the answer with a banned end token (constrain_row)
+            out.banned_eog = {t for t, b in params.logit_bias if b == -np.inf and target.is_eog(t)}
         try:
             while True:
                 room = min(max_tokens - stats.generated_tokens, target.n_ctx - len(context))
@@ -598,6 +600,10 @@ def _observe(policy, draft, n_accepted: int, next_token: int, draft_time: float,
             policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
 
 
+GRAMMAR_ENDED = ("the grammar is complete and allows nothing after it: the answer ends there, though "
+                 "end-of-generation tokens were banned (ignore_eos or a logit bias)")
+
+
 class _Output:
     """A request's output as the decode loop hands it out: tokens into the result, text through the stop
     strings, events with their logprobs; says when the generation has ended (end of generation, a stop string,
@@ -608,6 +614,7 @@ class _Output:
         self.lp_given = 0  # result.logprobs handed out with events
         self.t_decode = time.perf_counter()
         self.taken = 0  # of the last emit's tokens, how many the output took (the one that ended it included)
+        self.banned_eog: set = set()  # end-of-generation tokens banned (-inf) that a complete grammar still ends on
 
     def emit(self, new_tokens: list[int], n_accepted: int, source: str,
              new_logprobs: Optional[list]) -> Iterator[TokenEvent]:
@@ -619,6 +626,8 @@ class _Output:
             if text.backend.is_eog(token):
                 stats.ended_by_eog = True
                 result.finish_reason = "stop"
+                if token in self.banned_eog:
+                    result.message = GRAMMAR_ENDED
                 return True
             stats.generated_tokens += 1
             result.tokens.append(token)

@@ -122,6 +122,36 @@ class Fixed(Constraint):
         return self
 
 
+def test_a_banned_token_is_never_picked_and_a_complete_grammar_ends_on_a_banned_end():
+    """A token at logit -inf (a logit bias, ignore_eos) is never picked, greedy or sampled. Where the grammar allows
+    only end-of-generation tokens and they are banned (a complete answer under ignore_eos), the row ends the answer
+    on them: it picked token 0 (llama.cpp's grammar then aborted the process on it) or raised a KeyError when
+    sampled; where nothing else is allowed either, a clear error."""
+    v, eog = 50, 7
+    logits = np.linspace(3.0, -3.0, v)
+    allowed = np.zeros(v, dtype=bool)
+    allowed[[eog, 20]] = True
+    logits[20] = -np.inf  # the only allowed token that is not an end: banned
+    logits[eog] = -np.inf  # ignore_eos
+    complete = Fixed(allowed)
+    complete.eog = frozenset({eog, 9})
+    for params in (SamplingParams(), SamplingParams(0.8, top_k=5), SamplingParams(1.0), SamplingParams(1.0, top_p=0.5)):
+        row = constrain_row(logits, complete, params)
+        assert np.flatnonzero(np.isfinite(row)).tolist() == [eog], params
+        if not params.greedy:
+            assert masked_probs(logits, complete, params)[eog] == 1.0
+            probs = probs_from_logits(logits, params)
+            assert coupled_draw_allowed(logits, complete, params, probs, seed=1, position=0) == eog
+            assert draw_allowed(logits, complete, params, probs, np.random.default_rng(0)) == eog
+            rows = MaskedRows(logits[None], complete, params, [])
+            assert rows.coupled(0, seed=1, position=0) == eog
+    allowed[25] = True  # another token allowed, not banned: it is picked, never the banned end
+    assert constrain_row(logits, complete, SamplingParams()).argmax() == 25
+    nothing = Fixed(np.eye(v, dtype=bool)[20])  # only the banned token 20, and no end allowed
+    with pytest.raises(SettingsError, match="logit bias"):
+        constrain_row(logits, nothing, SamplingParams())
+
+
 class SkewedRng:
     """Wrong randomness for draw_allowed: uniform draws squared (rejection) and keys p / U with U uniform
     instead of exponential (Gumbel-max): close, but not the law."""

@@ -197,6 +197,26 @@ def test_ignore_eos_goes_on_to_the_token_limit_exactly_under_speculation(small):
     assert spec["tokens"] == on["tokens"] and spec["stats"]["drafted"] > 0
 
 
+def test_ignore_eos_under_a_grammar_ends_where_the_grammar_does(small):
+    """A grammar complete under --ignore-eos allows only the banned end tokens: the answer ends there, with a
+    message (an arbitrary token was picked: Qwen's grammar aborted the process on it, SmolLM2 emitted its banned
+    end token silently; sampled, a KeyError), plain and speculative alike."""
+    from speculant.engine import GRAMMAR_ENDED
+
+    base = ["generate", "-m", small, "-t", "1", "-n", "10", "--json", "-p", "Is the sky blue? Answer:",
+            "--grammar", 'root ::= " yes" | " no"', "--ignore-eos"]
+    for sampled in ([], ["--temp", "0.8", "-s", "1"]):
+        outs = []
+        for drafter in ([], ["-md", "lookup"], ["-md", small, "--no-adapt", "--draft-max", "3"]):
+            proc = run(*base, *sampled, *drafter)
+            assert proc.returncode == 0 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+            out = json.loads(proc.stdout)
+            assert out["text"] in (" yes", " no") and out["finish_reason"] == "stop", out
+            assert out["message"] == GRAMMAR_ENDED and GRAMMAR_ENDED in proc.stderr
+            outs.append(out["tokens"])
+        assert outs[1:] == outs[:-1]
+
+
 def test_serve_and_demo_process_escapes_too(small, monkeypatch):
     from speculant import server
 
