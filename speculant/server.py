@@ -68,6 +68,7 @@ MAX_STOP_CHARS = 16384  # their characters together (256 strings of 4000 charact
 MAX_LOGIT_BIAS = 300  # tokens one request may bias (OpenAI's bound)
 MAX_N = 16  # choices one request may ask for
 REUSE_MIN = 32  # cached prompt tokens that decide a request's slot (Worker._pick_slot)
+QUEUE_POLL = 0.25  # seconds between checks that a queued request's client is still there (Worker._acquire_slot)
 MAX_PROMPTS = 16  # prompts one /v1/completions request may batch (times n: the choices it gets)
 _DONE = object()
 
@@ -1211,28 +1212,38 @@ class Worker:
         if self._loop is not None:  # from a signal handler too: the waiters are woken on the loop
             self._loop.call_soon_threadsafe(self._closed.set)
 
-    async def _acquire_slot(self) -> None:
-        """A free slot, waited for in arrival order; a shutdown meanwhile is a 503 at once (not after the
-        grace period of the requests in flight)."""
+    async def _acquire_slot(self, is_disconnected=None) -> bool:
+        """A free slot, waited for in arrival order (False: the client left meanwhile, and its place in the queue
+        is given up at once, not when a slot frees: a request that is not streamed is not cancelled when its
+        client leaves, so is_disconnected is asked every QUEUE_POLL seconds); a shutdown meanwhile is a 503 at
+        once (not after the grace period of the requests in flight)."""
         if self._loop is None:
             self._loop, self._closed = asyncio.get_running_loop(), asyncio.Event()
             if self.closing:
                 self._closed.set()
         acquire = asyncio.ensure_future(self.slots.acquire())
         closed = asyncio.ensure_future(self._closed.wait())
-        try:
-            await asyncio.wait({acquire, closed}, return_when=asyncio.FIRST_COMPLETED)
-        except BaseException:  # this request was cancelled (its client left) while it waited
+
+        def give_up() -> None:
             if acquire.done() and not acquire.cancelled() and acquire.exception() is None:
                 self.slots.release()
             acquire.cancel()  # a pending acquire gives back a slot it was just granted (asyncio.Semaphore)
+
+        try:
+            while not (await asyncio.wait({acquire, closed}, return_when=asyncio.FIRST_COMPLETED,
+                                          timeout=QUEUE_POLL if is_disconnected is not None else None))[0]:
+                if await is_disconnected():
+                    give_up()
+                    return False
+        except BaseException:  # this request was cancelled (its client left) while it waited
+            give_up()
             raise
         finally:
             closed.cancel()
         if not acquire.done():
             acquire.cancel()
             raise APIError(503, "the server is shutting down", type="server_error", code="shutting_down")
-        # granted (even if the shutdown came at the same time: the caller checks `closing` next)
+        return True  # granted (even if the shutdown came at the same time: the caller checks `closing` next)
 
     async def tokenize(self, job: Job) -> None:
         """The prompt's tokens, and the grammar's constraint (a grammar llama.cpp rejects fails here, as a 400)."""
@@ -1272,10 +1283,13 @@ class Worker:
         self.waiting += 1
         self.metrics.queue_depth.set(self.waiting)
         try:
-            await self._acquire_slot()
+            granted = await self._acquire_slot(is_disconnected)
         finally:
             self.waiting -= 1
             self.metrics.queue_depth.set(self.waiting)
+        if not granted:  # the client left while this waited
+            self.metrics.cancelled.inc()
+            return
         held = self._held(job.tokens)
         slot = self._pick_slot(held)
         self.free.remove(slot)

@@ -1131,6 +1131,36 @@ def test_a_full_queue_is_a_503_that_says_when_to_retry():
         _stop(proc)
 
 
+def test_a_queued_client_that_leaves_gives_its_place_up_at_once():
+    """-np 1 --max-queue 1: a request that is not streamed, queued behind a long one, whose client gives up, leaves
+    the queue then (it held its place until the slot freed: every other client got a 503 meanwhile)."""
+    proc, url = _start("-np", "1", "--max-queue", "1", "-c", "2048")  # the long one runs for seconds
+    try:
+        long = {"model": MODEL, "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+        with httpx.stream("POST", url + "/v1/completions", timeout=120, json={**long, "stream": True}) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # until it generates
+            with pytest.raises(httpx.TimeoutException):  # queued behind it; the client gives up
+                httpx.post(url + "/v1/completions", json={**long, "max_tokens": 2}, timeout=1.0)
+            deadline = time.monotonic() + 10
+            while httpx.get(url + "/health").json()["queue_depth"] and time.monotonic() < deadline:
+                time.sleep(0.05)
+            health = httpx.get(url + "/health").json()
+            assert health["queue_depth"] == 0 and health["in_progress"] == 1, health  # the long one goes on
+            queued = {}
+            waiting = threading.Thread(target=lambda: queued.update(r=httpx.post(
+                url + "/v1/completions", json={"model": MODEL, "prompt": "Hi", "max_tokens": 2}, timeout=120)))
+            waiting.start()  # admitted to the queue (it was a 503), answered once the long one ends
+            time.sleep(1.0)
+            assert "r" not in queued and httpx.get(url + "/health").json()["queue_depth"] == 1
+        waiting.join(120)
+        assert queued["r"].status_code == 200, queued["r"].text
+        assert _metrics(url)["speculant_requests_cancelled_total"] >= 2  # the one that left, the long one
+    finally:
+        _stop(proc)
+
+
 def test_the_choices_of_a_request_count_against_the_queue():
     """-np 2 --max-queue 0: a streamed n = 2 request takes both slots, so the next request is refused (it was
     admitted and waited: only a request's first choice was counted), and /health counts it as nothing queued."""
