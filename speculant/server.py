@@ -310,10 +310,19 @@ def render_messages(body: dict, render_chat, tools) -> tuple[str, str]:
     return render_chat(flat, functions), ""
 
 
+def _no_lora(body: dict) -> None:
+    """llama-server's per-request `lora` (adapters loaded with --lora, by id): this server loads none, so a request
+    asking for one is refused, as llama-server refuses an id it has not loaded (left out, it would be answered by
+    the base model as if the adapter were applied)."""
+    if body.get("lora") not in (None, []):
+        raise _bad("'lora': this server loads no LoRA adapters", "lora", "unsupported_parameter")
+
+
 def parse_job(body: Any, cfg: ServerConfig, *, chat: bool, render_chat) -> Job:
     """Validate a request body into a Job; raises APIError (400/404) on anything wrong."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    _no_lora(body)
     prediction = _get_prediction(body)
     model = body.get("model")
     if model is not None and not isinstance(model, str):
@@ -588,6 +597,7 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     (/completion) `prompt` is a string or token ids. Raises APIError on anything wrong."""
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
+    _no_lora(body)
     model = body.get("model")
     if model is not None and model not in (cfg.model_id, "") and cfg.check_model:
         raise APIError(404, f"the model {json.dumps(model)[:80]} does not exist; this server serves "

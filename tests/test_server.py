@@ -887,6 +887,10 @@ BAD = [
     ("/completion", {"prompt": "hi", "input_extra": 5, "n_predict": "x"}, 400, "n_predict"),
     ("/completions", {"prompt": "word " * 2000}, 400, "prompt"),
     ("/v1/completions", {"prompt": [[1, 2], "x"]}, 400, "prompt"),  # OpenAI's batches are of one kind
+    # llama-server's per-request adapters: none is loaded here (it was answered by the base model)
+    ("/completion", {"prompt": "hi", "lora": [{"id": 0, "scale": 1.0}]}, 400, "lora"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "lora": [{"id": 0, "scale": 0.5}]}, 400, "lora"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 0}]}, 400, "lora"),
 ]
 
 
