@@ -1,4 +1,7 @@
-"""Does the target's confidence at the last emitted token predict the draft's acceptance of the next?"""
+"""For the built-in suite's plain greedy outputs (N prompts per category, default 2): per output token, whether the
+draft model's greedy choice agreed with it, and the target's and the draft's max probabilities there
+(draft-agreement.json, read by stop_rule_sim.py). Run from the repository root:
+.venv/bin/python docs/bench/spr-2026-12-07/draft_agreement.py [N]"""
 import json, sys, numpy as np
 from speculant.api import load_engine
 from speculant.bench.suite import read_suite, select
