@@ -13,7 +13,7 @@ from . import models
 from .backends.base import Backend
 from .drafters import CompositeDrafter, Drafter, HistoryDrafter, LookupDrafter, ModelDrafter
 from .drafters.crossvocab import CrossVocabDrafter, same_vocabulary
-from .engine import MAX_DRAFT, Engine, Result
+from .engine import MAX_DRAFT, Engine, Result, token_limit
 from .errors import SettingsError
 from .verify import SamplingParams
 
@@ -360,7 +360,7 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
 def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
              draft_model: Optional[str] = None, draft_max: Optional[int] = None, draft_min: int = 1,
              draft_p_min: float = 0.0, adaptive: bool = True, lookup: Optional[bool] = None,
-             max_tokens: int = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+             max_tokens: Optional[int] = 128, temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
              min_p: float = 0.0, seed: Optional[int] = None, stop: Sequence[str] = (), chat: bool = False,
              n_ctx: int = 4096, threads: Optional[int] = None, prediction: Optional[str] = None,
              history: bool = False, presence_penalty: float = 0.0, frequency_penalty: float = 0.0,
@@ -373,6 +373,7 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
     """One-shot generation (loads the models, generates, frees them). Mirrors `speculant generate`, except that
     sampling is untruncated unless asked (top_k 0, top_p 1, min_p 0, as OpenAI's API; the CLI and the server's
     defaults take llama-cli's 40 / 0.95 / 0.05).
+    max_tokens: -1 or None generates until the end of generation or a full context (as -n -1).
     prediction: text the output will mostly repeat (e.g. the file being edited): drafted first, lossless;
     result.stats.accepted_by_source["prediction"] counts the tokens it supplied.
     logit_bias {token id: bias} and the penalties adjust the target's logits (verify.adjust_logits; penalty_last_n:
@@ -385,8 +386,7 @@ def generate(prompt: str | Sequence[int], *, model: str = models.DEFAULT_TARGET,
                             logit_bias=logit_bias or (),
                             presence_penalty=presence_penalty, frequency_penalty=frequency_penalty,
                             repetition_penalty=repetition_penalty, penalty_last_n=penalty_last_n)
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:  # before anything loads
-        raise SettingsError(f"max_tokens must be a positive integer, got {max_tokens!r}")
+    token_limit(max_tokens)  # a bad one is refused before anything loads
     if suffix is not None and chat:
         raise SettingsError("a suffix fills in the middle of a text: it does not go with chat")
     if chat and not isinstance(prompt, str):

@@ -10,6 +10,7 @@ import bisect
 import codecs
 import dataclasses
 import functools
+import numbers
 import threading
 import time
 from dataclasses import dataclass, field
@@ -382,7 +383,7 @@ class Engine:
         if len({t for t, b in params.logit_bias if b == -np.inf}) >= self.target.n_vocab:  # greedy took token 0
             raise SettingsError("every token's logit is -inf (a logit bias that bans them all)")
 
-    def stream(self, prompt: str | Sequence[int | str], *, max_tokens: int = 128,
+    def stream(self, prompt: str | Sequence[int | str], *, max_tokens: Optional[int] = 128,
                params: SamplingParams = SamplingParams(), stop: Sequence[str] = (),
                is_chat: bool = False, result: Optional[Result] = None,
                prediction: Optional[str | Sequence[int]] = None,
@@ -399,8 +400,7 @@ class Engine:
         advanced as tokens are emitted, so it serves one generation."""
         if self.closed:
             raise SettingsError("this engine is closed: load another one")
-        if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
-            raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, got {max_tokens!r}")
+        max_tokens = token_limit(max_tokens) or self.target.n_ctx  # -1: until the end or a full context
         self.check_settings(params, logprobs, constraint, post_sampling)
         try:
             stop = [stop] if isinstance(stop, str) else list(stop or ())  # one string is one stop string
@@ -598,6 +598,19 @@ def _observe(policy, draft, n_accepted: int, next_token: int, draft_time: float,
     if n_accepted == len(draft):  # the position after the draft was reached: were they right?
         for shadow in draft.shadows:
             policy.observe_shadow(shadow.source, shadow.key, shadow.token == next_token)
+
+
+def token_limit(max_tokens) -> Optional[int]:
+    """A generation's token limit as given (an integer of any kind, numpy's too) -> int; None for -1 (or None):
+    until the end of generation or a full context, as llama.cpp's -n -1 and llama-cpp-python's max_tokens.
+    0 and other negative values are refused (nothing to generate: the CLI's -n 0 only checks the prompt)."""
+    if max_tokens is None or (isinstance(max_tokens, numbers.Integral) and not isinstance(max_tokens, bool)
+                              and max_tokens == -1):
+        return None
+    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, or -1 (until the end of "
+                            f"generation or a full context), got {max_tokens!r}")
+    return int(max_tokens)
 
 
 GRAMMAR_ENDED = ("the grammar is complete and allows nothing after it: the answer ends there, though "

@@ -616,6 +616,9 @@ def test_backend_draft_without_a_draft_model_is_warned_about(flags, why, capsys)
     (dict(model=None), "model must be a registered name or a path"),
     (dict(draft_model=5), "draft_model must be"),
     (dict(lookup="yes"), "lookup must be True, False or None"),
+    (dict(max_tokens=0), "or -1"),
+    (dict(max_tokens=-2), "or -1"),
+    (dict(max_tokens=2.0), "positive integer"),
     (dict(chat=True, prompt=[1, 2]), "chat=True takes the user's message as text"),
 ])
 def test_python_api_arguments_are_checked_before_loading(kwargs, fragment):
@@ -637,5 +640,10 @@ def test_python_api_takes_paths_and_numpy_integers(small):
 
     path = models.cached_path(small)
     r = speculant.generate("The capital of France is", model=path, draft_model=path, threads=np.int64(1),
-                           draft_threads=np.int32(1), max_tokens=4)
+                           draft_threads=np.int32(1), max_tokens=np.int64(4))
     assert r.tokens == speculant.generate("The capital of France is", model=small, threads=1, max_tokens=4).tokens
+    # -1 (or None), as llama.cpp's -n -1 and llama-cpp-python's max_tokens: until the end or a full context
+    for until_the_end in (-1, None):
+        full = speculant.generate("1, 2, 3, 4, 5, 6,", model=small, threads=1, max_tokens=until_the_end, n_ctx=64)
+        assert full.finish_reason == "length" and "context window full" in full.message, full
+        assert full.stats.prompt_tokens + full.stats.generated_tokens == 64

@@ -227,6 +227,10 @@ def test_bad_settings():
         eng.generate([], max_tokens=5)
     with pytest.raises(SettingsError):
         eng.generate(PROMPT, max_tokens=0)
+    for until_the_end in (-1, None, np.int64(-1)):  # until the end of generation or a full context
+        r = eng.generate([1, 2, 3], max_tokens=until_the_end)
+        assert r.finish_reason == "length" and len(r.tokens) == 10 - 3 and "context window full" in r.message
+    assert len(eng.generate([1, 2, 3], max_tokens=np.int32(2)).tokens) == 2
     with pytest.raises(SettingsError):
         eng.generate([99], max_tokens=5)
     with pytest.raises(ContextOverflowError):
