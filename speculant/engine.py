@@ -613,8 +613,8 @@ def token_limit(max_tokens) -> Optional[int]:
     return int(max_tokens)
 
 
-GRAMMAR_ENDED = ("the grammar is complete and allows nothing after it: the answer ends there, though "
-                 "end-of-generation tokens were banned (ignore_eos or a logit bias)")
+GRAMMAR_ENDED = ("the grammar allows nothing here but an end of generation (or only banned tokens): the answer ends "
+                 "there, though end-of-generation tokens were banned (ignore_eos or a logit bias)")
 
 
 class _Output:

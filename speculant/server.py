@@ -902,19 +902,38 @@ def _constraint(job: Job, engine):
 
 
 def _continued(job: Job, target, constraint):
-    """The constraint advanced over the final assistant message the answer continues (its tokens on their own: a
-    grammar reads token texts, so how the prompt splits them there does not matter). A message the grammar does
-    not allow is a 400: else the answer would start the grammar over after it, and the message as a whole would
-    not follow it (`{"a": ` continued by a whole object)."""
-    if not job.continued:
+    """The constraint of a response format or grammar advanced over the final assistant message the answer
+    continues (_message_tokens). A message the grammar does not allow is a 400: else the answer would start the
+    grammar over after it, and the message as a whole would not follow it (`{"a": ` continued by a whole object).
+    Not with tools: their calls are read from the answer's text alone (a call the message began is written anew)."""
+    if not job.continued or job.tools is not None or job.grammar_param == "tools":
         return constraint
-    for token in target.tokenize(job.continued, add_special=False, parse_special=False):
+    for token in _message_tokens(job.tokens, job.continued.encode(), target):
         if not constraint.allowed(np.array([token]))[0]:
             raise _bad(f"the final assistant message, which the answer continues, does not follow the "
-                       f"{job.grammar_param if job.grammar_param != 'tools' else 'tool calls'} the answer must: "
-                       f"it breaks off at {target.token_text(token).decode('utf-8', 'replace')!r}", "messages")
+                       f"{job.grammar_param} the answer must: it breaks off at "
+                       f"{target.token_text(token).decode('utf-8', 'replace')!r}", "messages")
         constraint.accept(token)
     return constraint
+
+
+def _message_tokens(prompt: list[int], message: bytes, target) -> list[int]:
+    """The tokens spelling `message`, which ends the prompt: the prompt's last tokens where they begin where it
+    begins (what the model read); else, a token spanning the template and the message, the message's own
+    tokens, where they spell it exactly (a SentencePiece vocabulary puts a space before a text of its own: then
+    the grammar cannot be lined up with it, a 400)."""
+    size, start = 0, len(prompt)
+    while start > 0 and size < len(message):
+        start -= 1
+        size += len(target.token_text(prompt[start]))
+    if size == len(message) and b"".join(target.token_text(t) for t in prompt[start:]) == message:
+        return prompt[start:]
+    alone = target.tokenize(message.decode(), add_special=False, parse_special=False)
+    if b"".join(target.token_text(t) for t in alone) != message:
+        raise _bad("the final assistant message cannot be lined up with the grammar the answer must follow (its "
+                   "tokens spell it otherwise): leave the response format out, or end the conversation with "
+                   "another role", "messages")
+    return alone
 
 
 class LogprobsFormat:

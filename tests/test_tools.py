@@ -3,6 +3,7 @@ forces calls, and the answers parsed back into OpenAI tool_calls."""
 
 import json
 
+import numpy as np
 import pytest
 
 from speculant import chat
@@ -232,3 +233,43 @@ def test_the_server_decodes_auto_calls_under_the_call_grammar_where_it_can(qwen_
     assert _constraint(job(tool_choice="none"), llama) is None
     assert _constraint(Job("prompt", True, 8, None, [], False, False), llama) is None
     assert _constraint(job(), SimpleNamespace(target=TableBackend(8))) is None
+
+
+def test_a_continued_message_advances_a_response_format_not_tool_calls(qwen_target):
+    """A final assistant message that the answer continues is read by a response format's grammar first (the
+    message and the answer are one document), from the prompt's own tokens; tool-call grammars start afresh, as
+    calls are read from the answer alone (a required call begun in the message came back as text)."""
+    from types import SimpleNamespace
+
+    from speculant.constraint import json_grammar
+    from speculant.server import Job, _constraint
+
+    llama = SimpleNamespace(target=qwen_target)
+    started = '{"city": "'
+    prompt = "<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n" + started
+    tokens = qwen_target.tokenize(prompt, add_special=False)
+    ids = {text: qwen_target.tokenize(text, add_special=False) for text in ("Paris", "<tool_call>")}
+    fmt = Job(prompt, True, 8, None, [], False, False, grammar=json_grammar(), grammar_param="response_format",
+              tokens=tokens, continued=started)
+    assert _constraint(fmt, llama).allowed(np.array(ids["Paris"][:1]))[0]  # inside the string the message opened
+    fmt.continued = ""
+    assert not _constraint(fmt, llama).allowed(np.array(ids["Paris"][:1]))[0]  # a new document starts with {
+    call = Job(prompt, True, 8, None, [], False, False, tools=parse_tools({"tools": [WEATHER],
+                                                                          "tool_choice": "required"}),
+               tokens=tokens, continued='<tool_call>\n{"name": "get_weather", "arguments": {"city": "')
+    call.grammar, call.grammar_param = call.tools.grammar(), "tools"
+    assert _constraint(call, llama).allowed(np.array(ids["<tool_call>"][:1]))[0]  # from the start of a call
+
+
+def test_a_continued_message_is_read_in_the_prompts_own_tokens():
+    from types import SimpleNamespace
+
+    from speculant.server import APIError, _message_tokens
+
+    texts = {1: b"<s>", 2: b"\n", 3: b"{", 4: b'"a', 5: b" {", 6: b"\n{"}
+    spm = SimpleNamespace(token_text=texts.get, tokenize=lambda text, **kw: [5, 4])  # a space before its own text
+    bpe = SimpleNamespace(token_text=texts.get, tokenize=lambda text, **kw: [3, 4])
+    assert _message_tokens([1, 2, 3, 4], b'{"a', spm) == [3, 4]  # where the prompt's tokens begin with it
+    assert _message_tokens([1, 6, 4], b'{"a', bpe) == [3, 4]  # a token spans the template and the message
+    with pytest.raises(APIError, match="cannot be lined up"):
+        _message_tokens([1, 6, 4], b'{"a', spm)
