@@ -459,9 +459,9 @@ class Engine:
         n_prompt = len(context)
         rng = np.random.default_rng(params.seed)
         self._prefill(context, drafter, policy, params, max_tokens, stats, constraint)
-        out = _Output(result, text, n_top, max_tokens)
-        if constraint is not None:  # where the grammar ends the answer with a banned end token (constrain_row)
-            out.banned_eog = {t for t, b in params.logit_bias if b == -np.inf and target.is_eog(t)}
+        # end tokens banned, on which a grammar allowing nothing else still ends the answer (constrain_row)
+        banned_eog = {t for t, b in params.logit_bias if b == -np.inf and target.is_eog(t)} if constraint else set()
+        out = _Output(result, text, n_top, max_tokens, banned_eog)
         try:
             while True:
                 room = min(max_tokens - stats.generated_tokens, target.n_ctx - len(context))
@@ -604,13 +604,13 @@ def token_limit(max_tokens) -> Optional[int]:
     """A generation's token limit as given (an integer of any kind, numpy's too) -> int; None for -1 (or None):
     until the end of generation or a full context, as llama.cpp's -n -1 and llama-cpp-python's max_tokens.
     0 and other negative values are refused (nothing to generate: the CLI's -n 0 only checks the prompt)."""
-    if max_tokens is None or (isinstance(max_tokens, numbers.Integral) and not isinstance(max_tokens, bool)
-                              and max_tokens == -1):
+    if max_tokens is None:
         return None
-    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if not isinstance(max_tokens, numbers.Integral) or isinstance(max_tokens, bool) or max_tokens < -1 or \
+            max_tokens == 0:
         raise SettingsError(f"the token limit (-n / max_tokens) must be a positive integer, or -1 (until the end of "
                             f"generation or a full context), got {max_tokens!r}")
-    return int(max_tokens)
+    return None if max_tokens == -1 else int(max_tokens)
 
 
 GRAMMAR_ENDED = ("the grammar allows nothing here but an end of generation (or only banned tokens): the answer ends "
@@ -622,12 +622,13 @@ class _Output:
     strings, events with their logprobs; says when the generation has ended (end of generation, a stop string,
     max_tokens)."""
 
-    def __init__(self, result: Result, text: "_TextTracker", n_top: Optional[int], max_tokens: int):
+    def __init__(self, result: Result, text: "_TextTracker", n_top: Optional[int], max_tokens: int,
+                 banned_eog: frozenset | set = frozenset()):
         self.result, self.text, self.n_top, self.max_tokens = result, text, n_top, max_tokens
+        self.banned_eog = banned_eog  # end tokens banned (-inf) that a complete grammar still ends on
         self.lp_given = 0  # result.logprobs handed out with events
         self.t_decode = time.perf_counter()
         self.taken = 0  # of the last emit's tokens, how many the output took (the one that ended it included)
-        self.banned_eog: set = set()  # end-of-generation tokens banned (-inf) that a complete grammar still ends on
 
     def emit(self, new_tokens: list[int], n_accepted: int, source: str,
              new_logprobs: Optional[list]) -> Iterator[TokenEvent]:

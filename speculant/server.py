@@ -897,8 +897,7 @@ def _constraint(job: Job, engine):
         return None
     if grammar is None:
         return None
-    return _continued(job, engine.target, TriggeredGrammar(engine.target.token_text, OPEN.encode(), grammar,
-                                                           CLOSE.encode()))
+    return TriggeredGrammar(engine.target.token_text, OPEN.encode(), grammar, CLOSE.encode())
 
 
 def _continued(job: Job, target, constraint):
@@ -906,7 +905,7 @@ def _continued(job: Job, target, constraint):
     continues (_message_tokens). A message the grammar does not allow is a 400: else the answer would start the
     grammar over after it, and the message as a whole would not follow it (`{"a": ` continued by a whole object).
     Not with tools: their calls are read from the answer's text alone (a call the message began is written anew)."""
-    if not job.continued or job.tools is not None or job.grammar_param == "tools":
+    if not job.continued or job.tools is not None:
         return constraint
     for token in _message_tokens(job.tokens, job.continued.encode(), target):
         if not constraint.allowed(np.array([token]))[0]:
