@@ -30,6 +30,7 @@ non-text modalities, or presence/frequency penalties > 0 (400, param naming the 
 
 import asyncio
 import codecs
+import contextvars
 import dataclasses
 import errno
 import hmac
@@ -109,6 +110,9 @@ class ServerConfig:
     check_model: bool = True
     api_key: Optional[str] = None  # llama-server's --api-key: one key, or several separated by commas
     max_body_bytes: int = 1 << 20
+    # llama-server's --timeout: the longest a client may take to send its request body, or to take one chunk of
+    # a stream (a client that stops reading held its slot: the stream waits on it); None: no limit
+    io_timeout_s: Optional[float] = 600.0
     max_queue: int = 64
     parallel: int = 1  # requests decoded at once (slots), each on its own sequence of the shared models
     spm_infill: bool = False  # /infill's prompt: suffix, prefix, middle (llama-server's --spm-infill)
@@ -1137,6 +1141,20 @@ class _Admission:
     __del__ = release
 
 
+class _ClientStalled(Exception):
+    """A client that took no part of its stream for --timeout seconds."""
+
+
+_CUT_STREAM = contextvars.ContextVar("speculant_cut_stream", default=False)  # this connection's task cut its stream
+
+
+class _NotIncomplete(logging.Filter):
+    """Drops uvicorn's "returned without completing response" for a stream we cut on purpose (--timeout)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (_CUT_STREAM.get() and "without completing response" in str(record.msg))
+
+
 @dataclass
 class SlotTask:
     """What GET /slots tells of a slot's latest generation."""
@@ -1554,7 +1572,8 @@ def create_app(engine, cfg: ServerConfig):
             log_request(request, f"{e.status} {e.code}", request.state.t0 if hasattr(request.state, "t0")
                         else time.perf_counter())
         headers = ({"WWW-Authenticate": "Bearer"} if e.status == 401
-                   else {"Retry-After": "1"} if e.status == 503 and e.code == "server_overloaded" else None)
+                   else {"Retry-After": "1"} if e.status == 503 and e.code == "server_overloaded"
+                   else {"Connection": "close"} if e.status == 408 else None)  # the rest of its body never came
         return JSONResponse(e.body(), status_code=e.status, headers=headers)
 
     @app.exception_handler(APIError)
@@ -1606,12 +1625,17 @@ def create_app(engine, cfg: ServerConfig):
             raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
                            code="body_too_large")
         chunks, size = [], 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > cfg.max_body_bytes:
-                raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
-                               code="body_too_large")
-            chunks.append(chunk)
+        try:
+            async with asyncio.timeout(cfg.io_timeout_s):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > cfg.max_body_bytes:
+                        raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
+                                       code="body_too_large")
+                    chunks.append(chunk)
+        except TimeoutError:
+            raise APIError(408, f"the request body did not arrive within {cfg.io_timeout_s:g} s (--timeout); "
+                           f"{size} bytes came", code="request_timeout") from None
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
@@ -1867,8 +1891,32 @@ def create_app(engine, cfg: ServerConfig):
             finally:
                 done(status)
 
-        return StreamingResponse(guarded(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return TimedStream(guarded(), media_type="text/event-stream",
+                           headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+    class TimedStream(StreamingResponse):
+        """A stream that gives up on a client that takes no chunk for --timeout seconds: the chunk waits on it
+        (uvicorn's send waits while the socket's buffers are full), and with it the request's slot."""
+
+        async def stream_response(self, send) -> None:
+            await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+            async with aclosing(self.body_iterator):  # ends the request (its slot) now, not when it is collected
+                async for chunk in self.body_iterator:
+                    try:
+                        async with asyncio.timeout(cfg.io_timeout_s):
+                            await send({"type": "http.response.body", "more_body": True,
+                                        "body": chunk.encode(self.charset) if isinstance(chunk, str) else chunk})
+                    except TimeoutError:
+                        raise _ClientStalled() from None
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+        async def __call__(self, scope, receive, send) -> None:
+            try:
+                await super().__call__(scope, receive, send)
+            except _ClientStalled:  # uvicorn closes the connection of an unfinished response
+                _LOG.warning("%s: the client took no data for %g s (--timeout): its stream is cut, its slot freed",
+                             scope["path"], cfg.io_timeout_s)
+                _CUT_STREAM.set(True)  # uvicorn's error line on that close would read as a bug of ours
 
     async def native(request: Request, infill: bool):
         """llama-server's own completion endpoints: /completion (a prompt) and /infill (code completion at a
@@ -2204,6 +2252,10 @@ def add_cli(sub, add_model_args, add_sampling_args) -> None:
     p.add_argument("--max-queue", type=int, default=64,
                    help="requests allowed to wait for a free slot; more get 503 (default 64)")
     p.add_argument("--max-body", type=int, default=1 << 20, help="largest request body in bytes (default 1 MiB)")
+    p.add_argument("-to", "--timeout", type=float, default=600.0,
+                   help="seconds a client may take to send its request body (then a 408) or to take each part of a "
+                        "stream (then the stream is cut and its slot freed), as llama-server's read/write timeout "
+                        "(default 600; 0: no limit)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0,
                    help="on SIGINT/SIGTERM, in-flight requests get about this many seconds to finish before they "
                         "are cut with a 'shutting_down' error; new connections are refused, queued requests get 503 "
@@ -2279,6 +2331,8 @@ def cmd_serve(args) -> int:
                              f"{args.n_predict}")
     if args.max_queue < 0 or args.max_body < 1:
         raise SpeculantError("--max-queue must be >= 0 and --max-body >= 1")
+    if not (args.timeout >= 0 and math.isfinite(args.timeout)):
+        raise SpeculantError(f"--timeout must be a number of seconds >= 0 (0: no limit), got {args.timeout}")
     from .api import check_parallel
 
     if args.parallel is None:
@@ -2320,7 +2374,7 @@ def cmd_serve(args) -> int:
                              f"(0..{engine.target.n_vocab - 1})")
     cfg = ServerConfig(
         model_id=args.served_model_name or args.model, check_model=bool(args.served_model_name), draft_id=draft_label(args), api_key=args.api_key or None,
-        max_body_bytes=args.max_body, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
+        max_body_bytes=args.max_body, io_timeout_s=args.timeout or None, max_queue=args.max_queue, parallel=args.parallel, spm_infill=args.spm_infill,
         allowed_origins=[o.strip() for o in args.allowed_origins.split(",") if o.strip()],
         max_tokens=engine.target.n_ctx if args.n_predict < 0 else args.n_predict,
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=seed,
@@ -2339,6 +2393,7 @@ def cmd_serve(args) -> int:
     # later, only backs it up: when it came first it cancelled the handlers (a bare 500, a stream cut mid-way)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=uvicorn_level,
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S, access_log=False)
+    logging.getLogger("uvicorn.error").addFilter(_NotIncomplete())  # after uvicorn.Config has set its logging up
     worker = app.state.worker
     grace = max(0.0, args.shutdown_timeout)
     where = f"http://{'[' + args.host + ']' if ':' in args.host else args.host}:{args.port}/v1"

@@ -1079,6 +1079,53 @@ def test_a_client_that_leaves_while_sending_its_body_is_a_499(server, client):
     assert client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4).usage.completion_tokens == 4
 
 
+def test_a_client_that_stops_sending_or_reading_is_given_up_after_the_timeout():
+    """--timeout (llama-server's read/write timeout): a body that stops coming is a 408 on a closed connection; a
+    stream whose client stops reading (uvicorn's send waits on it, and the slot with it) is cut after the
+    timeout, and the slot (-np 1) serves the next request. A timeout below 0 is refused before loading."""
+    bad = subprocess.run([SPECULANT, "serve", *COMMON, "--timeout", "-1"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and "--timeout must be a number of seconds >= 0" in bad.stderr, bad.stderr
+    proc, url = _start("-np", "1", "--timeout", "2", "-c", "2048")
+    try:
+        host, port = url.rsplit("//", 1)[1].split(":")
+        before = _metrics(url)
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: 500\r\n\r\n{\"prompt\":")
+            answer = b""
+            while chunk := s.recv(4096):  # to the end: the server closes the connection
+                answer += chunk
+        head, _, body = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), answer
+        assert json.loads(body)["error"]["code"] == "request_timeout"
+        _assert_counted_once(url, before, "/v1/completions", "408", not_as="499")
+
+        # ~2 KB a token (20 alternatives each): the socket buffers fill after some hundreds of tokens
+        ask = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 1900,
+               "ignore_eos": True, "stream": True, "logprobs": True, "top_logprobs": 20}
+        raw = json.dumps(ask).encode()
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            s.connect((host, int(port)))
+            s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Content-Length: %d\r\n\r\n" % len(raw) + raw)  # and never reads
+            deadline = time.monotonic() + 300
+            while time.monotonic() < deadline and _metrics(url)["speculant_requests_cancelled_total"] == \
+                    before["speculant_requests_cancelled_total"]:
+                time.sleep(0.5)
+            after = _wait_idle(url)
+            assert after["speculant_requests_cancelled_total"] == before["speculant_requests_cancelled_total"] + 1
+            assert after["speculant_completion_tokens_total"] - before["speculant_completion_tokens_total"] < 1900
+            r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4},
+                           timeout=60)
+            assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 4
+    finally:
+        _stop(proc)
+    out = proc.stdout.read()
+    assert "the client took no data for 2 s (--timeout): its stream is cut" in out, out
+    assert "Traceback" not in out and "ERROR" not in out, out
+
+
 def test_a_client_that_leaves_during_its_prompt_stops_the_prompt():
     """A long prompt is processed in passes of 64 tokens; a client that gives up meanwhile stops it between two
     passes (the slot is not held until the whole prompt is done). What it processed stays cached: the same
