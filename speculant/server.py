@@ -602,6 +602,10 @@ def parse_native(body: Any, cfg: ServerConfig, n_ctx: int, *, infill: bool) -> t
     if not isinstance(body, dict):
         raise _bad("the request body must be a JSON object", None, "invalid_type")
     _no_lora(body)
+    # llama-server's n_cmpl (completions of the prompt): left out one comes back for several asked for
+    if _get_int(body, "n_cmpl", 1, lo=1) > 1:
+        raise _bad("'n_cmpl' above 1 is not supported on /completion and /infill (one completion each); "
+                   "/v1/completions and /v1/chat/completions take 'n'", "n_cmpl", "unsupported_value")
     model = body.get("model")
     if model is not None and model not in (cfg.model_id, "") and cfg.check_model:
         raise APIError(404, f"the model {json.dumps(model)[:80]} does not exist; this server serves "

@@ -891,6 +891,10 @@ BAD = [
     ("/completion", {"prompt": "hi", "lora": [{"id": 0, "scale": 1.0}]}, 400, "lora"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "lora": [{"id": 0, "scale": 0.5}]}, 400, "lora"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "lora": [{"id": 0}]}, 400, "lora"),
+    # llama-server's n_cmpl completions of one prompt: one came back for the several asked for
+    ("/completion", {"prompt": "hi", "n_cmpl": 2}, 400, "n_cmpl"),
+    ("/completion", {"prompt": "hi", "n_cmpl": "2"}, 400, "n_cmpl"),
+    ("/infill", {"input_prefix": "", "input_suffix": "", "n_cmpl": 3}, 400, "n_cmpl"),
 ]
 
 
@@ -924,7 +928,8 @@ def test_a_final_assistant_message_is_continued(server, client):
     opened = _post(server, "/apply-template", {"messages": [user]}).json()["prompt"]
     prompt = _post(server, "/apply-template", {"messages": [user, started]}).json()["prompt"]
     assert prompt == opened + "The color is"
-    expected = _post(server, "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0}).json()["content"]
+    expected = _post(server, "/completion", {"prompt": prompt, "n_predict": 8, "temperature": 0,
+                                             "n_cmpl": 1}).json()["content"]
     chat = client.chat.completions.create(model=MODEL, messages=[user, started], max_tokens=8, temperature=0)
     assert chat.choices[0].message.content == expected
     streamed = client.chat.completions.create(model=MODEL, messages=[user, started], max_tokens=8, temperature=0,
