@@ -674,7 +674,8 @@ def cmd_generate(args) -> int:
     from .stats import SpecStats
 
     one_request_pages()
-    if args.system_prompt or args.system_prompt_file is not None:  # llama-cli applies the chat template for one
+    # llama-cli applies the chat template for one, an empty one too (which adds no system message)
+    if args.system_prompt is not None or args.system_prompt_file is not None:
         args.chat = True
     if args.n_predict < -2:
         raise SettingsError(f"the token limit -n must be >= 0, or -1 / -2 (until the context is full), got "
@@ -696,7 +697,7 @@ def cmd_generate(args) -> int:
     suffix = _read_prediction(args.suffix, "suffix")
     if suffix is not None and args.chat:
         raise SettingsError(f"--suffix fills in the middle of a text: it does not go with "
-                            f"{'-sys (a chat message)' if args.system_prompt else '--chat'}")
+                            f"{'-sys (a chat message)' if args.system_prompt is not None else '--chat'}")
     prompt = _read_prompt(args, exact=suffix is not None)  # "" or spaces: as the engine takes them (tokenize_prompt)
     gbnf = _read_grammar(args)
     engine = engine_from_args(args)

@@ -133,6 +133,8 @@ def test_system_prompt_is_a_chat_message_before_the_users(small, seen):
     assert r["prompt"] == "<|im_start|>system\nBe\\nbrief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n" \
                           "<|im_start|>assistant\n"
     assert seen("--system-prompt", "Be brief.", "-p", "Hi", "--chat")["prompt"] == r["prompt"].replace("\\n", " ")
+    # an empty one is no system message, in a chat still (llama-cli's; it was a plain completion of "Hi")
+    assert seen("-sys", "", "-p", "Hi")["prompt"] == seen("--chat", "-p", "Hi")["prompt"] != "Hi"
     assert seen("--predict", "3", "-p", "Hi")["max_tokens"] == 3  # not --prediction, as an abbreviation
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", "-sys", "x", "--suffix", __file__),
                        "does not go with -sys")
