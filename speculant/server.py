@@ -1438,14 +1438,29 @@ class Worker:
                 if not finished:
                     self.metrics.cancelled.inc()
                 # on the slot's thread, after the step in flight; runs before the slot's next request
+                closing = None
                 try:
-                    executor.submit(gen.close)
+                    closing = executor.submit(gen.close)
                 except RuntimeError:  # the executor is already shut down (a cancellation at exit)
                     pass
-                self.metrics.record(result.stats, prompt=job.choice == 0)
-            self.free.append(slot)
-            self.metrics.in_progress.set(self.in_progress)
-            self.slots.release()
+                try:
+                    if finished and closing is not None:
+                        # ended here (a stop rule), not by the engine: its own end fills in the stats the answer
+                        # and the metrics give (memory, ...); shielded: a cancellation must not unqueue it
+                        try:
+                            await asyncio.shield(asyncio.wrap_future(closing))
+                        except Exception:
+                            _LOG.exception("closing a generation failed")
+                finally:
+                    self.metrics.record(result.stats, prompt=job.choice == 0)
+                    self._release(slot)
+            else:
+                self._release(slot)
+
+    def _release(self, slot: int) -> None:
+        self.free.append(slot)
+        self.metrics.in_progress.set(self.in_progress)
+        self.slots.release()
 
     def shutdown(self) -> None:
         self.closing = True

@@ -362,6 +362,8 @@ def test_infill_stopping_rules_and_fields(server, tokenizer):
     res = _infill(server, n_predict=160, t_max_predict_ms=1, logit_bias=no_end)  # past 1 ms: the first new line
     assert res["content"] == long[:len(res["content"])] and "\n" in res["content"]
     assert len(res["content"]) < len(long) and res["stop_type"] == "limit"
+    # the engine's own end ran before the answer was made (the rule ends it from outside): its stats are whole
+    assert res["speculative"]["peak_rss_mb"] > 0 and res["speculative"]["model_memory_mb"], res["speculative"]
     short = httpx.post(server + "/infill", json={**BODY, "response_fields": ["content", "timings/predicted_n"]},
                        timeout=120).json()
     assert set(short) == {"content", "timings/predicted_n"} and short["content"] == _infill(server)["content"]
