@@ -6,6 +6,7 @@ baseline and the speculative path on one code path, so greedy identity compares 
 
 from __future__ import annotations
 
+import atexit
 import bisect
 import codecs
 import dataclasses
@@ -13,6 +14,7 @@ import functools
 import numbers
 import threading
 import time
+import weakref
 from dataclasses import dataclass, field
 from typing import Iterator, Optional, Sequence
 
@@ -43,6 +45,20 @@ DRAFT_MAX, DRAFT_MAX_FLAT, FLAT_R8 = 4, 8, 1.3
 INFILL_WITH_GRAMMAR = ("the infill sampler with a grammar (or a JSON schema, or required tool calls) is not "
                        "supported: llama.cpp samples those two in an order speculant does not reproduce")
 MAX_TOP_LOGPROBS = 20  # alternatives per token with logprobs (OpenAI's bound)
+
+
+# generations not yet run to their end (a stream a caller stopped reading): closed at exit, while the interpreter
+# can still run their ends (left to the garbage collector, `open` and imports were gone: a traceback at exit)
+_UNFINISHED: "weakref.WeakSet[Iterator]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_unfinished() -> None:
+    for steps in list(_UNFINISHED):
+        try:
+            steps.close()
+        except Exception:  # running in another thread (ValueError), or its end failed: exiting either way
+            pass
 
 
 @dataclass
@@ -433,6 +449,7 @@ class Engine:
         try:
             steps = self._loop(context, drafter, policy, params, max_tokens, result, text, verify_step, logprobs,
                                constraint, post_sampling)
+            _UNFINISHED.add(steps)
             while True:
                 # one engine computes one step at a time: generations may interleave (a suspended stream), but two
                 # threads stepping at once would share its KV cache (llama.cpp crashes, or answers go wrong)

@@ -693,3 +693,34 @@ def test_a_closed_model_is_an_error_not_a_crash():
                 lambda: slot.generate([1, 2], max_tokens=2), lambda: slot.target.rewind(0)):
         with pytest.raises(SettingsError, match="closed"):
             use()
+
+
+def test_a_token_id_outside_the_vocabulary_is_an_error_not_an_abort(small_target):
+    """detokenize / token_bytes of an id llama.cpp does not have threw std::out_of_range inside ctypes: the
+    process aborted (the Python API's one detokenizer; the server checks ids itself)."""
+    from speculant.errors import SettingsError
+
+    n = small_target.n_vocab
+    assert small_target.detokenize(small_target.tokenize("Hello world", add_special=False)) == "Hello world"
+    for bad in ([n], [-1], [1, n + 5]):
+        with pytest.raises(SettingsError, match=f"outside the vocabulary \\(0..{n - 1}\\)"):
+            small_target.detokenize(bad)
+    with pytest.raises(SettingsError, match="outside the vocabulary"):
+        small_target.token_bytes(n)
+
+
+def test_a_stream_left_unfinished_ends_quietly_at_exit():
+    """`s = engine.stream(...); next(s)` and the program ends: the generation's end ran when the interpreter had
+    already torn down `open` and imports ("Exception ignored in: <generator object Engine._loop>", a traceback)."""
+    import subprocess
+    import sys
+
+    from conftest import SMALL
+
+    code = ("import speculant\n"
+            f"e = speculant.load_engine({str(SMALL)!r}, threads=1, n_ctx=256)\n"
+            "s = e.stream('Once upon a time', max_tokens=20)\n"
+            "print(repr(next(s).text))\n")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and run.stdout.strip(), run.stderr[-2000:]
+    assert "Traceback" not in run.stderr and "Exception ignored" not in run.stderr, run.stderr[-2000:]

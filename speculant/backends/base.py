@@ -136,6 +136,10 @@ class Backend(ABC):
         return texts[token] if 0 <= token < len(texts) else b""
 
     def detokenize(self, tokens: Sequence[int]) -> str:
+        """token ids -> text; an id outside the vocabulary is a SettingsError (llama.cpp aborts the process)."""
+        bad = [t for t in tokens if not 0 <= t < self.n_vocab]
+        if bad:
+            raise SettingsError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     @abstractmethod
