@@ -101,6 +101,23 @@ def default_name(model: str, type_name: str, output_type: Optional[str], embd_ty
     return name
 
 
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
+RESERVED = ("lookup", "history")  # -md's drafters: a model so named could never be drafted with
+
+
+def check_name(name: Optional[str]) -> None:
+    """--name is a name every command can take for -m/-md: one word of letters, digits and . _ + - (a folder of
+    its own, or one outside $SPECULANT_HOME/models, by '/' or '..'), and not a drafter's."""
+    if name is None:
+        return
+    if not NAME.fullmatch(name) or name.lower().endswith(".gguf"):
+        raise SettingsError(f"--name {name!r}: a model name is letters, digits and . _ + - (starting with a letter "
+                            "or digit, without .gguf); it names the file in $SPECULANT_HOME/models (-o FILE writes "
+                            "elsewhere)")
+    if name.lower() in RESERVED:
+        raise SettingsError(f"--name {name!r} is the name of a drafter (-md {name.lower()}): choose another")
+
+
 def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: Optional[str] = None,
              allow_requantize: bool = False, output_tensor_type: Optional[str] = None,
              token_embedding_type: Optional[str] = None, threads: Optional[int] = None,
@@ -125,6 +142,7 @@ def quantize(model: str, type_name: str, *, output: Optional[str] = None, name: 
         raise SettingsError(f"{model} already holds quantized weights ({kinds}); requantizing them loses some "
                             "quality: pass --allow-requantize to do it anyway (for a draft model it only affects "
                             "acceptance, never the output, which the target verifies exactly)")
+    check_name(name)
     named = name
     name = name or default_name(model, type_name, output_tensor_type, token_embedding_type)
     known = models.REGISTRY.get(name)

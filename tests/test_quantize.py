@@ -143,10 +143,19 @@ def test_refuses_to_requantize_unless_asked(home):
     (["--type", "Q9_9"], ["unknown quantization type", "Q4_0", "Q4_K_M", "Q8_0"]),
     (["--type", "Q4_0", "--output-tensor-type", "Q7"], ["unknown tensor type", "--output-tensor-type"]),
     (["--type", "Q4_0", "-t", "100000"], ["--threads must be 1..512"]),
+    # a name is a file in $SPECULANT_HOME/models and a word for -m/-md (they wrote outside it, made folders,
+    # fell back to the default name, or named a model -md could never reach)
+    (["--type", "Q4_0", "--name", "../escaped"], ["--name '../escaped'", "letters, digits"]),
+    (["--type", "Q4_0", "--name", "bad/name"], ["--name 'bad/name'"]),
+    (["--type", "Q4_0", "--name", ""], ["--name ''"]),
+    (["--type", "Q4_0", "--name", "x.gguf"], ["without .gguf"]),
+    (["--type", "Q4_0", "--name", "lookup"], ["the name of a drafter (-md lookup)"]),
+    (["--type", "Q4_0", "--name", "History"], ["the name of a drafter (-md history)"]),
 ])
 def test_bad_settings(home, args, needles):
     assert_clean_error(run("quantize", SMALL, *args, "--allow-requantize", env={"SPECULANT_HOME": str(home)}),
                        *needles)
+    assert sorted(p.name for p in home.rglob("*")) == ["models", models.cached_path(SMALL).name]  # nothing made
 
 
 def test_missing_and_corrupt_inputs(home, tmp_path_factory):
