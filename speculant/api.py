@@ -334,6 +334,10 @@ def load_engine(model: str = models.DEFAULT_TARGET, draft_model: Optional[str] =
     for name in (model, draft_model):
         if name and name not in FREE_DRAFTERS and name not in models.REGISTRY and not os.path.isdir(os.path.expanduser(name)):
             models.resolve(name)  # an unknown name or a missing file fails now, not after a load
+    if draft_max == 0 and (draft_model is not None or self_spec or self_spec_exit is not None or history):
+        # nothing can be drafted: the drafter is not loaded (a draft model's memory and load time for nothing)
+        draft_model, lookup, history, draft_vocab = None, None, False, 0
+        self_spec, self_spec_exit, self_spec_config = False, None, None
     if rpc and (backend == "torch" or os.path.isdir(os.path.expanduser(model))):
         raise SettingsError("--rpc splits a llama.cpp (GGUF) target; the torch backend does not use RPC workers")
     check_torch_settings(model, backend, draft_model, draft_backend, dtype, device,

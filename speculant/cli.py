@@ -387,7 +387,7 @@ def check_model_flags(args) -> None:
         print(f"speculant: warning: {flag} has no effect {why}", file=sys.stderr)
     if args.draft_max == 0 and (draft or self_spec):
         print(f"speculant: warning: --draft-max 0: {'--self-spec' if self_spec else '-md ' + draft} drafts nothing, "
-              f"this run decodes plainly", file=sys.stderr)
+              f"this run decodes plainly (the drafter is not loaded)", file=sys.stderr)
     for name, default in DRAFT_DEFAULTS.items():
         if getattr(args, name) is None:
             setattr(args, name, default)

@@ -350,6 +350,10 @@ def test_flags_without_effect_are_warned_about(small):
     assert proc.returncode == 0 and "warning: --draft-vocab 100000 has no effect: the draft has only" in proc.stderr
     proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "-md", "lookup", "--draft-max", "0")
     assert proc.returncode == 0 and "warning: --draft-max 0: -md lookup drafts nothing" in proc.stderr
+    # ... and a draft model that could draft nothing is not loaded (its memory and load time were spent for nothing)
+    proc = run("generate", "-m", small, "-p", "hi", "-n", "2", "-md", small, "--draft-max", "0", "--json")
+    assert proc.returncode == 0 and "(the drafter is not loaded)" in proc.stderr
+    assert list(json.loads(proc.stdout)["stats"]["model_memory_mb"]) == ["target"], proc.stdout
 
 
 def test_stats_line_tells_plain_from_speculative(small):
