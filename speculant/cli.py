@@ -99,6 +99,26 @@ REFUSED_MODEL_FLAGS = (
     (("-b", "--batch-size", "-ub", "--ubatch-size"), "N", "batch size",
      "the engine chunks prompts itself, in batch-invariant passes of 64 tokens (which keep a cached prefix "
      "reusable bit for bit); leave it out", ()),
+    (("--mlock",), None, "locking the weights in memory",
+     "the weights are read into memory (on huge pages where the kernel grants them), not locked; leave it out", ()),
+    (("--chat-template", "--chat-template-file"), "TEMPLATE", "another chat template",
+     "the chat template is the model file's own (a model without one gets ChatML); leave it out", ()),
+    (("-v", "--verbose", "--log-verbose"), None, "verbose logging",
+     "SPECULANT_VERBOSE=1 shows llama.cpp's own log; `speculant doctor` the machine, build and kernels", ()),
+)
+_NO_SAMPLER = ("speculant samples with the penalties, top-k, top-p, min-p, the temperature and logit biases (each "
+               "verified exactly under speculation); this sampler is not implemented: leave it out")
+REFUSED_SAMPLING_FLAGS = (
+    (("--mirostat",), "N", "Mirostat sampling", _NO_SAMPLER, ("0",)),
+    (("--mirostat-lr", "--mirostat-ent"), "N", "Mirostat's settings", _NO_SAMPLER, ()),
+    (("--typical", "--typical-p"), "N", "locally typical sampling", _NO_SAMPLER, ("1", "1.0", "1.00")),
+    (("--dry-multiplier",), "N", "the DRY repetition penalty", _NO_SAMPLER, ("0", "0.0", "0.00")),
+    (("--dry-base", "--dry-allowed-length", "--dry-penalty-last-n", "--dry-sequence-breaker"), "N",
+     "the DRY penalty's settings", _NO_SAMPLER, ()),
+    (("--xtc-probability",), "N", "XTC sampling", _NO_SAMPLER, ("0", "0.0", "0.00")),
+    (("--xtc-threshold",), "N", "XTC's threshold", _NO_SAMPLER, ()),
+    (("--top-nsigma", "--top-n-sigma"), "N", "top-n-sigma sampling", _NO_SAMPLER, ("-1", "-1.0")),
+    (("--dynatemp-range", "--dynatemp-exp"), "N", "dynamic temperature", _NO_SAMPLER, ("0", "0.0", "1", "1.0")),
 )
 _NOT_INTERACTIVE = ("generate answers one prompt; use --chat for one chat turn (-sys adds a system message), or "
                     "`speculant serve` with an OpenAI chat client for a conversation")
@@ -201,6 +221,10 @@ def _add_model_args(p: argparse.ArgumentParser, default_target: bool = True) -> 
                         "a GPU is --backend torch --device cuda)")
     p.add_argument("-ngld", "--gpu-layers-draft", "--n-gpu-layers-draft", dest="gpu_layers_draft", type=int,
                    default=0, help="the draft model's -ngl: accepted for llama.cpp compatibility, only 0")
+    p.add_argument("--jinja", action="store_true", help="accepted for llama.cpp compatibility: chat templates are "
+                   "always rendered with Jinja (the model file's own)")
+    p.add_argument("--no-mmap", action="store_true", help="accepted for llama.cpp compatibility: the weights are "
+                   "always read into memory, not mapped")
     _add_refused(p, REFUSED_MODEL_FLAGS)
 
 
@@ -243,6 +267,7 @@ def _add_sampling_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("-l", "--logit-bias", action="append", default=[], metavar="TOKEN_ID(+/-)BIAS",
                    help="add BIAS to the logit of TOKEN_ID, as llama.cpp: 15043+1, 15043-1, 15043-inf bans it "
                         "(repeatable; |BIAS| <= 100)")
+    _add_refused(p, REFUSED_SAMPLING_FLAGS)
 
 
 def _add_escape_arg(p: argparse.ArgumentParser) -> None:
@@ -418,6 +443,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="-sys read from a file ('-' for stdin), less one trailing newline, as llama-cli")
     g.add_argument("-no-cnv", "--no-conversation", action="store_true",
                    help="accepted for llama.cpp compatibility (generate is never interactive)")
+    g.add_argument("-st", "--single-turn", "--no-display-prompt", action="store_true", dest="single_turn",
+                   help="accepted for llama.cpp compatibility (generate answers one turn and prints only the answer)")
     g.add_argument("--ignore-eos", action="store_true",
                    help="never end at an end-of-generation token (a logit bias of -inf on each, as llama.cpp): "
                         "generate until -n, a stop string or a full context")

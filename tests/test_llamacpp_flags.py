@@ -261,6 +261,18 @@ REFUSED = [  # (command, flags, what the one line must say)
     ("generate", ["-i"], "--chat for one chat turn"),
     ("generate", ["-if"], "--chat for one chat turn"),
     ("generate", ["-cnv"], "-cnv (interactive conversation) is not supported"),
+    # samplers speculant has not: a llama-cli command with them got a bare "unrecognized arguments"
+    ("generate", ["--mirostat", "2"], "--mirostat (Mirostat sampling) is not supported: speculant samples with"),
+    ("serve", ["--mirostat-lr", "0.2"], "this sampler is not implemented"),
+    ("generate", ["--typical", "0.9"], "locally typical sampling"),
+    ("generate", ["--dry-multiplier", "0.8"], "DRY"),
+    ("serve", ["--dry-base", "1.75"], "DRY"),
+    ("generate", ["--xtc-probability", "0.5"], "XTC"),
+    ("generate", ["--top-nsigma", "1.5"], "top-n-sigma"),
+    ("generate", ["--dynatemp-range", "0.5"], "dynamic temperature"),
+    ("generate", ["--mlock"], "not locked"),
+    ("serve", ["--chat-template", "chatml"], "the model file's own"),
+    ("generate", ["-v"], "SPECULANT_VERBOSE=1"),
 ]
 
 
@@ -335,7 +347,11 @@ def test_llama_cpp_flags_that_mean_nothing_here_are_refused_in_one_line(command,
 
 @pytest.mark.parametrize("flags", [["-tb", "2", "-t", "2"], ["-tb", "0"], ["--threads-batch", "3", "-t", "3"],
                                    ["-ngld", "0"], ["--gpu-layers-draft", "0"], ["-fa", "off"], ["-ctk", "f16"],
-                                   ["--predict", "16"], ["--n-predict", "16"], ["-n16"], ["-e"], ["--no-escape"]])
+                                   ["--predict", "16"], ["--n-predict", "16"], ["-n16"], ["-e"], ["--no-escape"],
+                                   # samplers at their off values, and what speculant does anyway
+                                   ["--mirostat", "0"], ["--typical", "1.0"], ["--dry-multiplier", "0"],
+                                   ["--xtc-probability", "0"], ["--top-nsigma", "-1"], ["--jinja"], ["--no-mmap"],
+                                   ["-st"], ["--single-turn"], ["--no-display-prompt"]])
 def test_llama_cpp_flags_that_mean_what_speculant_does_are_accepted(flags):
     """Parsed and checked: the run then stops at the model name, which only comes after the flags are read."""
     assert_clean_error(run("generate", "-m", "no-such-model", "-p", "hi", *flags), "unknown model 'no-such-model'")
