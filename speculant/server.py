@@ -2152,7 +2152,7 @@ def create_app(engine, cfg: ServerConfig):
                             rest, finish, calls = result.text[sent[i]:], result.finish_reason, []
                             if job.tools is not None:  # the held-back text: its tool calls, and any text around
                                 parsed, finish = job.tools.answer(rest, finish)
-                                if parsed.calls:
+                                if parsed.calls or finish == "length":  # (cut: no part of a call's tags is text)
                                     rest, calls = parsed.content or "", parsed.calls
                             if result.logprobs is not None:
                                 pending[i] += result.logprobs[given[i]:]
@@ -2212,6 +2212,9 @@ def create_app(engine, cfg: ServerConfig):
                     parsed, finish = job.tools.answer(result.text, finish)
                     if parsed.calls:
                         message = {"role": "assistant", "content": parsed.content, "tool_calls": parsed.calls}
+                    elif finish == "length":  # a call cut before its name: no part of its tags is text
+                        message["content"] = parsed.content or ""
+
                 choices.append({"index": i, "message": message, "logprobs": logprobs, "finish_reason": finish})
             else:
                 choices.append({"index": i, "text": echoed[i] + result.text, "logprobs": logprobs,

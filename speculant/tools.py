@@ -50,7 +50,7 @@ class Tools:
     def answer(self, text: str, finish: str) -> tuple["Parsed", str]:
         """The model's answer read for calls, and its finish reason ("tool_calls" when it called and stopped).
         With parallel_tool_calls false only the first call counts (the auto grammar does not stop a second)."""
-        parsed = parse_calls(text, self.names)
+        parsed = parse_calls(text, self.names, cut=finish == "length")
         if not self.parallel:
             parsed.calls = parsed.calls[:1]
         return parsed, ("tool_calls" if parsed.calls and finish == "stop" else finish)
@@ -187,10 +187,36 @@ def _bare(text: str, names: Optional[set]) -> list[dict]:
     return calls if calls and all(calls) else []
 
 
-def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
+_CUT_CALL = re.compile(r'\s*\{\s*"name"\s*:\s*"([A-Za-z0-9_-]{1,64})"(?:\s*,\s*"(?:arguments|parameters)"\s*:\s*(.*))?',
+                       re.S)
+
+
+def _cut_call(block: str, names: Optional[set]) -> tuple[Optional[dict], bool]:
+    """A call the token limit cut off (the text after its <tool_call>): as OpenAI answers one, with its arguments
+    as far as they were written (finish_reason "length"), or None; and whether it is text (a whole name that is
+    not one of the request's functions: such a block stays text, as a whole one does)."""
+    whole = block.rstrip()
+    cut_tag = next((n for n in range(len(CLOSE) - 1, 0, -1) if whole.endswith(CLOSE[:n])), 0)
+    try:
+        obj = json.loads(whole[:len(whole) - cut_tag])  # whole, only (some of) its closing tag was cut
+        return _call(obj, names), isinstance(obj, dict) and _call(obj, names) is None
+    except ValueError:
+        pass
+    m = _CUT_CALL.match(block)
+    if m is None:  # cut before its name was whole
+        return None, False
+    if names is not None and m.group(1) not in names:
+        return None, True
+    call = _call({"name": m.group(1)}, names)
+    call["function"]["arguments"] = m.group(2) or ""
+    return call, False
+
+
+def parse_calls(text: str, names: Optional[set] = None, cut: bool = False) -> Parsed:
     """The model's answer -> its text and its tool calls. A block that is not a JSON object with a string
     "name" stays in the text (the client sees what the model wrote rather than losing it). names: the
-    request's functions, which an answer without tags must call to be read as calls."""
+    request's functions, which an answer without tags must call to be read as calls. cut: the token limit ended
+    the answer: a call it cut off is given as far as it was written, and no part of its tags is text."""
     calls, kept, pos = [], [], 0
     for m in _BLOCK.finditer(text):
         try:
@@ -203,12 +229,22 @@ def parse_calls(text: str, names: Optional[set] = None) -> Parsed:
         pos = m.end()
         calls.append(call)
     rest = text[pos:]
-    if calls and OPEN in rest:  # a further call the token limit cut off: not text the model meant to say
+    if cut and OPEN in rest:  # a call the token limit cut off: a call as far as it was written, not text
+        at = rest.index(OPEN)
+        partial, is_text = _cut_call(rest[at + len(OPEN):], names)
+        if not is_text:
+            rest = rest[:at]
+        if partial is not None:
+            calls.append(partial)
+    elif calls and OPEN in rest:  # a further call the token limit cut off: not text the model meant to say
         rest = rest[:rest.index(OPEN)]
+    if cut:  # a tag the limit cut inside ("<tool"): the start of a call, not text
+        rest = rest[:len(rest) - next((n for n in range(min(len(OPEN) - 1, len(rest)), 1, -1)
+                                       if OPEN.startswith(rest[-n:])), 0)]
     kept.append(rest)
     if not calls:
         bare = _bare(text, names) if names else []
-        return Parsed(None, bare) if bare else Parsed(text or None, [])
+        return Parsed(None, bare) if bare else Parsed((rest if cut else text) or None, [])
     content = "".join(kept).strip()
     return Parsed(content or None, calls)
 

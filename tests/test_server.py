@@ -453,6 +453,29 @@ def test_tool_calls(server, client):
                                              tool_choice="required", max_tokens=60, temperature=0,
                                              parallel_tool_calls=False)
         assert cut.choices[0].message.tool_calls and cut.choices[0].message.content is None, cut
+    # cut by max_tokens: the call as far as it was written, finish_reason length, never the tags as content
+    # (the message's content was '<tool_call>\n{"name": ...': the usual `if tool_calls ... else show(content)`
+    # showed it to the user)
+    whole, n_whole = c.message.tool_calls[0].function, r.usage.completion_tokens
+    for max_tokens in (3, n_whole // 2, n_whole - 3):
+        for stream in (False, True):
+            cut = client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
+                                                 tool_choice="required", max_tokens=max_tokens, temperature=0,
+                                                 parallel_tool_calls=False, stream=stream)
+            if stream:
+                got = [ch for ch in cut if ch.choices]
+                content = "".join(ch.choices[0].delta.content or "" for ch in got)
+                calls = [t.function for ch in got for t in ch.choices[0].delta.tool_calls or ()]
+                finish = got[-1].choices[0].finish_reason
+            else:
+                content, finish = cut.choices[0].message.content, cut.choices[0].finish_reason
+                calls = [t.function for t in cut.choices[0].message.tool_calls or ()]
+            assert not content and "<tool" not in (content or "") and finish == "length", (max_tokens, cut)
+            for f in calls:  # (3 tokens: cut before the name is whole, no call)
+                assert f.name == whole.name and whole.arguments.replace(" ", "").startswith(
+                    f.arguments.replace(" ", "").rstrip()), (f, whole)  # (the whole one's spacing is json's)
+            if max_tokens == n_whole - 3:  # inside its arguments or closing tag
+                assert calls, (max_tokens, n_whole, stream)
     chunks = list(client.chat.completions.create(model=MODEL, messages=messages, tools=[WEATHER_TOOL, TIME_TOOL],
                                                  tool_choice="required", max_tokens=60, temperature=0, stream=True,
                                                  parallel_tool_calls=False))

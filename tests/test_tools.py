@@ -73,6 +73,33 @@ def test_parse_calls():
     assert parse_calls(unknown, {"add"}).calls == [] and len(parse_calls(unknown, {"launch"}).calls) == 1
 
 
+def test_a_call_the_token_limit_cut_is_a_call_as_far_as_written_never_text():
+    """finish_reason "length" (cut=True): a call cut off is given with its arguments as far as they were written, as
+    OpenAI gives one; a call cut before its name is whole, or a tag cut inside ("<tool"), is no text either (the
+    raw markup came back as the message's content: '<tool_call>\n{"name": ...')."""
+    names = {"get_time"}
+    whole = f'{OPEN}\n{{"name": "get_time", "arguments": {{"city": "Paris"}}}}\n'  # only the closing tag cut
+    for text, content, args in [
+            (whole, None, '{"city": "Paris"}'),
+            (f'{OPEN}\n{{"name": "get_time", "arguments": {{"city": "Pa', None, '{"city": "Pa'),
+            (f'{OPEN}\n{{"name": "get_time"', None, ""),
+            (f'Let me check. {OPEN}\n{{"name": "get_time", "argu', "Let me check.", ""),
+            (f'{whole}{CLOSE}\n<tool', None, '{"city": "Paris"}'),  # a second call cut inside its tag
+            (f'{whole}</tool', None, '{"city": "Paris"}'),  # cut inside its closing tag
+            (f'{OPEN}\n{{"name": "get_time", "arguments": {{"q": "a <', None, '{"q": "a <'),
+            (f'{OPEN}\n{{"', None, None), ("Hello <tool", "Hello ", None), (OPEN, None, None)]:
+        p = parse_calls(text, names, cut=True)
+        assert p.content == content, text
+        assert [c["function"]["arguments"] for c in p.calls] == ([args] if args is not None else []), text
+        assert all(c["function"]["name"] == "get_time" for c in p.calls)
+    # text that only may start a tag stays; a call to a function the request lacks stays text, cut or whole
+    assert parse_calls("a < b", names, cut=True).content == "a < b"
+    other = f'{OPEN}\n{{"name": "launch", "arguments": {{"x": 1'
+    assert parse_calls(other, names, cut=True).content == other and not parse_calls(other, names, cut=True).calls
+    # not cut: as before, what the model wrote
+    assert parse_calls(f'{OPEN}\n{{"name": "get_time"', names).content == f'{OPEN}\n{{"name": "get_time"'
+
+
 def test_a_call_written_without_the_tags_counts_only_for_the_requests_functions():
     bare = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
     names = {"get_weather", "add"}
