@@ -1119,6 +1119,7 @@ def _step(gen):
         return _DONE
 
 
+SHUTDOWN_ABORT_S = 2.0  # past the grace period, what an RPC target's pass in flight gets before it is abandoned
 SHUTDOWN_BACKSTOP_S = 30.0  # past --shutdown-timeout, what a pass in flight gets before uvicorn cancels it
 
 
@@ -1259,6 +1260,9 @@ class Worker:
     def begin_shutdown(self, grace_s: float) -> None:
         self.deadline = min(self.deadline, time.monotonic() + grace_s)
         self.closing = True
+        abort_at = getattr(self.engine.target, "abort_at", None)  # a target on RPC workers, one of them maybe hung
+        if abort_at is not None:
+            abort_at(self.deadline + SHUTDOWN_ABORT_S)  # (a pass ends by itself first, and gives a clean cut)
         if self._loop is not None:  # from a signal handler too: the waiters are woken on the loop
             self._loop.call_soon_threadsafe(self._closed.set)
 
@@ -1678,7 +1682,9 @@ def create_app(engine, cfg: ServerConfig):
         down = [ep for ep, state in body["workers"].items() if state != "up"]
         if down and not worker.closing:
             body["status"] = "worker_down"
-            body["message"] = f"RPC worker {', '.join(down)} is down; requests get 503 until it is back"
+            body["message"] = (f"RPC worker {', '.join(down)} is down; requests get 503 until it is back"
+                               if all(body["workers"][ep].startswith("down") for ep in down) else
+                               "; ".join(f"RPC worker {ep}: {body['workers'][ep]}" for ep in down))
             return JSONResponse(body, status_code=503)
         return body
 

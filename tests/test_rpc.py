@@ -530,3 +530,67 @@ def _quietly(fn, *args):
         fn(*args)
     except OSError:
         pass
+
+
+def test_a_hung_worker_ends_a_decode_pass_after_the_stall_limit(workers, monkeypatch):
+    """A worker that stops answering (SIGSTOP: its connection stays open, so it is not seen as down) held a decode
+    pass forever. Past STALL_S (120 s; 3 here) the pass raises a WorkerError naming the stall, and the next
+    call, the worker back, starts afresh with the same output."""
+    from speculant.api import load_engine
+    from speculant.backends import supervised
+
+    monkeypatch.setattr(supervised, "STALL_S", 3.0)
+    port = list(workers)[0]
+    engine = load_engine(MODEL, n_ctx=512, threads=1, rpc=_endpoints(workers)[:1])
+    try:
+        expected = engine.generate("The capital of France is", max_tokens=6).tokens
+        stream = engine.stream("Once upon a time", max_tokens=200)
+        next(stream)
+        workers[port].send_signal(signal.SIGSTOP)
+        try:
+            with pytest.raises(WorkerError, match="gave no answer to a decode pass for 3 s"):
+                for _ in stream:
+                    pass
+        finally:
+            workers[port].send_signal(signal.SIGCONT)
+        assert engine.generate("The capital of France is", max_tokens=6).tokens == expected
+    finally:
+        engine.close()
+
+
+def test_a_server_whose_worker_hangs_says_so_and_still_shuts_down(workers):
+    """serve --rpc with a worker stopped mid-request: /health says the worker is stalled (503) instead of "ok",
+    and SIGTERM ends the server (exit 0) after its grace period: the pass in flight was waited on for good, and
+    the process could only be killed with -9."""
+    port = list(workers)[1]
+    endpoint = f"127.0.0.1:{port}"
+    proc, url = spawn_local(["-m", MODEL, "-c", "2048", "-t", "1", "--rpc", endpoint, "--shutdown-timeout", "1"],
+                            env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    stopped = False
+    try:
+        body = {"prompt": "Once upon a time", "max_tokens": 1500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            lines = r.iter_lines()
+            while not next(lines).startswith("data: {"):
+                pass  # generating
+            workers[port].send_signal(signal.SIGSTOP)
+            stopped = True
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(url + "/health", timeout=10)).status_code == 200 and \
+                    time.monotonic() < deadline:
+                time.sleep(1)
+            assert health.status_code == 503 and health.json()["workers"][endpoint].startswith("stalled"), \
+                health.text
+            assert "stalled" in health.json()["message"]
+            proc.send_signal(signal.SIGTERM)
+            rest = [line for line in lines if line.startswith("data: ")]
+        assert rest and "error" in json.loads(rest[-1][6:]), rest[-3:]  # the stream ends with an error
+        assert proc.wait(60) == 0
+    finally:
+        if stopped:
+            workers[port].send_signal(signal.SIGCONT)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = proc.stdout.read()
+    assert "Traceback" not in out, out

@@ -31,6 +31,9 @@ from .base import Backend, VocabInfo
 
 WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
+STALL_S = 120.0  # a decode pass without an answer this long: a worker is hung (stopped, or its host unreachable
+# without closing its connections); even a 72B target's pass over a slow network takes seconds
+STALLED_S = 10.0  # /health calls a worker stalled while a decode pass has waited this long
 CONNECT_S = 20.0  # the workers' first answers while loading: a worker serves one client at a time, and another
 # client's connection waits unanswered until the first leaves
 
@@ -118,6 +121,8 @@ class SupervisedBackend(Backend):
         self.endpoints = list(endpoints)
         self._weights = list(weights)
         self._kwargs = {"n_ctx": n_ctx, "n_threads": n_threads}
+        self._abort_at: Optional[float] = None  # a shutdown's deadline (abort_at): past it, a waiting call ends
+        self._decoding_since: Optional[float] = None  # when the decode pass in flight was sent
         self._load_timeout = load_timeout
         self._proc: Optional[mp.Process] = None
         self._conn = None
@@ -213,6 +218,16 @@ class SupervisedBackend(Backend):
                 if now - t0 > timeout:
                     self._stop()
                     raise WorkerError(f"{what} took longer than {timeout:.0f} s; stopped")
+                if what == "decoding" and now - t0 > STALL_S:
+                    self._stop()
+                    raise WorkerError(f"the RPC workers {', '.join(self.endpoints)} gave no answer to a decode pass "
+                                      f"for {STALL_S:.0f} s: one is hung (stopped, or its host unreachable without "
+                                      "closing the connection); the target's process is stopped, the next request "
+                                      "retries", self.endpoints[0])
+                if self._abort_at is not None and now >= self._abort_at:
+                    self._stop()  # a hung worker would otherwise hold a shutting-down server for good
+                    raise WorkerError(f"the server shut down while {what} waited on the RPC workers",
+                                      self.endpoints[0])
         except (EOFError, OSError):
             raise self._failed(what) from None
         except (KeyboardInterrupt, SystemExit):
@@ -233,13 +248,26 @@ class SupervisedBackend(Backend):
             self._conn.send((op, *args))
         except OSError:
             raise self._failed(what) from None
-        return self._wait(what=what, should_stop=should_stop)
+        if what == "decoding":
+            self._decoding_since = time.monotonic()
+        try:
+            return self._wait(what=what, should_stop=should_stop)
+        finally:
+            self._decoding_since = None
+
+    def abort_at(self, deadline: float) -> None:
+        """A shutdown: a call still waiting on the workers at `deadline` (time.monotonic()) stops the target's
+        process and raises WorkerError (a hung worker held the server from exiting)."""
+        self._abort_at = deadline
 
     def health(self) -> dict[str, str]:
         """endpoint -> "up" | why it is down. While the target runs, from the state of its connections (a
         worker serves one client, so connecting to it would wait); after a failure, by connecting."""
-        proc = self._proc
+        proc, since = self._proc, self._decoding_since
         states = connections(proc.pid, self.endpoints) if proc is not None and proc.is_alive() else {}
+        if since is not None and time.monotonic() - since > STALLED_S:  # connected, but not answering
+            return {ep: f"stalled: no answer to a decode pass for {time.monotonic() - since:.0f} s"
+                    for ep in self.endpoints}
         return {ep: "up" if states.get(ep) not in (None, "close_wait") or reachable(ep)
                 else "down: not accepting connections" for ep in self.endpoints}
 
