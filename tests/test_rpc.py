@@ -418,10 +418,11 @@ def test_real_workers_say_their_build_and_settings():
         r = _cli("generate", "-m", MODEL, "-p", "Hi", "-n", "4", "--rpc", endpoint)
         assert r.returncode == 1 and "Traceback" not in r.stderr
         assert "SPECULANT_INVARIANT_ROWS alike on both" in r.stderr.strip().splitlines()[-1]
-        r = subprocess.run([*CLI, "generate", "-m", MODEL, "-p", "Hi", "-n", "4", "--rpc", endpoint],
+        r = subprocess.run([*CLI, "generate", "-m", MODEL, "-p", "Hi", "-n", "4", "--rpc", endpoint, "--json"],
                            env={**ENV, "SPECULANT_RPC_ANY_BUILD": "1"}, capture_output=True, text=True, timeout=120)
         assert r.returncode == 0, r.stderr
         assert r.stderr.count("using it anyway, output is not promised exact") == 1
+        assert json.loads(r.stdout)["stats"]["exact_numerics"] is False  # (it said true beside the warning)
     finally:
         _stop(proc)
     info = native_build_variants()

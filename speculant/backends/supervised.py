@@ -130,6 +130,7 @@ class SupervisedBackend(Backend):
         os.close(fd)
         self.down: dict[str, str] = {}  # endpoint -> why, for the workers found down by the last failure
         self._warned: set[tuple[str, str]] = set()
+        self._inexact: set[str] = set()  # workers of another build or settings, used anyway
         self._start()
 
     # -- the child ------------------------------------------------------------------------------------------
@@ -141,6 +142,8 @@ class SupervisedBackend(Backend):
             except WorkerError as e:
                 self.down = {endpoint: str(e)}
                 raise
+            if any("output is not promised exact" in line for line in warnings):
+                self._inexact.add(endpoint)  # a worker used anyway (SPECULANT_RPC_ANY_BUILD=1): not exact
             for line in warnings:
                 if (endpoint, line) not in self._warned:  # once, not at every restart
                     self._warned.add((endpoint, line))
@@ -159,6 +162,7 @@ class SupervisedBackend(Backend):
         for key in ("name", "n_ctx", "n_vocab", "n_batch", "n_threads", "n_ctx_train", "invariant_rows",
                     "exact_numerics", "n_device_layers"):
             setattr(self, key, info[key])
+        self.exact_numerics = self.exact_numerics and not self._inexact  # the child cannot see the workers' builds
         self._info = info
         self._eog = frozenset(info["eog"])
         self.tokens = []
