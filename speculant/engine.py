@@ -538,7 +538,7 @@ class Engine:
                 drafter.end(context)  # e.g. history keeps the output for later requests
                 drafter.constrain(None)
             result.text = text.finish()
-            stats.peak_rss_mb = memory.peak_rss_mb()
+            stats.peak_rss_mb = memory.engine_peak_rss_mb(self)
             stats.model_memory_mb = memory.engine_models(self)
 
     def _prefill(self, context: list[int], drafter: Optional[Drafter], policy, params: SamplingParams,

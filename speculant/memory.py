@@ -16,11 +16,12 @@ from typing import Optional
 STATUS_KEYS = {"VmHWM": "peak_rss_mb", "VmRSS": "rss_mb", "RssAnon": "rss_anon_mb", "RssFile": "rss_file_mb"}
 
 
-def proc_status_mb() -> dict:
-    """peak_rss_mb / rss_mb / rss_anon_mb / rss_file_mb of this process from /proc/self/status ({} without /proc)."""
+def proc_status_mb(pid: str | int = "self") -> dict:
+    """peak_rss_mb / rss_mb / rss_anon_mb / rss_file_mb of this process (or of process `pid`) from
+    /proc/PID/status ({} without /proc)."""
     out = {}
     try:
-        with open("/proc/self/status", encoding="utf-8") as f:
+        with open(f"/proc/{pid}/status", encoding="utf-8") as f:
             for line in f:
                 key, _, val = line.partition(":")
                 name = STATUS_KEYS.get(key)
@@ -39,6 +40,13 @@ def maxrss_mb() -> float:
 def peak_rss_mb() -> float:
     """This process's peak resident set size in MiB, model loading included."""
     return proc_status_mb().get("peak_rss_mb") or maxrss_mb()
+
+
+def engine_peak_rss_mb(engine) -> float:
+    """peak_rss_mb, plus that of the process a target on RPC workers runs in (backends/supervised.py: its model's
+    local layers are there, not here; the sum of the two peaks, an upper bound of their peak together)."""
+    child = getattr(engine.target, "child_pid", None)
+    return round(peak_rss_mb() + (proc_status_mb(child).get("peak_rss_mb", 0.0) if child else 0.0), 1)
 
 
 @functools.lru_cache(maxsize=64)

@@ -259,6 +259,12 @@ class SupervisedBackend(Backend):
         finally:
             self._decoding_since = None
 
+    @property
+    def child_pid(self) -> Optional[int]:
+        """The process the target runs in (its local layers' memory is there: memory.engine_peak_rss_mb)."""
+        proc = self._proc
+        return proc.pid if proc is not None and proc.is_alive() else None
+
     def abort_at(self, deadline: float) -> None:
         """A shutdown: a call still waiting on the workers at `deadline` (time.monotonic()) stops the target's
         process and raises WorkerError (a hung worker held the server from exiting)."""
