@@ -13,6 +13,7 @@ through plain sockets (`probe`, `reachable`).
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import math
 import os
 import socket
@@ -26,7 +27,6 @@ from .errors import SettingsError, SpeculantError
 RPC_PROTO_MAJOR = 7  # ggml-rpc.h of the pinned llama.cpp (RPC_PROTO_MAJOR_VERSION)
 _CMD_HELLO = 14  # rpc_cmd RPC_CMD_HELLO ("must be always 14")
 _CAPS_SIZE = 24  # RPC_CONN_CAPS_SIZE (transport.h)
-LOOPBACK = ("127.0.0.1", "localhost", "::1")
 INSECURE = ("the RPC protocol has no authentication or encryption: anyone who can reach this port can run "
             "code on this machine's memory and read the model; bind it only on a private network you trust, "
             "or keep the default 127.0.0.1 and reach it through an SSH tunnel (ssh -L PORT:127.0.0.1:PORT host)")
@@ -369,7 +369,12 @@ def cmd_worker(args) -> int:
     from .api import check_threads
 
     check_threads(args.threads, "--threads")
-    if args.host not in LOOPBACK:
+    try:  # ggml's server binds IPv4 addresses only (inet_addr)
+        address = socket.gethostbyname(args.host)
+    except OSError:
+        raise SettingsError(f"--host {args.host}: not an IPv4 address or a name that resolves to one (the llama.cpp "
+                            f"RPC server listens on IPv4 only)") from None
+    if not ipaddress.ip_address(address).is_loopback:  # 127.0.0.0/8 is this machine's alone
         print(f"speculant: warning: binding the worker to {args.host}: {INSECURE}", file=sys.stderr, flush=True)
     serve_worker(args.host, args.port, args.threads or os.cpu_count() or 1)
     return 0

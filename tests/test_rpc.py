@@ -452,7 +452,7 @@ def test_binding_beyond_loopback_warns():
         proc = subprocess.Popen([*CLI, "worker", "--host", host, "--port", str(port), "-t", "1"], env=ENV,
                                 stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         try:
-            return [proc.stderr.readline() for _ in range(1 if host == "127.0.0.1" else 2)]
+            return [proc.stderr.readline() for _ in range(1 if host.startswith("127.") else 2)]
         finally:
             _stop(proc)
 
@@ -461,6 +461,9 @@ def test_binding_beyond_loopback_warns():
     assert "no authentication" in warned[0] and "SSH tunnel" in warned[0] and "private network" in warned[0]
     assert warned[1].startswith("speculant: worker on 0.0.0.0:")
     assert first_lines("127.0.0.1")[0].startswith("speculant: worker on 127.0.0.1:")  # no warning on loopback
+    assert first_lines("127.0.0.2")[0].startswith("speculant: worker on 127.0.0.2:")  # 127/8 is loopback too
+    r = _cli("worker", "--host", "nosuch.invalid", "--port", "1")  # the error alone, no warning before it
+    assert r.returncode == 1 and r.stderr.startswith("speculant: error: --host nosuch.invalid: not an IPv4"), r.stderr
     r = _cli("worker", "--host", "::1", "--port", "1")
     assert r.returncode == 1 and r.stderr.startswith("speculant: error: --host ::1: not an IPv4 address")
 
