@@ -392,7 +392,7 @@ def check_model_flags(args) -> None:
     if args.lookup is False and not self_spec and (not draft or draft in FREE_DRAFTERS):
         idle["no_lookup"] = "without a draft model (-md MODEL or --self-spec): prompt lookup goes in front of one"
     if not draft and not self_spec and not getattr(args, "prediction", None) and not getattr(args, "history", False):
-        idle.update((n, "without a drafter (-md MODEL, -md lookup or --self-spec): this run decodes plainly")
+        idle.update((n, "without a drafter (-md MODEL, -md lookup, -md history or --self-spec): this run decodes plainly")
                     for n in given)
     else:
         if draft in FREE_DRAFTERS or not draft:

@@ -1770,6 +1770,23 @@ def create_app(engine, cfg: ServerConfig):
         params = {**settings(defaults, cfg.max_tokens), "samplers": list(cfg.samplers)}  # as serve --samplers
         return {"default_generation_settings": {"params": params, "n_ctx": cfg.n_ctx}, **props}
 
+    @app.api_route("/v1/embeddings", methods=["POST"])
+    @app.api_route("/embeddings", methods=["POST"])
+    @app.api_route("/embedding", methods=["POST"])
+    @app.api_route("/v1/rerank", methods=["POST"])
+    @app.api_route("/rerank", methods=["POST"])
+    @app.api_route("/reranking", methods=["POST"])
+    @app.api_route("/v1/responses", methods=["POST"])
+    async def unsupported(request: Request):
+        """OpenAI's and llama-server's endpoints this server has not: a 501 saying so (a bare 404 read as a wrong
+        URL), as llama-server answers embeddings without --embeddings."""
+        request.state.t0 = time.perf_counter()
+        check_auth(request)
+        what = ("the Responses API (use /v1/chat/completions)" if request.url.path == "/v1/responses" else
+                "reranking" if "rerank" in request.url.path else "embeddings")
+        raise APIError(501, f"this server does not support {what}: it generates text, speculatively",
+                       type="not_supported_error", code="not_supported")
+
     @app.get("/slots")
     async def get_slots(request: Request):
         """llama-server's slot monitor (without --slots-debug: no prompt or output text): per slot, whether it is

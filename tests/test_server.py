@@ -101,6 +101,21 @@ def test_models_and_health(server, client):
     assert httpx.head(server + "/health").status_code == 200
 
 
+def test_endpoints_it_has_not_say_so(server, client):
+    """Embeddings, reranking and the Responses API: a 501 saying the server has not that (a bare 404 'Not Found'
+    read as a wrong URL), as llama-server answers embeddings without --embeddings; the openai client raises."""
+    import openai
+
+    with pytest.raises(openai.APIStatusError) as e:
+        client.embeddings.create(model=MODEL, input="hi")
+    assert e.value.status_code == 501 and "does not support embeddings" in e.value.message
+    for path, what in (("/embedding", "embeddings"), ("/v1/rerank", "reranking"), ("/v1/responses", "Responses")):
+        r = _post(server, path, {"input": "hi"})
+        assert r.status_code == 501 and what in r.json()["error"]["message"], r.text
+        assert r.json()["error"]["code"] == "not_supported"
+    assert _post(server, "/v1/embeddings", {"input": "hi"}, key="wrong").status_code == 401  # the key first
+
+
 def _preflight(url, origin):
     return httpx.options(url + "/v1/chat/completions", headers={
         "Origin": origin, "Access-Control-Request-Method": "POST",
