@@ -21,10 +21,15 @@ first without top-k still checks every token (exact, and slow).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import json
 import math
+import os
 import re
+import sys
+import tempfile
+import threading
 import time
 import weakref
 from abc import ABC, abstractmethod
@@ -290,6 +295,31 @@ class MaskedRows:
 # llama.cpp's GBNF grammars
 
 
+@contextlib.contextmanager
+def _stderr_caught():
+    """What C code writes to stderr meanwhile, as a callable giving its lines (then, not on the terminal). Only on
+    the main thread (a command's one grammar); elsewhere (a server's) another thread's lines would be lost with it,
+    so there it goes to stderr as it comes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield lambda: []
+        return
+    try:
+        sys.stderr.flush()
+        saved = os.dup(2)
+    except (OSError, ValueError, AttributeError):  # no stderr to catch (a daemon's closed fd 2)
+        yield lambda: []
+        return
+    with tempfile.TemporaryFile() as sink:
+        os.dup2(sink.fileno(), 2)
+        try:
+            yield lambda: sink_lines
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sink.seek(0)
+            sink_lines = sink.read().decode("utf-8", errors="replace").splitlines()
+
+
 class GrammarConstraint(Constraint):
     """A GBNF grammar over a llama.cpp vocabulary (llama.cpp's grammar sampler: its `apply` masks candidates,
     `accept` advances the parse stacks; end-of-generation tokens are allowed once the grammar is complete)."""
@@ -311,9 +341,12 @@ class GrammarConstraint(Constraint):
 
         if not grammar.strip():
             raise SettingsError("the grammar is empty")
-        sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), root.encode("utf-8"))
+        with _stderr_caught() as printed:  # llama.cpp prints a parse error with the whole grammar to stderr
+            sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), root.encode("utf-8"))
         if not sampler:
-            lines = [line.strip() for line in list(log or [])[-4:] if "pars" in line or "error" in line]
+            said = [line.split("error parsing grammar:", 1)[1].strip() for line in printed()
+                    if "error parsing grammar:" in line]
+            lines = said or [line.strip() for line in list(log or [])[-4:] if "pars" in line or "error" in line]
             raise SettingsError("invalid grammar (GBNF)" + (f": {lines[-1]}" if lines else ""))
         return cls(sampler, vocab_size, eog)
 

@@ -111,6 +111,14 @@ def test_bad_settings_get_a_clear_error(small, args, fragment):
     assert_clean_error(run("generate", "-m", small, "-p", "hi", *args), fragment)
 
 
+def test_a_bad_grammar_is_one_line_naming_its_fault(small):
+    """llama.cpp's parser printed its error and the whole grammar to stderr, then ours said only "failed to parse
+    grammar"; now the one line names the fault."""
+    proc = run("generate", "-m", small, "-p", "hi", "--grammar", "root ::= foo")
+    assert_clean_error(proc, "invalid grammar (GBNF): Undefined rule identifier 'foo'")
+    assert "error parsing grammar" not in proc.stderr and "root ::= foo" not in proc.stderr, proc.stderr
+
+
 def test_text_that_is_not_utf8_is_refused_before_loading(small, tmp_path):
     latin1 = "café au lait".encode("latin-1")
 
