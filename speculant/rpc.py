@@ -45,8 +45,9 @@ def parse_endpoints(text: str) -> list[str]:
     endpoints = []
     for part in (p.strip() for p in text.split(",")):
         host, sep, port = part.rpartition(":")
-        if not sep or not host or not (port.isascii() and port.isdigit()) or not (0 < int(port) < 65536):
-            raise SettingsError(f"--rpc: {part!r} is not HOST:PORT (e.g. 127.0.0.1:50052)")
+        if not sep or not host or any(c.isspace() for c in host) or not (port.isascii() and port.isdigit()) \
+                or not (0 < int(port) < 65536):
+            raise SettingsError(f"--rpc: {part!r} is not HOST:PORT (e.g. 127.0.0.1:50052; several: separated by commas)")
         if part in endpoints:
             raise SettingsError(f"--rpc: {part} is listed twice")
         twin = next((e for e in endpoints if _same_worker(e, part)), None)

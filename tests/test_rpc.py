@@ -93,6 +93,8 @@ def test_endpoint_and_split_parsing():
                 "127.0.0.1:\u0665\u0660\u0666\u0660\u0661"):
         with pytest.raises(SettingsError):
             parse_endpoints(bad)
+    with pytest.raises(SettingsError, match="is not HOST:PORT .*separated by commas"):  # (was: a name not resolving)
+        parse_endpoints("127.0.0.1:8810 127.0.0.1:8811")
     assert parse_tensor_split(None, 2) == [1.0, 1.0, 1.0]  # two workers and this machine, equal shares
     assert parse_tensor_split("3,1", 2) == [3.0, 1.0, 0.0]  # no share given for this machine: none
     for bad in ("1", "1,2,3,4", "a,b", "0,0", "-1,2", "inf,1", "1e400,1", "nan,1"):
