@@ -88,6 +88,10 @@ def parse_tensor_split(text: Optional[str], n_workers: int) -> list[float]:
                             f"more for this machine, got {len(weights)}")
     if any(not (0 <= w < math.inf) for w in weights) or sum(weights) <= 0 or not math.isfinite(sum(weights)):
         raise SettingsError(f"--tensor-split weights must be finite, >= 0 and not all 0, got {text!r}")
+    idle = [i + 1 for i, w in enumerate(weights[:-1]) if w == 0]
+    if idle:  # connected (and held: a worker serves one client) for no layers
+        raise SettingsError(f"--tensor-split gives --rpc worker {idle[0]} a weight of 0: it would hold no layers; "
+                            f"leave it out of --rpc")
     return weights
 
 
