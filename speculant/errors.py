@@ -5,8 +5,8 @@ class SpeculantError(Exception):
     """Base class: anything caused by the user's input or environment, not by a bug."""
 
 
-class ModelError(SpeculantError):
-    """A model cannot be found, fetched, verified or loaded."""
+class ModelError(SpeculantError, ValueError):
+    """A model cannot be found, fetched, verified or loaded (a ValueError, as llama-cpp-python's for a bad file)."""
 
 
 def nonfinite_logits(model) -> ModelError:
@@ -24,8 +24,8 @@ class SettingsError(SpeculantError, ValueError):
     """An impossible generation setting (bad k, temperature, top-p, empty prompt, ...)."""
 
 
-class ContextOverflowError(SpeculantError):
-    """The prompt does not fit the context window."""
+class ContextOverflowError(SpeculantError, ValueError):
+    """The prompt does not fit the context window (a ValueError, as llama-cpp-python's)."""
 
 
 class Cancelled(SpeculantError):

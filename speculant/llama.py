@@ -11,19 +11,28 @@ criteria (callables that would see only the target's own tokens), and tools (`sp
 
 from __future__ import annotations
 
+import numbers
+import sys
 import time
+import types
 import uuid
 from typing import Iterator, Optional, Sequence
 
 from .errors import SettingsError
 from .verify import SamplingParams
 
-# llama_cpp.Llama's loading options that mean nothing for a CPU run here: taken, and ignored
-IGNORED_OPTIONS = {"n_batch", "n_ubatch", "use_mmap", "use_mlock", "logits_all", "last_n_tokens_size", "numa",
-                   "n_threads_batch", "rope_freq_base", "rope_freq_scale", "chat_handler", "kv_overrides",
-                   "split_mode", "main_gpu", "tensor_split", "offload_kqv", "vocab_only", "type_k", "type_v"}
+# llama_cpp.Llama's loading options (its defaults): those that mean nothing for a CPU run here are taken at any value;
+# the others only at their default (a non-default one would change the model's numbers or what it loads); the rest of
+# its keyword arguments it swallows itself (LangChain passes f16_kv, n_parts), as do we
+ANY_VALUE = {"split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock", "n_batch", "n_ubatch",
+             "n_threads_batch", "logits_all", "offload_kqv", "op_offload", "swa_full", "no_perf", "numa", "lora_scale"}
+AT_DEFAULT = {"vocab_only": False, "kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1,
+              "attention_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0,
+              "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
+              "embedding": False, "flash_attn": False, "lora_base": None, "lora_path": None, "chat_format": None,
+              "chat_handler": None, "tokenizer": None, "type_k": None, "type_v": None, "spm_infill": False}
 OFF_VALUES = {"typical_p": 1.0, "tfs_z": 1.0, "mirostat_mode": 0}  # the samplers speculant lacks, turned off
-PENALTY_WINDOW = 64  # llama-cpp-python's last_n_tokens_size: the penalties count the last 64 tokens
+RANDOM_SEED = 0xFFFFFFFF  # llama.cpp's LLAMA_DEFAULT_SEED: a random seed
 
 
 def _lookup_draft(draft_model):
@@ -53,29 +62,31 @@ class Llama:
     passes one. draft_max, lookup, history: as load_engine's."""
 
     def __init__(self, model_path: str, *, draft_model=None, n_ctx: int = 512, n_threads: Optional[int] = None,
-                 n_gpu_layers: int = 0, seed: int = -1, verbose: bool = True, draft_max: Optional[int] = None,
-                 lookup: Optional[bool] = None, history: bool = False, chat_format: Optional[str] = None,
-                 flash_attn: bool = False, embedding: bool = False, **options):
-        from .api import load_engine, thread_count
+                 n_gpu_layers: int = 0, seed: int = RANDOM_SEED, last_n_tokens_size: int = 64, verbose: bool = True,
+                 draft_max: Optional[int] = None, lookup: Optional[bool] = None, history: bool = False, **options):
+        from .api import load_engine
 
-        unknown = sorted(set(options) - IGNORED_OPTIONS)
-        if unknown:
-            raise TypeError(f"Llama() got an unexpected keyword argument {unknown[0]!r}")
-        if n_gpu_layers not in (0, None):
-            raise SettingsError("n_gpu_layers: the llama.cpp backend runs on the CPU here (0); a GPU runs the torch "
-                                "backend: speculant.load_engine(..., backend='torch', device='cuda')")
-        for name, on in (("chat_format", chat_format is not None), ("flash_attn", flash_attn),
-                         ("embedding", embedding)):
-            if on:
-                raise SettingsError(f"{name}: not supported (the chat template is the model file's own; flash "
-                                    f"attention stays off, as exact verification needs; no embeddings)")
-        if not isinstance(seed, int) or seed < -1:
-            raise SettingsError(f"seed must be -1 (random) or a non-negative integer, got {seed!r}")
+        for name, default in AT_DEFAULT.items():
+            if name in options and options[name] != default:
+                raise SettingsError(f"{name}={options[name]!r}: not supported by speculant.Llama (leave it at "
+                                    f"{default!r}; the chat template is the model file's own, flash attention stays "
+                                    f"off, as exact verification needs, and nothing else is loaded)")
+        if n_gpu_layers and verbose:  # as llama-cpp-python built for the CPU: the layers run there
+            print(f"speculant: n_gpu_layers={n_gpu_layers}: the llama.cpp backend runs on the CPU here",
+                  file=sys.stderr)
+        if n_threads is not None and (not isinstance(n_threads, numbers.Integral) or isinstance(n_threads, bool)):
+            raise SettingsError(f"n_threads must be an integer, got {n_threads!r}")
+        if not isinstance(last_n_tokens_size, numbers.Integral) or last_n_tokens_size < 0:
+            raise SettingsError(f"last_n_tokens_size must be an integer >= 0, got {last_n_tokens_size!r}")
         draft, n_pred = _lookup_draft(draft_model)
-        self.model_path, self.verbose, self._seed = model_path, verbose, seed
-        self._engine = load_engine(model_path, draft, n_ctx=n_ctx, threads=thread_count(str(n_threads or 0)),
+        self.model_path, self.verbose = model_path, verbose
+        self._seed = self._checked_seed(seed)
+        self._penalty_window = int(last_n_tokens_size)
+        threads = int(n_threads) if n_threads is not None and n_threads > 0 else None  # <= 0: all cores
+        self._engine = load_engine(model_path, draft, n_ctx=int(n_ctx), threads=threads,
                                    draft_max=draft_max if draft_max is not None else n_pred, lookup=lookup,
                                    history=history)
+        self.context_params = types.SimpleNamespace(n_ctx=self.n_ctx(), n_threads=threads)  # llama-index reads it
 
     # -- llama_cpp.Llama's surface ------------------------------------------------------------------------------
     @property
@@ -111,6 +122,29 @@ class Llama:
         piece = target.token_text if special else target.token_bytes
         return b"".join(piece(t) for t in tokens)
 
+    def token_nl(self) -> int:
+        return self.tokenize(b"\n", add_bos=False)[-1]
+
+    def reset(self) -> None:
+        """llama-cpp-python's: forget the evaluated tokens. Here each call reuses what its prompt shares with the last
+        one by itself; nothing to do."""
+
+    def set_seed(self, seed: int) -> None:
+        """The seed of calls that pass none (llama.cpp's LLAMA_DEFAULT_SEED, 0xFFFFFFFF: a random one each)."""
+        self._seed = self._checked_seed(seed)
+
+    def create_embedding(self, *args, **kwargs):
+        raise SettingsError("embeddings are not supported: speculant generates text")
+
+    embed = create_embedding
+
+    def __getattr__(self, name: str):
+        if name in _LOW_LEVEL:  # llama_cpp.Llama's token-level interface: one engine step drafts and verifies
+            raise AttributeError(f"speculant.Llama has no {name}(): the token-level interface (eval, sample, "
+                                 f"generate, states) is llama-cpp-python's own; speculant.Llama offers create_completion "
+                                 f"and create_chat_completion (speculant.load_engine for the engine itself)")
+        raise AttributeError(f"'Llama' object has no attribute {name!r}")
+
     def close(self) -> None:
         self._engine.close()
 
@@ -133,27 +167,38 @@ class Llama:
                           model: Optional[str] = None, stopping_criteria=None, logits_processor=None,
                           grammar=None, logit_bias: Optional[dict] = None):
         """OpenAI's text completion: {"id", "object": "text_completion", "created", "model", "choices": [{"text",
-        "index", "logprobs", "finish_reason"}], "usage"}; stream=True: an iterator of such chunks."""
+        "index", "logprobs", "finish_reason"}], "usage"}; stream=True: an iterator of such chunks. logprobs: as
+        llama-cpp-python's (text_offset counted from the prompt's start; with echo the prompt's tokens too)."""
+        from .server import LogprobsFormat
+
         self._check_off(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                         stopping_criteria=stopping_criteria, logits_processor=logits_processor)
-        if logprobs is not None and (not isinstance(logprobs, int) or logprobs < 0):
+        if logprobs is not None and (not isinstance(logprobs, numbers.Integral) or logprobs < 0):
             raise SettingsError(f"logprobs must be a non-negative integer, got {logprobs!r}")
         engine = self._engine
-        text = prompt if isinstance(prompt, str) else None
+        text = prompt if isinstance(prompt, str) else engine.target.detokenize(list(prompt))
         if suffix is not None:
             prompt = engine.fim_prompt(prompt, suffix)
         params = self._params(temperature, top_k, top_p, min_p, seed, logit_bias, presence_penalty,
                               frequency_penalty, repeat_penalty)
-        head = (text if text is not None else engine.target.detokenize(list(prompt))) if echo else ""
         run = self._run(prompt, max_tokens, params, stop, False, grammar, logprobs)
+        fmt = LogprobsFormat(engine.target, chat=False) if logprobs is not None else None
+        head, head_logprobs = "", None
+        if echo:
+            head = text
+            if fmt is not None:
+                head_logprobs = fmt(engine.prompt_logprobs(engine.tokenize_prompt(prompt), logprobs))
+        elif fmt is not None:
+            fmt.offset = len(text)
         meta = {"id": f"cmpl-{uuid.uuid4()}", "object": "text_completion", "created": int(time.time()),
                 "model": model or self.model_path}
         if stream:
-            return self._completion_chunks(run, meta, head, logprobs is not None)
+            return self._completion_chunks(run, meta, head, head_logprobs, fmt)
         result = _drain(run)
-        return {**meta, "choices": [{"text": head + result.text, "index": 0,
-                                     "logprobs": self._text_logprobs(result, len(head)) if logprobs is not None
-                                     else None,
+        entries = fmt(result.logprobs) if fmt is not None else None
+        if head_logprobs is not None:
+            entries = {k: head_logprobs[k] + entries[k] for k in entries}
+        return {**meta, "choices": [{"text": head + result.text, "index": 0, "logprobs": entries,
                                      "finish_reason": result.finish_reason}], "usage": _usage(result)}
 
     def create_chat_completion(self, messages: list[dict], functions=None, function_call=None, tools=None,
@@ -169,35 +214,35 @@ class Llama:
         """OpenAI's chat completion: {"id", "object": "chat.completion", "created", "model", "choices": [{"index",
         "message": {"role", "content"}, "logprobs", "finish_reason"}], "usage"}; stream=True: an iterator of
         "chat.completion.chunk" dicts. response_format: {"type": "json_object"} or {"type": "json_schema",
-        "json_schema": {"schema": ...}} (or llama-cpp-python's {"type": "json_object", "schema": ...})."""
-        from .server import APIError, _get_grammar, render_messages
+        "json_schema": {"schema": ...}} (or llama-cpp-python's {"type": "json_object", "schema": ...}). A final
+        assistant message is a closed turn, answered anew (as llama-cpp-python renders it)."""
+        from .server import APIError, LogprobsFormat, _get_grammar, render_messages
 
         self._check_off(typical_p=typical_p, tfs_z=tfs_z, mirostat_mode=mirostat_mode,
                         logits_processor=logits_processor)
-        if tools or functions or tool_choice not in (None, "none") or function_call is not None:
+        if tools or functions or tool_choice not in (None, "none", "auto") or function_call is not None:
             raise SettingsError("tools and functions are not supported in the Python API; `speculant serve` answers "
                                 "them (OpenAI's tool_calls)")
         if grammar is not None and response_format not in (None, {"type": "text"}):
             raise SettingsError("give grammar or response_format, not both")
         try:
-            prompt, continued = render_messages({"messages": messages}, self._engine.chat_prompt, None)
+            prompt, _ = render_messages({"messages": messages, "continue_final_message": False},
+                                        self._engine.chat_prompt, None)
             gbnf = _get_grammar({"response_format": response_format}) if grammar is None else _grammar_text(grammar)
         except APIError as e:
             raise SettingsError(e.message) from None
-        if continued and gbnf is not None:
-            raise SettingsError("a final assistant message with a response format or grammar: not supported in the "
-                                "Python API (`speculant serve` continues one under its grammar)")
         n_top = (top_logprobs or 0) if logprobs else None
         params = self._params(temperature, top_k, top_p, min_p, seed, logit_bias, presence_penalty,
                               frequency_penalty, repeat_penalty)
         run = self._run(prompt, max_tokens, params, stop, True, gbnf, n_top)
+        fmt = LogprobsFormat(self._engine.target, chat=True) if n_top is not None else None
         meta = {"id": f"chatcmpl-{uuid.uuid4()}", "created": int(time.time()), "model": model or self.model_path}
         if stream:
-            return self._chat_chunks(run, meta, n_top is not None)
+            return self._chat_chunks(run, meta, fmt)
         result = _drain(run)
         return {**meta, "object": "chat.completion",
                 "choices": [{"index": 0, "message": {"role": "assistant", "content": result.text},
-                             "logprobs": self._chat_logprobs(result.logprobs) if n_top is not None else None,
+                             "logprobs": fmt(result.logprobs) if fmt is not None else None,
                              "finish_reason": result.finish_reason}], "usage": _usage(result)}
 
     # -- underneath -----------------------------------------------------------------------------------------------
@@ -212,15 +257,29 @@ class Llama:
                 raise SettingsError(f"{name}: not supported (a callable would see only the target's own tokens, "
                                     f"not the drafts it verifies); use stop strings or a grammar")
 
+    @staticmethod
+    def _checked_seed(seed) -> Optional[int]:
+        """A seed as llama.cpp reads one: -1 or 0xFFFFFFFF (LLAMA_DEFAULT_SEED) is a random one (None)."""
+        if seed is None:
+            return None
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < -1:
+            raise SettingsError(f"seed must be -1 (random) or a non-negative integer, got {seed!r}")
+        return None if seed in (-1, RANDOM_SEED) else int(seed)
+
     def _params(self, temperature, top_k, top_p, min_p, seed, logit_bias, presence, frequency,
                 repeat) -> SamplingParams:
-        seed = self._seed if seed is None else seed
-        if seed is not None and (not isinstance(seed, int) or seed < -1):
-            raise SettingsError(f"seed must be -1 (random) or a non-negative integer, got {seed!r}")
+        """llama-cpp-python's sampling: a temperature below 0 samples the model's own distribution (no truncation),
+        0 is greedy; top_p 0 keeps the likeliest token; the penalties count the last last_n_tokens_size tokens of
+        the output (its penalties sampler sees only the tokens it sampled)."""
+        seed = self._seed if seed is None else self._checked_seed(seed)
+        if temperature < 0:
+            temperature, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
+        elif top_p <= 0:
+            temperature = 0.0
         bias = tuple((int(t), float(b)) for t, b in (logit_bias or {}).items())
-        return SamplingParams(temperature, top_k, top_p, min_p, None if seed == -1 else seed, logit_bias=bias,
+        return SamplingParams(temperature, top_k, top_p if top_p > 0 else 1.0, min_p, seed, logit_bias=bias,
                               presence_penalty=presence, frequency_penalty=frequency, repetition_penalty=repeat,
-                              penalty_last_n=PENALTY_WINDOW)
+                              penalty_last_n=self._penalty_window or None, penalize_prompt=False)
 
     def _run(self, prompt, max_tokens, params, stop, is_chat: bool, grammar, n_top) -> "_Run":
         """The generation, started lazily: events, then its Result."""
@@ -228,7 +287,10 @@ class Llama:
         from .stats import SpecStats
 
         engine = self._engine
-        if max_tokens is None or isinstance(max_tokens, int) and not isinstance(max_tokens, bool) and max_tokens <= 0:
+        if isinstance(max_tokens, float) and max_tokens.is_integer():
+            max_tokens = int(max_tokens)
+        if max_tokens is None or isinstance(max_tokens, numbers.Integral) and not isinstance(max_tokens, bool) \
+                and max_tokens <= 0:
             max_tokens = -1  # llama-cpp-python's: None or <= 0 is until the end or a full context
         constraint = engine.target.grammar(_grammar_text(grammar)) if grammar is not None else None
         result = Result("", [], SpecStats())
@@ -237,55 +299,35 @@ class Llama:
         self.last_stats = result.stats
         return _Run(events, result)
 
-    def _completion_chunks(self, run: "_Run", meta: dict, head: str, with_logprobs: bool) -> Iterator[dict]:
+    @staticmethod
+    def _completion_chunks(run: "_Run", meta: dict, head: str, head_logprobs, fmt) -> Iterator[dict]:
         if head:
-            yield {**meta, "choices": [{"text": head, "index": 0, "logprobs": None, "finish_reason": None}]}
+            yield {**meta, "choices": [{"text": head, "index": 0, "logprobs": head_logprobs, "finish_reason": None}]}
         for event in run.events:
-            if event.text:
-                yield {**meta, "choices": [{"text": event.text, "index": 0, "logprobs": None, "finish_reason": None}]}
+            if event.text or fmt is not None and event.logprobs:
+                yield {**meta, "choices": [{"text": event.text, "index": 0,
+                                            "logprobs": fmt(event.logprobs) if fmt is not None else None,
+                                            "finish_reason": None}]}
         result = run.result
-        yield {**meta, "choices": [{"text": "", "index": 0,
-                                    "logprobs": self._text_logprobs(result, len(head)) if with_logprobs else None,
-                                    "finish_reason": result.finish_reason}], "usage": _usage(result)}
+        yield {**meta, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": result.finish_reason}]}
 
-    def _chat_chunks(self, run: "_Run", meta: dict, with_logprobs: bool) -> Iterator[dict]:
+    @staticmethod
+    def _chat_chunks(run: "_Run", meta: dict, fmt) -> Iterator[dict]:
         meta = {**meta, "object": "chat.completion.chunk"}
         yield {**meta, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
                                     "finish_reason": None}]}
         for event in run.events:
-            if event.text or event.logprobs and with_logprobs:
+            if event.text or fmt is not None and event.logprobs:
                 yield {**meta, "choices": [{"index": 0, "delta": {"content": event.text} if event.text else {},
-                                            "logprobs": self._chat_logprobs(event.logprobs) if with_logprobs
-                                            else None, "finish_reason": None}]}
+                                            "logprobs": fmt(event.logprobs) if fmt is not None else None,
+                                            "finish_reason": None}]}
         yield {**meta, "choices": [{"index": 0, "delta": {}, "logprobs": None,
-                                    "finish_reason": run.result.finish_reason}], "usage": _usage(run.result)}
+                                    "finish_reason": run.result.finish_reason}]}
 
-    def _piece(self, token: int) -> str:
-        return self._engine.target.token_bytes(token).decode("utf-8", errors="replace")
 
-    def _text_logprobs(self, result, at: int = 0) -> dict:
-        """The legacy completions' logprobs: tokens, text_offset (from `at`: after an echoed prompt),
-        token_logprobs, top_logprobs, of the generated tokens."""
-        tokens, offsets, top = [], [], []
-        for entry in result.logprobs or ():
-            piece = self._piece(entry.token)
-            tokens.append(piece)
-            offsets.append(at)
-            at += len(piece)
-            top.append({self._piece(t): lp for t, lp in entry.top})
-        return {"tokens": tokens, "text_offset": offsets,
-                "token_logprobs": [e.logprob for e in result.logprobs or ()], "top_logprobs": top}
-
-    def _chat_logprobs(self, entries) -> dict:
-        """The chat completions' logprobs: {"content": [{"token", "logprob", "bytes", "top_logprobs"}]}."""
-        target = self._engine.target
-
-        def one(token: int, logprob: float) -> dict:
-            raw = target.token_bytes(token)
-            return {"token": raw.decode("utf-8", errors="replace"), "logprob": logprob, "bytes": list(raw)}
-
-        return {"content": [{**one(e.token, e.logprob), "top_logprobs": [one(t, lp) for t, lp in e.top]}
-                            for e in entries or ()]}
+_LOW_LEVEL = {"eval", "sample", "generate", "save_state", "load_state", "set_cache", "eval_tokens", "eval_logits",
+              "input_ids", "scores", "n_tokens", "n_embd", "ctx", "model", "tokenizer", "metadata",
+              "create_chat_completion_openai_v1", "logits_to_logprobs", "longest_token_prefix"}
 
 
 class _Run:

@@ -229,15 +229,16 @@ def parse_calls(text: str, names: Optional[set] = None, cut: bool = False) -> Pa
         pos = m.end()
         calls.append(call)
     rest = text[pos:]
-    if cut and OPEN in rest:  # a call the token limit cut off: a call as far as it was written, not text
-        at = rest.index(OPEN)
+    at = rest.rfind(OPEN)  # the last call begun and not closed: the one the token limit cut off
+    open_call = at >= 0 and CLOSE not in rest[at:]
+    if cut and open_call:  # a call as far as it was written, not text
         partial, is_text = _cut_call(rest[at + len(OPEN):], names)
         if not is_text:
             rest = rest[:at]
         if partial is not None:
             calls.append(partial)
-    elif calls and OPEN in rest:  # a further call the token limit cut off: not text the model meant to say
-        rest = rest[:rest.index(OPEN)]
+    elif calls and open_call:  # a further call the token limit cut off: not text the model meant to say
+        rest = rest[:at]
     if cut:  # a tag the limit cut inside ("<tool"): the start of a call, not text
         rest = rest[:len(rest) - next((n for n in range(min(len(OPEN) - 1, len(rest)), 1, -1)
                                        if OPEN.startswith(rest[-n:])), 0)]

@@ -54,6 +54,9 @@ class SamplingParams:
     # presence and frequency: the output); N >= 1, as llama.cpp's repeat_last_n: all three over the last N
     # tokens before the position, prompt included
     penalty_last_n: Optional[int] = None
+    # False: the penalties count the output alone (llama-cpp-python's Llama, whose penalties sampler sees only the
+    # tokens it sampled: with penalty_last_n N, the last N of the output)
+    penalize_prompt: bool = True
     # position-keyed draws (coupled_draw): True, False (rejection sampling), None: whenever a seed is given
     coupled: Optional[bool] = None
     # llama.cpp's infill sampler (llama-server's "samplers": [..., "infill"]; infill_keep): the vocabulary it
@@ -184,7 +187,7 @@ def _biased_and_penalized(logits: np.ndarray, params: SamplingParams, tokens: Se
     As vLLM: repetition (tokens of prompt or output: positive logits / r, negative * r), then frequency
     (count in the output) and presence (in the output at all) subtracted; the bias is added first. With
     params.penalty_last_n = N, as llama.cpp's penalties sampler: the same three over the last N tokens before the
-    row's position, prompt included.
+    row's position, prompt included (params.penalize_prompt False: the output alone, both ways).
     """
     if not (params.logit_bias or params.penalizes):  # (params.adjusts counts the infill sampler too)
         return logits
@@ -202,12 +205,15 @@ def _biased_and_penalized(logits: np.ndarray, params: SamplingParams, tokens: Se
     if base < n_prompt:
         raise ValueError(f"a pass row before the end of the prompt ({base} < {n_prompt})")
     if params.penalty_last_n is not None:
+        first = 0 if params.penalize_prompt else n_prompt
         for i in range(n):
-            ids, counts = np.unique(tokens[max(0, base + i - params.penalty_last_n):base + i], return_counts=True)
+            ids, counts = np.unique(tokens[max(first, base + i - params.penalty_last_n):base + i],
+                                    return_counts=True)
             _penalize(x[i], params, ids, ids, counts)
         return x[0] if squeeze else x
     out_ids, out_counts = np.unique(tokens[n_prompt:base], return_counts=True)
-    seen_prompt = np.unique(tokens[:n_prompt]) if params.repetition_penalty != 1.0 else None
+    seen_prompt = np.unique(tokens[:n_prompt]) if params.repetition_penalty != 1.0 and params.penalize_prompt \
+        else None
     for i in range(n):
         if i:  # the drafts before row i join the output
             out_ids, out_counts = _count_one(out_ids, out_counts, int(tokens[base + i - 1]))

@@ -108,6 +108,11 @@ def test_a_penalty_window_is_llama_cpps_repeat_last_n(seed):
     for i in range(n):
         want = _llama_cpp_penalties(logits[i], params, tokens[:base + i])
         np.testing.assert_allclose(got[i], want, rtol=1e-5, atol=1e-5)
+    # penalize_prompt False: the sampler having accepted only the output (llama-cpp-python's Llama)
+    out_only = adjust_logits(logits, dataclasses.replace(params, penalize_prompt=False), tokens, n_prompt)
+    for i in range(n):
+        want = _llama_cpp_penalties(logits[i], params, tokens[n_prompt:base + i])
+        np.testing.assert_allclose(out_only[i], want, rtol=1e-5, atol=1e-5)
     whole = adjust_logits(logits, dataclasses.replace(params, penalty_last_n=None), tokens, n_prompt)
     assert not np.allclose(whole, got)  # the window matters here
     with pytest.raises(SettingsError, match="window"):
@@ -123,6 +128,9 @@ def test_greedy_with_a_penalty_window_equals_plain_decoding(k):
     whole = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, params=dataclasses.replace(
         params, penalty_last_n=None))
     assert whole.tokens != plain.tokens
+    out_only = dataclasses.replace(params, penalize_prompt=False)  # the output alone: still exact
+    plain = Engine(TableBackend(V, seed=0)).generate(PROMPT, max_tokens=60, params=out_only)
+    assert make_spec(k).generate(PROMPT, max_tokens=60, params=out_only).tokens == plain.tokens
 
 
 def exact_joint(params, n=3):

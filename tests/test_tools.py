@@ -92,6 +92,10 @@ def test_a_call_the_token_limit_cut_is_a_call_as_far_as_written_never_text():
         assert p.content == content, text
         assert [c["function"]["arguments"] for c in p.calls] == ([args] if args is not None else []), text
         assert all(c["function"]["name"] == "get_time" for c in p.calls)
+    # a whole block that stays text (not JSON; another function) before the cut call stays, and the cut call counts
+    for block in (f"{OPEN}\nnot json\n{CLOSE}\n", f'{OPEN}\n{{"name": "other", "arguments": {{}}}}\n{CLOSE}\n'):
+        p = parse_calls(block + f'{OPEN}\n{{"name": "get_time", "arguments": {{"city": "Pa', names, cut=True)
+        assert p.content == block.strip() and [c["function"]["arguments"] for c in p.calls] == ['{"city": "Pa']
     # text that only may start a tag stays; a call to a function the request lacks stays text, cut or whole
     assert parse_calls("a < b", names, cut=True).content == "a < b"
     other = f'{OPEN}\n{{"name": "launch", "arguments": {{"x": 1'
