@@ -118,7 +118,8 @@ REFUSED_SAMPLING_FLAGS = (
     (("--xtc-probability",), "N", "XTC sampling", _NO_SAMPLER, ("0", "0.0", "0.00")),
     (("--xtc-threshold",), "N", "XTC's threshold", _NO_SAMPLER, ()),
     (("--top-nsigma", "--top-n-sigma"), "N", "top-n-sigma sampling", _NO_SAMPLER, ("-1", "-1.0")),
-    (("--dynatemp-range", "--dynatemp-exp"), "N", "dynamic temperature", _NO_SAMPLER, ("0", "0.0", "1", "1.0")),
+    (("--dynatemp-range",), "N", "dynamic temperature", _NO_SAMPLER, ("0", "0.0")),
+    (("--dynatemp-exp",), "N", "dynamic temperature's exponent", _NO_SAMPLER, ("1", "1.0")),
 )
 _NOT_INTERACTIVE = ("generate answers one prompt; use --chat for one chat turn (-sys adds a system message), or "
                     "`speculant serve` with an OpenAI chat client for a conversation")

@@ -1648,17 +1648,21 @@ def create_app(engine, cfg: ServerConfig):
             raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
                            code="body_too_large")
         chunks, size = [], 0
-        try:
-            async with asyncio.timeout(cfg.io_timeout_s):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > cfg.max_body_bytes:
-                        raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
-                                       code="body_too_large")
-                    chunks.append(chunk)
-        except TimeoutError:
-            raise APIError(408, f"the request body did not arrive within {cfg.io_timeout_s:g} s (--timeout); "
-                           f"{size} bytes came", code="request_timeout") from None
+        body = request.stream().__aiter__()
+        while True:  # each part within --timeout of the one before (a slow upload that goes on is not cut)
+            try:
+                async with asyncio.timeout(cfg.io_timeout_s):
+                    chunk = await anext(body)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise APIError(408, f"the request body stopped arriving: nothing for {cfg.io_timeout_s:g} s "
+                               f"(--timeout); {size} bytes came", code="request_timeout") from None
+            size += len(chunk)
+            if size > cfg.max_body_bytes:
+                raise APIError(413, f"the request body is larger than {cfg.max_body_bytes} bytes",
+                               code="body_too_large")
+            chunks.append(chunk)
         raw = b"".join(chunks)
         try:
             body = json.loads(raw)
@@ -2335,6 +2339,8 @@ SELF_SPEC = "self-spec"  # the drafter named in /health, /v1/models and the bann
 def draft_label(args) -> Optional[str]:
     """What drafts, as /health's and /v1/models' draft_model and the banner name it: the draft model (or
     'lookup' / 'history'), or 'self-spec' when the target drafts with its own layers; None: nothing."""
+    if getattr(args, "draft_max", None) == 0:  # nothing drafts: the drafter is not loaded (api.load_engine)
+        return None
     if args.self_spec or args.self_spec_exit is not None or args.self_spec_config is not None:
         return SELF_SPEC
     return args.model_draft

@@ -270,6 +270,8 @@ REFUSED = [  # (command, flags, what the one line must say)
     ("generate", ["--xtc-probability", "0.5"], "XTC"),
     ("generate", ["--top-nsigma", "1.5"], "top-n-sigma"),
     ("generate", ["--dynatemp-range", "0.5"], "dynamic temperature"),
+    ("generate", ["--dynatemp-range", "1"], "dynamic temperature"),  # on in llama.cpp (temp +- 1): not taken
+    ("generate", ["--dynatemp-exp", "2"], "dynamic temperature's exponent"),
     ("generate", ["--mlock"], "not locked"),
     ("serve", ["--chat-template", "chatml"], "the model file's own"),
     ("generate", ["-v"], "SPECULANT_VERBOSE=1"),
@@ -351,6 +353,7 @@ def test_llama_cpp_flags_that_mean_nothing_here_are_refused_in_one_line(command,
                                    # samplers at their off values, and what speculant does anyway
                                    ["--mirostat", "0"], ["--typical", "1.0"], ["--dry-multiplier", "0"],
                                    ["--xtc-probability", "0"], ["--top-nsigma", "-1"], ["--jinja"], ["--no-mmap"],
+                                   ["--dynatemp-range", "0"], ["--dynatemp-exp", "1"],
                                    ["-st"], ["--single-turn"], ["--no-display-prompt"]])
 def test_llama_cpp_flags_that_mean_what_speculant_does_are_accepted(flags):
     """Parsed and checked: the run then stops at the model name, which only comes after the flags are read."""

@@ -549,22 +549,39 @@ def test_a_hung_worker_ends_a_decode_pass_after_the_stall_limit(workers, monkeyp
     from speculant.backends import supervised
 
     monkeypatch.setattr(supervised, "STALL_S", 3.0)
-    port = list(workers)[0]
-    engine = load_engine(MODEL, n_ctx=512, threads=1, rpc=_endpoints(workers)[:1])
+    port = _free_port()
+    worker = _start_worker(port)  # its own: the module's may still serve an earlier test's client
     try:
-        expected = engine.generate("The capital of France is", max_tokens=6).tokens
-        stream = engine.stream("Once upon a time", max_tokens=200)
-        next(stream)
-        workers[port].send_signal(signal.SIGSTOP)
+        engine = load_engine(MODEL, n_ctx=512, threads=1, rpc=[f"127.0.0.1:{port}"])
         try:
-            with pytest.raises(WorkerError, match="gave no answer to a decode pass for 3 s"):
-                for _ in stream:
-                    pass
+            expected = engine.generate("The capital of France is", max_tokens=6).tokens
+            stream = engine.stream("Once upon a time", max_tokens=200)
+            next(stream)
+            worker.send_signal(signal.SIGSTOP)
+            try:
+                with pytest.raises(WorkerError, match="gave no answer to a decode pass for 3 s"):
+                    for _ in stream:
+                        pass
+            finally:
+                worker.send_signal(signal.SIGCONT)
+            assert engine.generate("The capital of France is", max_tokens=6).tokens == expected
         finally:
-            workers[port].send_signal(signal.SIGCONT)
-        assert engine.generate("The capital of France is", max_tokens=6).tokens == expected
+            engine.close()
     finally:
-        engine.close()
+        _stop(worker)
+
+
+def _until_free(endpoint: str, timeout: float = 60) -> None:
+    """Wait until the worker answers a new client (one a test before held may still be serving it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            probe(endpoint)
+            return
+        except WorkerError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.5)
 
 
 def test_a_server_whose_worker_hangs_says_so_and_still_shuts_down(workers):
@@ -573,6 +590,7 @@ def test_a_server_whose_worker_hangs_says_so_and_still_shuts_down(workers):
     the process could only be killed with -9."""
     port = list(workers)[1]
     endpoint = f"127.0.0.1:{port}"
+    _until_free(endpoint)
     proc, url = spawn_local(["-m", MODEL, "-c", "2048", "-t", "1", "--rpc", endpoint, "--shutdown-timeout", "1"],
                             env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     stopped = False

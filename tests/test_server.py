@@ -101,6 +101,17 @@ def test_models_and_health(server, client):
     assert httpx.head(server + "/health").status_code == 200
 
 
+def test_draft_max_0_serves_plainly_and_names_no_draft():
+    """-md MODEL --draft-max 0: the draft is not loaded, and /health, /v1/models do not name it as if it drafted."""
+    proc, url = _start("--draft-max", "0")
+    try:
+        assert httpx.get(url + "/health").json()["draft_model"] is None
+        r = httpx.post(url + "/v1/completions", json={"model": MODEL, "prompt": PROMPT, "max_tokens": 4}, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["speculative"]["drafted"] == 0
+    finally:
+        _stop(proc)
+
+
 def test_endpoints_it_has_not_say_so(server, client):
     """Embeddings, reranking and the Responses API: a 501 saying the server has not that (a bare 404 'Not Found'
     read as a wrong URL), as llama-server answers embeddings without --embeddings; the openai client raises."""

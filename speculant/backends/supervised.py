@@ -33,6 +33,7 @@ WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
 STALL_S = 120.0  # a decode pass without an answer this long: a worker is hung (stopped, or its host unreachable
 # without closing its connections); even a 72B target's pass over a slow network takes seconds
+DECODE_TOKENS = 17  # the longest decode pass held to STALL_S (a verify pass: a draft of up to 16, and the last token)
 STALLED_S = 10.0  # /health calls a worker stalled while a decode pass has waited this long
 CONNECT_S = 20.0  # the workers' first answers while loading: a worker serves one client at a time, and another
 # client's connection waits unanswered until the first leaves
@@ -136,6 +137,7 @@ class SupervisedBackend(Backend):
     # -- the child ------------------------------------------------------------------------------------------
     def _start(self) -> None:
         """Check every worker answers, then start a child and wait until its model is loaded."""
+        self._inexact = set()  # as the workers are now (one of another build may have been replaced)
         for endpoint in self.endpoints:
             try:
                 warnings = check_identity(endpoint, probe(endpoint))
@@ -283,8 +285,10 @@ class SupervisedBackend(Backend):
 
     # -- Backend ------------------------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
-        # after a failure self.tokens is empty, so `start` is 0 and the new child's empty cache agrees
-        return self._call("decode", list(map(int, tokens)), start, n_logits)
+        # after a failure self.tokens is empty, so `start` is 0 and the new child's empty cache agrees; a pass over
+        # more than a verify pass's tokens (scoring a prompt: echo with logprobs) may take long: not held to STALL_S
+        return self._call("decode", list(map(int, tokens)), start, n_logits,
+                          what="decoding" if len(tokens) <= DECODE_TOKENS else "scoring the prompt")
 
     def _truncate(self, n_kept: int) -> None:
         pass  # the child cuts its cache to `start` at each decode, and prefill keeps what it can
