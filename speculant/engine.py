@@ -9,6 +9,7 @@ from __future__ import annotations
 import atexit
 import bisect
 import codecs
+import contextlib
 import dataclasses
 import functools
 import numbers
@@ -339,10 +340,12 @@ class Engine:
             target.prefill(tokens[:start])
         else:
             target.rewind(0)
-        for a in range(start, len(tokens) - 1, chunk):
-            b = min(a + chunk, len(tokens) - 1)  # rows a..b-1 predict tokens a+1..b
-            logits = target.eval(tokens[a:b], n_logits=b - a)  # [b - a, V]
-            out += token_logprobs(logits, tokens[a + 1:b + 1], n_top)
+        scoring = getattr(target, "scoring", None)  # a target on RPC workers: these passes are not decode steps
+        with scoring() if scoring is not None else contextlib.nullcontext():
+            for a in range(start, len(tokens) - 1, chunk):
+                b = min(a + chunk, len(tokens) - 1)  # rows a..b-1 predict tokens a+1..b
+                logits = target.eval(tokens[a:b], n_logits=b - a)  # [b - a, V]
+                out += token_logprobs(logits, tokens[a + 1:b + 1], n_top)
         if stats is not None:
             stats.cached_prompt_tokens = start
         self._scored = ([int(t) for t in tokens], n_top, out[:])

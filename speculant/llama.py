@@ -12,6 +12,7 @@ criteria (callables that would see only the target's own tokens), and tools (`sp
 from __future__ import annotations
 
 import numbers
+import random
 import sys
 import time
 import types
@@ -27,7 +28,7 @@ from .verify import SamplingParams
 ANY_VALUE = {"split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock", "n_batch", "n_ubatch",
              "n_threads_batch", "logits_all", "offload_kqv", "op_offload", "swa_full", "no_perf", "numa", "lora_scale"}
 AT_DEFAULT = {"vocab_only": False, "kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1,
-              "attention_type": -1, "rope_freq_base": 0.0, "rope_freq_scale": 0.0, "yarn_ext_factor": -1.0,
+              "attention_type": -1, "yarn_ext_factor": -1.0,
               "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
               "embedding": False, "flash_attn": False, "lora_base": None, "lora_path": None, "chat_format": None,
               "chat_handler": None, "tokenizer": None, "type_k": None, "type_v": None, "spm_infill": False}
@@ -80,13 +81,32 @@ class Llama:
             raise SettingsError(f"last_n_tokens_size must be an integer >= 0, got {last_n_tokens_size!r}")
         draft, n_pred = _lookup_draft(draft_model)
         self.model_path, self.verbose = model_path, verbose
-        self._seed = self._checked_seed(seed)
+        self._seed = self._checked_seed(seed) or RANDOM_SEED  # 0 too, as llama-cpp-python reads it
         self._penalty_window = int(last_n_tokens_size)
         threads = int(n_threads) if n_threads is not None and n_threads > 0 else None  # <= 0: all cores
         self._engine = load_engine(model_path, draft, n_ctx=int(n_ctx), threads=threads,
                                    draft_max=draft_max if draft_max is not None else n_pred, lookup=lookup,
                                    history=history)
         self.context_params = types.SimpleNamespace(n_ctx=self.n_ctx(), n_threads=threads)  # llama-index reads it
+        try:
+            self._check_rope(options.get("rope_freq_base", 0.0), options.get("rope_freq_scale", 0.0))
+        except SettingsError:
+            self.close()
+            raise
+
+    def _check_rope(self, base, scale) -> None:
+        """RoPE overrides are taken where they are the model's own (LangChain passes 10000 and 1.0 whatever the
+        model): another value would change what the model computes."""
+        meta = self._engine.target.metadata
+        arch = meta("general.architecture") or ""
+        own_base = float(meta(f"{arch}.rope.freq_base") or 10000.0)
+        factor = float(meta(f"{arch}.rope.scaling.factor") or 1.0)
+        if base not in (0, None) and abs(float(base) - own_base) > 1e-6 * own_base:
+            raise SettingsError(f"rope_freq_base={base}: this model's own is {own_base:g}; another would change what it "
+                                f"computes (pass 0 or {own_base:g}; LangChain's LlamaCpp passes 10000 by default)")
+        if scale not in (0, None) and abs(float(scale) - 1.0 / factor) > 1e-9:
+            raise SettingsError(f"rope_freq_scale={scale}: this model's own is {1.0 / factor:g}; another would change "
+                                f"what it computes (pass 0)")
 
     # -- llama_cpp.Llama's surface ------------------------------------------------------------------------------
     @property
@@ -130,7 +150,8 @@ class Llama:
         one by itself; nothing to do."""
 
     def set_seed(self, seed: int) -> None:
-        """The seed of calls that pass none (llama.cpp's LLAMA_DEFAULT_SEED, 0xFFFFFFFF: a random one each)."""
+        """The seed the next call's is drawn from (llama-cpp-python's: a call without a seed draws its own from it,
+        so a run repeats as a whole and each call samples anew)."""
         self._seed = self._checked_seed(seed)
 
     def create_embedding(self, *args, **kwargs):
@@ -258,20 +279,29 @@ class Llama:
                                     f"not the drafts it verifies); use stop strings or a grammar")
 
     @staticmethod
-    def _checked_seed(seed) -> Optional[int]:
-        """A seed as llama.cpp reads one: -1 or 0xFFFFFFFF (LLAMA_DEFAULT_SEED) is a random one (None)."""
-        if seed is None:
-            return None
-        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or seed < -1:
+    def _checked_seed(seed) -> int:
+        if not isinstance(seed, numbers.Integral) or isinstance(seed, bool) or not -1 <= seed < 2 ** 64:
             raise SettingsError(f"seed must be -1 (random) or a non-negative integer, got {seed!r}")
-        return None if seed in (-1, RANDOM_SEED) else int(seed)
+        return int(seed)
+
+    def _call_seed(self, seed: Optional[int]) -> Optional[int]:
+        """This call's seed, as llama-cpp-python draws it: a seed given sticks (set_seed); else the next of a chain
+        drawn from the last one (random.Random(seed).randint), so a run repeats as a whole. -1 or 0xFFFFFFFF
+        (llama.cpp's LLAMA_DEFAULT_SEED) samples with a random one (None)."""
+        if seed is not None:
+            self._seed = self._checked_seed(seed)
+        else:
+            self._seed = random.Random(self._seed).randint(0, 2 ** 32)
+        return None if self._seed in (-1, RANDOM_SEED) else self._seed
 
     def _params(self, temperature, top_k, top_p, min_p, seed, logit_bias, presence, frequency,
                 repeat) -> SamplingParams:
         """llama-cpp-python's sampling: a temperature below 0 samples the model's own distribution (no truncation),
         0 is greedy; top_p 0 keeps the likeliest token; the penalties count the last last_n_tokens_size tokens of
         the output (its penalties sampler sees only the tokens it sampled)."""
-        seed = self._seed if seed is None else self._checked_seed(seed)
+        seed = self._call_seed(seed)
+        if not self._penalty_window:  # llama.cpp's penalties sampler: a window of 0 turns them off
+            repeat, presence, frequency = 1.0, 0.0, 0.0
         if temperature < 0:
             temperature, top_k, top_p, min_p = 1.0, 0, 1.0, 0.0
         elif top_p <= 0:

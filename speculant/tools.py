@@ -212,6 +212,18 @@ def _cut_call(block: str, names: Optional[set]) -> tuple[Optional[dict], bool]:
     return call, False
 
 
+def _unclosed(text: str) -> int:
+    """Where the first <tool_call> that no </tool_call> closes begins (whole blocks before it, kept as text, are
+    stepped over; one inside its arguments is part of it), or -1."""
+    pos = 0
+    while (at := text.find(OPEN, pos)) >= 0:
+        end = text.find(CLOSE, at)
+        if end < 0:
+            return at
+        pos = end + len(CLOSE)
+    return -1
+
+
 def parse_calls(text: str, names: Optional[set] = None, cut: bool = False) -> Parsed:
     """The model's answer -> its text and its tool calls. A block that is not a JSON object with a string
     "name" stays in the text (the client sees what the model wrote rather than losing it). names: the
@@ -229,8 +241,8 @@ def parse_calls(text: str, names: Optional[set] = None, cut: bool = False) -> Pa
         pos = m.end()
         calls.append(call)
     rest = text[pos:]
-    at = rest.rfind(OPEN)  # the last call begun and not closed: the one the token limit cut off
-    open_call = at >= 0 and CLOSE not in rest[at:]
+    at = _unclosed(rest)  # the call begun and never closed: the one the token limit cut off
+    open_call = at >= 0
     if cut and open_call:  # a call as far as it was written, not text
         partial, is_text = _cut_call(rest[at + len(OPEN):], names)
         if not is_text:

@@ -157,13 +157,18 @@ def test_what_integrations_construct_and_call_is_taken(path, plain):
     0xFFFFFFFF; streamed logprobs come with their chunk; a context overflow is a ValueError, as llama-cpp-python's."""
     import llama_cpp
 
-    with Llama(model_path=path, n_ctx=256, n_threads=1, f16_kv=True, n_parts=-1, lora_path=None, lora_base=None,
-               n_gpu_layers=-1, n_batch=8, use_mlock=False, verbose=False, seed=llama_cpp.LLAMA_DEFAULT_SEED) as llm:
+    langchain = dict(f16_kv=True, n_parts=-1, lora_path=None, lora_base=None, n_gpu_layers=-1, n_batch=8,
+                     use_mlock=False, verbose=False, rope_freq_scale=1.0)
+    with pytest.raises(SettingsError, match="rope_freq_base=10000.0: this model's own is 100000"):
+        Llama(model_path=path, n_ctx=256, n_threads=1, rope_freq_base=10000.0, **langchain)  # LangChain's default
+    with Llama(model_path=path, n_ctx=256, n_threads=1, rope_freq_base=100000.0, **langchain) as llm:
         assert llm.context_params.n_ctx == 256
-        texts = {llm(PROMPT, max_tokens=12, temperature=1.5)["choices"][0]["text"] for _ in range(4)}
-        assert len(texts) > 1  # random each call
-        llm.set_seed(3)
-        assert len({llm(PROMPT, max_tokens=12, temperature=1.5)["choices"][0]["text"] for _ in range(2)}) == 1
+        texts = [llm(PROMPT, max_tokens=12, temperature=1.5)["choices"][0]["text"] for _ in range(4)]
+        assert len(set(texts)) > 1  # each call draws its seed from the last one, as llama-cpp-python's
+        llm.set_seed(llama_cpp.LLAMA_DEFAULT_SEED)
+        assert [llm(PROMPT, max_tokens=12, temperature=1.5)["choices"][0]["text"] for _ in range(4)] == texts
+        sticky = [llm(PROMPT, max_tokens=12, temperature=1.5, seed=7)["choices"][0]["text"] for _ in range(2)]
+        assert sticky[0] == sticky[1] and llm._seed == 7  # a call's seed sticks (set_seed), as there
         llm.reset()
         with pytest.raises(ValueError, match="context"):
             llm("word " * 400, max_tokens=4)
@@ -178,6 +183,9 @@ def test_what_integrations_construct_and_call_is_taken(path, plain):
         plain(PROMPT, max_tokens=8, temperature=0)["choices"][0]["text"]  # top_p 0 keeps the likeliest token
     assert plain(PROMPT, max_tokens=4, temperature=-1, seed=1)["usage"]["completion_tokens"] == 4
     assert plain(PROMPT, max_tokens=4.0, temperature=0)["usage"]["completion_tokens"] == 4
+    with Llama(path, n_ctx=256, n_threads=1, last_n_tokens_size=0) as off:  # llama.cpp's window 0: no penalties
+        assert off(PROMPT, max_tokens=20, temperature=0, repeat_penalty=1.8)["choices"][0]["text"] == \
+            plain(PROMPT, max_tokens=20, temperature=0)["choices"][0]["text"]
 
 
 def test_what_it_has_not_is_refused_not_ignored(plain, path):
@@ -187,7 +195,7 @@ def test_what_it_has_not_is_refused_not_ignored(plain, path):
                  lambda: plain.create_chat_completion(CHAT, response_format={"type": "xml"}),
                  lambda: plain(PROMPT, seed=-5), lambda: plain.detokenize([plain.n_vocab()]),
                  lambda: Llama(path, chat_format="llama-2"), lambda: Llama(path, lora_path="x.gguf"),
-                 lambda: Llama(path, rope_freq_base=10000.0), lambda: Llama(path, draft_model=3)):
+                 lambda: Llama(path, rope_freq_scale=0.5), lambda: Llama(path, draft_model=3)):
         with pytest.raises(SettingsError):
             call()
     assert plain(PROMPT, max_tokens=2, mirostat_mode=0, typical_p=1.0, temperature=0)["usage"]["completion_tokens"] == 2

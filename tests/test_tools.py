@@ -96,6 +96,9 @@ def test_a_call_the_token_limit_cut_is_a_call_as_far_as_written_never_text():
     for block in (f"{OPEN}\nnot json\n{CLOSE}\n", f'{OPEN}\n{{"name": "other", "arguments": {{}}}}\n{CLOSE}\n'):
         p = parse_calls(block + f'{OPEN}\n{{"name": "get_time", "arguments": {{"city": "Pa', names, cut=True)
         assert p.content == block.strip() and [c["function"]["arguments"] for c in p.calls] == ['{"city": "Pa']
+    # the tag inside a cut call's arguments is part of them
+    p = parse_calls(f'{OPEN}\n{{"name": "get_time", "arguments": {{"text": "the tag is {OPEN} and', names, cut=True)
+    assert p.content is None and p.calls[0]["function"]["arguments"] == f'{{"text": "the tag is {OPEN} and'
     # text that only may start a tag stays; a call to a function the request lacks stays text, cut or whole
     assert parse_calls("a < b", names, cut=True).content == "a < b"
     other = f'{OPEN}\n{{"name": "launch", "arguments": {{"x": 1'

@@ -14,6 +14,7 @@ variant with our invariant kernels on its layers, so the logits are those of the
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing as mp
 import os
 import signal
@@ -33,7 +34,6 @@ WATCH_S = 0.2  # how often a waiting call checks the child process
 REACH_S = 1.0  # how often it checks that the workers still accept connections
 STALL_S = 120.0  # a decode pass without an answer this long: a worker is hung (stopped, or its host unreachable
 # without closing its connections); even a 72B target's pass over a slow network takes seconds
-DECODE_TOKENS = 17  # the longest decode pass held to STALL_S (a verify pass: a draft of up to 16, and the last token)
 STALLED_S = 10.0  # /health calls a worker stalled while a decode pass has waited this long
 CONNECT_S = 20.0  # the workers' first answers while loading: a worker serves one client at a time, and another
 # client's connection waits unanswered until the first leaves
@@ -124,6 +124,7 @@ class SupervisedBackend(Backend):
         self._kwargs = {"n_ctx": n_ctx, "n_threads": n_threads}
         self._abort_at: Optional[float] = None  # a shutdown's deadline (abort_at): past it, a waiting call ends
         self._decoding_since: Optional[float] = None  # when the decode pass in flight was sent
+        self._what = "decoding"  # what the passes are doing (scoring: "scoring the prompt")
         self._load_timeout = load_timeout
         self._proc: Optional[mp.Process] = None
         self._conn = None
@@ -285,10 +286,18 @@ class SupervisedBackend(Backend):
 
     # -- Backend ------------------------------------------------------------------------------------------
     def _decode(self, tokens: Sequence[int], start: int, n_logits: int) -> np.ndarray:
-        # after a failure self.tokens is empty, so `start` is 0 and the new child's empty cache agrees; a pass over
-        # more than a verify pass's tokens (scoring a prompt: echo with logprobs) may take long: not held to STALL_S
-        return self._call("decode", list(map(int, tokens)), start, n_logits,
-                          what="decoding" if len(tokens) <= DECODE_TOKENS else "scoring the prompt")
+        # after a failure self.tokens is empty, so `start` is 0 and the new child's empty cache agrees; the passes
+        # of a prompt being scored (echo with logprobs: `scoring`) may take long: they are not held to STALL_S
+        return self._call("decode", list(map(int, tokens)), start, n_logits, what=self._what)
+
+    @contextlib.contextmanager
+    def scoring(self):
+        """Passes over a prompt being scored (Engine.prompt_logprobs), not decode steps: no stall limit."""
+        self._what = "scoring the prompt"
+        try:
+            yield
+        finally:
+            self._what = "decoding"
 
     def _truncate(self, n_kept: int) -> None:
         pass  # the child cuts its cache to `start` at each decode, and prefill keeps what it can
