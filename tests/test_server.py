@@ -1153,6 +1153,18 @@ def test_a_client_that_stops_sending_or_reading_is_given_up_after_the_timeout():
         assert head.startswith(b"HTTP/1.1 408") and b"connection: close" in head.lower(), answer
         assert json.loads(body)["error"]["code"] == "request_timeout"
         _assert_counted_once(url, before, "/v1/completions", "408", not_as="499")
+        # a body that keeps coming, if slowly, is read to its end: the timeout is on its parts, not its whole
+        body = json.dumps({"model": MODEL, "prompt": PROMPT, "max_tokens": 2}).encode()
+        with socket.create_connection((host, int(port)), timeout=60) as s:
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                      b"Connection: close\r\nContent-Length: %d\r\n\r\n" % len(body))
+            for i in range(0, len(body), len(body) // 4 + 1):  # 5 s in all, more than the timeout
+                s.sendall(body[i:i + len(body) // 4 + 1])
+                time.sleep(1.2)
+            answer = b""
+            while chunk := s.recv(4096):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:300]
 
         # ~2 KB a token (20 alternatives each): the socket buffers fill after some hundreds of tokens
         ask = {"model": MODEL, "messages": [{"role": "user", "content": "Tell a long story"}], "max_tokens": 1900,
