@@ -317,9 +317,7 @@ class Engine:
         if not integral:
             raise SettingsError(f"{what}s must be integers: give text or a list of token ids, got {str(ids)[:60]!r}")
         tokens = [int(t) for t in ids]
-        bad = [t for t in tokens if not 0 <= t < self.target.n_vocab]
-        if bad:
-            raise SettingsError(f"{what} {bad[0]} is outside the vocabulary (0..{self.target.n_vocab - 1})")
+        self.target.check_ids(tokens, what)
         return tokens
 
     def prompt_logprobs(self, tokens: Sequence[int], n_top: int, stats: Optional[SpecStats] = None) -> list[TokenLogprob]:

@@ -22,11 +22,9 @@ from typing import Iterator, Optional, Sequence
 from .errors import SettingsError
 from .verify import SamplingParams
 
-# llama_cpp.Llama's loading options (its defaults): those that mean nothing for a CPU run here are taken at any value;
-# the others only at their default (a non-default one would change the model's numbers or what it loads); the rest of
-# its keyword arguments it swallows itself (LangChain passes f16_kv, n_parts), as do we
-ANY_VALUE = {"split_mode", "main_gpu", "tensor_split", "use_mmap", "use_mlock", "n_batch", "n_ubatch",
-             "n_threads_batch", "logits_all", "offload_kqv", "op_offload", "swa_full", "no_perf", "numa", "lora_scale"}
+# llama_cpp.Llama's loading options that would change the model's numbers or what it loads: taken at their defaults
+# only. Any other keyword is taken and means nothing here (n_batch, use_mmap, the GPU ones on a CPU run; and those
+# llama_cpp.Llama swallows itself: LangChain passes f16_kv, n_parts); RoPE: _check_rope
 AT_DEFAULT = {"vocab_only": False, "kv_overrides": None, "rope_scaling_type": -1, "pooling_type": -1,
               "attention_type": -1, "yarn_ext_factor": -1.0,
               "yarn_attn_factor": 1.0, "yarn_beta_fast": 32.0, "yarn_beta_slow": 1.0, "yarn_orig_ctx": 0,
@@ -136,9 +134,7 @@ class Llama:
                    special: bool = False) -> bytes:
         """Token ids -> UTF-8 bytes, as llama_cpp.Llama.detokenize (special: control tokens written out)."""
         target = self._engine.target
-        bad = [t for t in tokens if not 0 <= t < target.n_vocab]
-        if bad:
-            raise SettingsError(f"token id {bad[0]} is outside the vocabulary (0..{target.n_vocab - 1})")
+        target.check_ids(tokens)
         piece = target.token_text if special else target.token_bytes
         return b"".join(piece(t) for t in tokens)
 
@@ -249,7 +245,7 @@ class Llama:
         try:
             prompt, _ = render_messages({"messages": messages, "continue_final_message": False},
                                         self._engine.chat_prompt, None)
-            gbnf = _get_grammar({"response_format": response_format}) if grammar is None else _grammar_text(grammar)
+            gbnf = _get_grammar({"response_format": response_format}) if grammar is None else grammar
         except APIError as e:
             raise SettingsError(e.message) from None
         n_top = (top_logprobs or 0) if logprobs else None

@@ -251,9 +251,9 @@ def parse_calls(text: str, names: Optional[set] = None, cut: bool = False) -> Pa
             calls.append(partial)
     elif calls and open_call:  # a further call the token limit cut off: not text the model meant to say
         rest = rest[:at]
-    if cut:  # a tag the limit cut inside ("<tool"): the start of a call, not text
-        rest = rest[:len(rest) - next((n for n in range(min(len(OPEN) - 1, len(rest)), 1, -1)
-                                       if OPEN.startswith(rest[-n:])), 0)]
+    if cut:  # a tag the limit cut inside ("<tool"; a lone "<" may be text): the start of a call, not text
+        tail = _open_tag_tail(rest)
+        rest = rest[:len(rest) - tail] if tail > 1 else rest
     kept.append(rest)
     if not calls:
         bare = _bare(text, names) if names else []
@@ -286,10 +286,12 @@ def held_back(text: str, sent: int = 0) -> int:
     at = text.find(OPEN, max(sent - len(OPEN) + 1, 0))
     if at >= 0:
         return len(text) - at
-    for n in range(min(len(OPEN) - 1, len(text)), 0, -1):
-        if OPEN.startswith(text[-n:]):
-            return n
-    return 0
+    return _open_tag_tail(text)
+
+
+def _open_tag_tail(text: str) -> int:
+    """How many characters at the end of text may begin a <tool_call> tag ("<", "<tool", ...; 0: none)."""
+    return next((n for n in range(min(len(OPEN) - 1, len(text)), 0, -1) if OPEN.startswith(text[-n:])), 0)
 
 
 def message_for_template(m: dict) -> dict:

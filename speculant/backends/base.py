@@ -135,11 +135,15 @@ class Backend(ABC):
         texts = self._control_texts
         return texts[token] if 0 <= token < len(texts) else b""
 
-    def detokenize(self, tokens: Sequence[int]) -> str:
-        """token ids -> text; an id outside the vocabulary is a SettingsError (llama.cpp aborts the process)."""
+    def check_ids(self, tokens: Sequence[int], what: str = "token id") -> None:
+        """A SettingsError naming the first id outside the vocabulary (llama.cpp aborts the process on one)."""
         bad = [t for t in tokens if not 0 <= t < self.n_vocab]
         if bad:
-            raise SettingsError(f"token id {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+            raise SettingsError(f"{what} {bad[0]} is outside the vocabulary (0..{self.n_vocab - 1})")
+
+    def detokenize(self, tokens: Sequence[int]) -> str:
+        """token ids -> text (check_ids first)."""
+        self.check_ids(tokens)
         return b"".join(self.token_bytes(t) for t in tokens).decode("utf-8", errors="replace")
 
     @abstractmethod

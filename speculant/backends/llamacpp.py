@@ -427,8 +427,7 @@ class LlamaCppBackend(Backend):
     def _piece(self, token: int, special: bool, cache: dict) -> bytes:
         piece = cache.get(token)
         if piece is None:
-            if not 0 <= token < self.n_vocab:  # llama.cpp throws std::out_of_range: the process aborts
-                raise SettingsError(f"token id {token} is outside the vocabulary (0..{self.n_vocab - 1})")
+            self.check_ids((token,))  # llama.cpp throws std::out_of_range: the process aborts
             buf = ctypes.create_string_buffer(64)
             n = ll.llama_token_to_piece(self._vocab, token, buf, 64, 0, special)
             if n < 0:
