@@ -95,12 +95,21 @@ def parse_tensor_split(text: Optional[str], n_workers: int) -> list[float]:
     return weights
 
 
-def layer_plan(n_layer: int, weights: Sequence[float]) -> tuple[int, list[float]]:
-    """Repeating layers for the workers (llama.cpp's n_gpu_layers: the last ones) and their split among the
-    workers; this machine keeps the first layers, the embeddings and the output layer."""
-    share = sum(weights[:-1]) / sum(weights)
-    on_workers = min(n_layer, round(n_layer * share))
-    return on_workers, list(weights[:-1])
+def layer_plan(n_layer: int, weights: Sequence[float]) -> list[int]:
+    """Repeating layers per worker, in --rpc order (llama.cpp's n_gpu_layers: the workers hold the last ones,
+    the first worker the first of those); this machine keeps the first layers, the embeddings and the output
+    layer. A worker the weights would leave with no layer is a SettingsError: it would be held for nothing."""
+    on_workers = min(n_layer, round(n_layer * sum(weights[:-1]) / sum(weights)))
+    ideal = [on_workers * w / sum(weights[:-1]) for w in weights[:-1]]
+    layers = [math.floor(x) for x in ideal]
+    by_remainder = sorted(range(len(layers)), key=lambda i: layers[i] - ideal[i])  # largest remainder first
+    for i in by_remainder[:on_workers - sum(layers)]:
+        layers[i] += 1
+    if 0 in layers:
+        i = layers.index(0)
+        raise SettingsError(f"--tensor-split leaves --rpc worker {i + 1} no layer (a share of {ideal[i]:.2g} of "
+                            f"{n_layer} layers): give it a larger share or leave it out of --rpc")
+    return layers
 
 
 def _split(endpoint: str) -> tuple[str, int]:

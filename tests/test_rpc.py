@@ -100,9 +100,13 @@ def test_endpoint_and_split_parsing():
     for bad in ("1", "1,2,3,4", "a,b", "0,0", "-1,2", "inf,1", "1e400,1", "nan,1", "0,1", "1,0,0"):
         with pytest.raises(SettingsError):
             parse_tensor_split(bad, 2)
-    assert layer_plan(30, [1.0, 1.0, 1.0]) == (20, [1.0, 1.0])  # the last 20 layers on the workers
-    assert layer_plan(30, [1.0, 0.0]) == (30, [1.0])
-    assert layer_plan(30, [0.0, 1.0]) == (0, [0.0])
+    assert layer_plan(30, [1.0, 1.0, 1.0]) == [10, 10]  # the last 20 layers on the workers
+    assert layer_plan(30, [1.0, 0.0]) == [30]
+    assert layer_plan(28, [1.0, 1.0, 1.0, 0.0]) == [10, 9, 9]  # the largest remainders get the odd layers
+    assert layer_plan(28, [1.0, 2.0, 4.0]) == [4, 8]
+    for starved in ([1e-9, 1.0], [1.0, 1e-9, 1.0], [0.01, 1.0, 0.0]):  # a worker held for no layer
+        with pytest.raises(SettingsError, match="leaves --rpc worker .* no layer"):
+            layer_plan(28, starved)
 
 
 # -- exactness ------------------------------------------------------------------------------------------------
@@ -123,13 +127,39 @@ def test_greedy_output_equals_local_decoding(workers):
     for draft in (None, "lookup"):
         split = load_engine(MODEL, draft, n_ctx=512, threads=1, rpc=_endpoints(workers), adaptive=False)
         try:
-            assert split.target.n_device_layers == 20  # 30 layers: a third here, a third per worker
+            assert split.target.device_layers == [10, 10]  # 30 layers: a third here, a third per worker
             results = [split.generate(p, max_tokens=40, params=greedy) for p in prompts]
         finally:
             split.close()
         assert [r.tokens for r in results] == expected
         if draft:
             assert results[1].stats.accepted > 0  # verify passes over several tokens ran on the workers
+
+
+def test_the_output_layer_stays_here_so_a_token_crosses_the_network_as_one_hidden_state(workers):
+    """Per generated token the last worker sends back the last layer's hidden state (n_embd floats: 2.3 KB for
+    SmolLM2), not a row of logits (n_vocab floats: 197 KB, 600 KB for Qwen; llama.cpp's own split puts the output
+    layer on the last device). The split is said once, at the start."""
+    port = list(workers)[1]
+    received = {}
+    for n in (4, 24):
+        listen = _free_port()
+        route = f"{listen}:127.0.0.1:{port}"
+        proxy = subprocess.Popen([sys.executable, "-m", "speculant.bench.netdelay", "--delay-ms", "0", route],
+                                 stdout=subprocess.PIPE, text=True)
+        try:
+            assert proxy.stdout.readline().strip() == "ready"
+            r = _cli("generate", "-m", MODEL, "-t", "1", "-n", str(n), "--ignore-eos", "-p", "Once upon a time",
+                     "--rpc", f"127.0.0.1:{listen}", timeout=180)
+        finally:
+            proxy.terminate()
+            carried = proxy.communicate(timeout=30)[0]
+        assert r.returncode == 0, r.stderr
+        assert r.stderr.startswith(f"speculant: the target's 30 layers: 15 here (with the embeddings and the output "
+                                   f"layer), 15 on 127.0.0.1:{listen}\n"), r.stderr
+        received[n] = json.loads(carried.splitlines()[-1])[route]["from_upstream"]
+    per_token = (received[24] - received[4]) / 20
+    assert per_token < 2 * 576 * 4, per_token  # 576: SmolLM2's n_embd
 
 
 def test_repacked_weight_types_give_the_same_tokens_whatever_the_split(workers):

@@ -37,7 +37,7 @@ import numpy as np
 
 from ..batching import GATHERER, Job
 from ..errors import Cancelled, ModelError, SettingsError, nonfinite_logits
-from ..native import build_info, exactness_problems, invariant_rows, load_backends
+from ..native import _ggml, build_info, exactness_problems, invariant_rows, load_backends
 from ..signals import deferred_signals
 from .base import Backend, VocabInfo, common_prefix
 
@@ -77,6 +77,17 @@ ll.llama_backend_init()
 load_backends()  # our wheel picks its CPU kernels (ISA level) at run time: see speculant/native.py
 
 
+class _TensorBuftOverride(ctypes.Structure):
+    """llama_model_tensor_buft_override: tensors whose name matches `pattern` (a regex) go to `buft`."""
+    _fields_ = [("pattern", ctypes.c_char_p), ("buft", ctypes.c_void_p)]
+
+
+def _ggml_cpu_buffer_type() -> int:
+    g = _ggml()
+    g.ggml_backend_cpu_buffer_type.restype = ctypes.c_void_p
+    return g.ggml_backend_cpu_buffer_type()
+
+
 class _ThreadLog:
     """The llama.cpp log lines this thread logs from now on (an iterable of str, read at any time)."""
 
@@ -99,13 +110,13 @@ class LlamaCppBackend(Backend):
 
     def __init__(self, path: str | Path, *, n_ctx: int = 4096, n_threads: Optional[int] = None,
                  n_batch: int = 512, repack: bool = True, flash_attn: int = 0, embed=None,
-                 devices: Sequence[int] = (), n_device_layers: int = 0, device_split: Sequence[float] = (),
+                 devices: Sequence[int] = (), device_layers: Sequence[int] = (),
                  n_seq: int = 1):
         """embed: token ids -> input embeddings [n, n_embd] float32. When given, every pass feeds embeddings
         instead of ids (a draft whose vocabulary was cut still reads every token of the context exactly:
         speculant/vocabcut.py), and ids are not limited to this model's vocabulary.
-        devices: ggml devices (RPC workers: speculant/rpc.py) that hold the last n_device_layers repeating
-        layers, split among them in the proportions device_split; the rest stays on this CPU.
+        devices: ggml devices (RPC workers: speculant/rpc.py) that hold the last repeating layers, device_layers[i]
+        of them on devices[i] (in order); the rest stays on this CPU, with the embeddings and the output layer.
         n_seq: sequences (concurrent requests), each with n_ctx positions of its own KV stream; their
         passes merge into one (speculant/batching.py) with the bits each would get alone."""
         super().__init__()
@@ -128,12 +139,20 @@ class LlamaCppBackend(Backend):
         # repacking copies the matrices out of the file; mmapped, their pages would stay resident beside the
         # copy (twice the memory): read the file instead (plan.py)
         mparams.load_mode = ll.LLAMA_LOAD_MODE_NONE if repack else ll.LLAMA_LOAD_MODE_MMAP
-        mparams.n_gpu_layers = n_device_layers if devices else 0
-        if devices:  # NULL-terminated; llama.cpp copies both arrays during the load
+        mparams.n_gpu_layers = 0
+        if devices:  # NULL-terminated; llama.cpp copies these arrays during the load
             device_list = (ctypes.c_void_p * (len(devices) + 1))(*devices, None)
-            split = (ctypes.c_float * ll.llama_max_devices())(*device_split)
             mparams.devices = ctypes.cast(device_list, ctypes.c_void_p)
+            # llama.cpp offloads the output layer as the last of n_gpu_layers; it stays here (its weights below):
+            # one row of logits is n_vocab floats (600 KB for Qwen) to fetch over the network, its input n_embd
+            mparams.n_gpu_layers = sum(device_layers) + 1
+            # device i takes the layers whose index among the offloaded ones is below the split's i-th cumulative
+            # fraction: fractions of whole layers give each device exactly its count
+            split = (ctypes.c_float * ll.llama_max_devices())(*device_layers[:-1], device_layers[-1] + 1)
             mparams.tensor_split = ctypes.cast(split, ctypes.POINTER(ctypes.c_float))
+            cpu = _ggml_cpu_buffer_type()  # weights overridden to it are laid out as a local load's (repacked)
+            output_here = (_TensorBuftOverride * 2)((rb"^(output|output_norm|token_embd)\.", cpu), (None, None))
+            mparams.tensor_buft_overrides = ctypes.cast(output_here, ctypes.c_void_p)
         log = _ThreadLog()
         # Ctrl-C inside llama.cpp's callbacks would be lost: it is recorded, the progress callback aborts the
         # load, and KeyboardInterrupt is raised when the C call has returned

@@ -27,7 +27,8 @@ from typing import Optional, Sequence
 import numpy as np
 
 from ..errors import Cancelled, ModelError, SpeculantError
-from ..rpc import WorkerError, check_identity, connections, probe, reachable
+from ..native import gguf_block_count
+from ..rpc import WorkerError, check_identity, connections, layer_plan, probe, reachable
 from .base import Backend, VocabInfo
 
 WATCH_S = 0.2  # how often a waiting call checks the child process
@@ -39,7 +40,7 @@ CONNECT_S = 20.0  # the workers' first answers while loading: a worker serves on
 # client's connection waits unanswered until the first leaves
 
 
-def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwargs: dict, log_path: str,
+def _child_main(conn, path: str, endpoints: list[str], device_layers: list[int], kwargs: dict, log_path: str,
                 stop) -> None:
     """The child: load the target with its layers on the workers, then answer the parent's calls. stop: an
     event the parent sets to stop the prompt in progress between two passes (its request was cancelled)."""
@@ -54,10 +55,9 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
     try:
         from .. import rpc
         from ..api import repack_weights
-        from ..native import gguf_block_count, gguf_tensors, set_plain_as_repacked
+        from ..native import gguf_tensors, set_plain_as_repacked
         from .llamacpp import LlamaCppBackend
 
-        n_device_layers, split = rpc.layer_plan(gguf_block_count(path), weights)
         # The workers hold their layers in the plain layout (RPC offers no repacked buffers), and compute plain rows
         # of the types llama.cpp repacks with the repacked kernels' arithmetic (`speculant worker`), as this process
         # does from here on: the layers kept here load repacked as a local run's do, and every split gives a default
@@ -68,15 +68,15 @@ def _child_main(conn, path: str, endpoints: list[str], weights: list[float], kwa
         experts = any(len(t.shape) == 3 for t in gguf_tensors(path))
         devices = rpc.rpc_devices(endpoints)  # every worker has answered (a busy one would not)
         conn.send(("connected", None))
-        backend = LlamaCppBackend(path, devices=devices, n_device_layers=n_device_layers,
-                                  device_split=split, repack=repack_weights() and not experts and switched,
+        backend = LlamaCppBackend(path, devices=devices, device_layers=device_layers,
+                                  repack=repack_weights() and not experts and switched,
                                   **kwargs)
         backend.should_stop = stop.is_set
         eog = [t for t in range(backend.n_vocab) if backend.is_eog(t)]
         info = {"name": backend.name, "n_ctx": backend.n_ctx, "n_vocab": backend.n_vocab,
                 "n_batch": backend.n_batch, "n_threads": backend.n_threads, "n_ctx_train": backend.n_ctx_train,
                 "invariant_rows": backend.invariant_rows, "exact_numerics": backend.exact_numerics,
-                "n_device_layers": n_device_layers, "chat_template": backend.chat_template(),
+                "device_layers": device_layers, "chat_template": backend.chat_template(),
                 "bos_token": backend.bos_token, "eos_token": backend.eos_token, "add_bos": backend.add_bos(),
                 "fim_tokens": backend.fim_tokens(), "fim_repo_tokens": backend.fim_repo_tokens(),
                 "eog": eog, "vocab_info": backend.vocab_info(),
@@ -120,7 +120,6 @@ class SupervisedBackend(Backend):
         self.path = Path(path)
         self.offloaded = True  # its passes run in a child process and on RPC workers (costprofile.cpu_share)
         self.endpoints = list(endpoints)
-        self._weights = list(weights)
         self._kwargs = {"n_ctx": n_ctx, "n_threads": n_threads}
         self._abort_at: Optional[float] = None  # a shutdown's deadline (abort_at): past it, a waiting call ends
         self._decoding_since: Optional[float] = None  # when the decode pass in flight was sent
@@ -133,7 +132,18 @@ class SupervisedBackend(Backend):
         self.down: dict[str, str] = {}  # endpoint -> why, for the workers found down by the last failure
         self._warned: set[tuple[str, str]] = set()
         self._inexact: set[str] = set()  # workers of another build or settings, used anyway
+        n_layer = gguf_block_count(self.path)
+        self.device_layers = layer_plan(n_layer, weights)  # checked before any worker is held
+        print(f"speculant: the target's {n_layer} layers: {n_layer - sum(self.device_layers)} here (with the "
+              f"embeddings and the output layer), " + ", ".join(
+                  f"{n} on {endpoint}" for n, endpoint in zip(self.device_layers, self.endpoints)),
+              file=sys.stderr, flush=True)
         self._start()
+
+    @property
+    def n_device_layers(self) -> int:
+        """Repeating layers on the workers."""
+        return sum(self.device_layers)
 
     # -- the child ------------------------------------------------------------------------------------------
     def _start(self) -> None:
@@ -156,14 +166,14 @@ class SupervisedBackend(Backend):
         parent, child = ctx.Pipe()
         self._stop_prompt = ctx.Event()
         self._proc = ctx.Process(target=_child_main, name="speculant-target", daemon=True,
-                                 args=(child, str(self.path), self.endpoints, self._weights, self._kwargs,
+                                 args=(child, str(self.path), self.endpoints, self.device_layers, self._kwargs,
                                        self._log_path, self._stop_prompt))
         self._proc.start()
         child.close()
         self._conn = parent
         info = self._wait(timeout=self._load_timeout, what="loading the target")
         for key in ("name", "n_ctx", "n_vocab", "n_batch", "n_threads", "n_ctx_train", "invariant_rows",
-                    "exact_numerics", "n_device_layers"):
+                    "exact_numerics", "device_layers"):
             setattr(self, key, info[key])
         self.exact_numerics = self.exact_numerics and not self._inexact  # the child cannot see the workers' builds
         self._info = info

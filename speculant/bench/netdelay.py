@@ -2,7 +2,8 @@
 
 `tc qdisc ... netem` is what one would use, but this machine's kernel has no netem qdisc, so the RPC
 benchmark (scripts/bench_rpc.py) puts this between the client and each worker instead. Bytes keep their
-order and are not rate-limited; each chunk read is written D ms after it arrived.
+order and are not rate-limited; each chunk read is written D ms after it arrived. On SIGTERM or Ctrl-C it
+prints, as one JSON line, the bytes it carried each way per route: what a real network would have to carry.
 
     python -m speculant.bench.netdelay --delay-ms 5 LISTEN_PORT:HOST:PORT [LISTEN_PORT:HOST:PORT ...]
 """
@@ -11,10 +12,13 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
+import signal
 import sys
 
 
-async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float) -> None:
+async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, delay: float, moved: dict,
+                key: str) -> None:
     queue: asyncio.Queue = asyncio.Queue()
     loop = asyncio.get_running_loop()
 
@@ -32,6 +36,7 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
     sender = asyncio.create_task(send())
     try:
         while data := await reader.read(1 << 20):
+            moved[key] += len(data)
             queue.put_nowait((loop.time() + delay, data))
     except (ConnectionError, OSError):
         pass
@@ -44,14 +49,15 @@ async def _pump(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, dela
         pass
 
 
-async def _serve(listen_port: int, host: str, port: int, delay: float) -> asyncio.AbstractServer:
+async def _serve(listen_port: int, host: str, port: int, delay: float, moved: dict) -> asyncio.AbstractServer:
     async def handle(c_reader, c_writer):
         try:
             u_reader, u_writer = await asyncio.open_connection(host, port)
         except OSError:
             c_writer.close()
             return
-        await asyncio.gather(_pump(c_reader, u_writer, delay), _pump(u_reader, c_writer, delay))
+        await asyncio.gather(_pump(c_reader, u_writer, delay, moved, "to_upstream"),
+                             _pump(u_reader, c_writer, delay, moved, "from_upstream"))
         c_writer.close()
         u_writer.close()
 
@@ -59,9 +65,16 @@ async def _serve(listen_port: int, host: str, port: int, delay: float) -> asynci
 
 
 async def _main(routes: list[tuple[int, str, int]], delay: float) -> None:
-    servers = [await _serve(lp, h, p, delay) for lp, h, p in routes]
+    moved = {f"{lp}:{h}:{p}": {"to_upstream": 0, "from_upstream": 0} for lp, h, p in routes}
+    servers = [await _serve(lp, h, p, delay, moved[f"{lp}:{h}:{p}"]) for lp, h, p in routes]
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        asyncio.get_running_loop().add_signal_handler(sig, stop.set)
     print("ready", flush=True)
-    await asyncio.gather(*(s.serve_forever() for s in servers))
+    await stop.wait()
+    for s in servers:
+        s.close()
+    print(json.dumps(moved), flush=True)
 
 
 def main(argv=None) -> int:
