@@ -33,6 +33,7 @@ import codecs
 import contextvars
 import dataclasses
 import errno
+import hashlib
 import hmac
 import itertools
 import json
@@ -1539,6 +1540,24 @@ async def _run_all(coros: list) -> None:
         await asyncio.gather(*tasks, return_exceptions=True)
 
 
+def _system_fingerprint(target, build: Optional[dict]) -> str:
+    """OpenAI's system_fingerprint: what decides an answer's bits beside the model and the request (speculant's
+    version, the llama.cpp build and its CPU kernels, or torch, its device and dtype). A seeded request answers
+    the same wherever the fingerprint is the same."""
+    from . import __version__
+
+    parts = [__version__, type(target).__name__]
+    if hasattr(target, "device"):  # the torch backend
+        import torch
+
+        parts += [torch.__version__, str(target.device), str(getattr(target, "dtype", ""))]
+    else:
+        from .native import loaded_variant
+
+        parts += [(build or {}).get("key", "stock llama-cpp-python"), loaded_variant() or ""]
+    return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
+
+
 def create_app(engine, cfg: ServerConfig):
     from fastapi import FastAPI, Request
     from fastapi.exceptions import RequestValidationError
@@ -1745,6 +1764,7 @@ def create_app(engine, cfg: ServerConfig):
     from .native import build_info
 
     _build = build_info()
+    system_fingerprint = _system_fingerprint(engine.target, _build)
     props = {  # what GET /props answers (its fixed part)
         "total_slots": len(worker.engines), "model_alias": cfg.model_id,
         "model_path": str(getattr(engine.target, "path", None) or cfg.model_id),
@@ -2124,7 +2144,7 @@ def create_app(engine, cfg: ServerConfig):
             """One SSE event. As OpenAI's: with include_usage every chunk has "usage": null but the last,
             which has "choices": [] and the usage; without it no chunk has usage."""
             obj = {"id": rid, "object": kind + (".chunk" if chat else ""), "created": created_at,
-                   "model": cfg.model_id, "system_fingerprint": None, "choices": choices, **extra}
+                   "model": cfg.model_id, "system_fingerprint": system_fingerprint, "choices": choices, **extra}
             if job.include_usage:
                 obj["usage"] = usage
             return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
@@ -2248,7 +2268,7 @@ def create_app(engine, cfg: ServerConfig):
                                 "finish_reason": result.finish_reason})
         message = next((_message(r) for r in results if r.message), {})
         return {"id": rid, "object": kind, "created": created_at, "model": cfg.model_id,
-                "system_fingerprint": None, "choices": choices, "usage": _usage(results, job.n), **message}
+                "system_fingerprint": system_fingerprint, "choices": choices, "usage": _usage(results, job.n), **message}
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -214,6 +214,31 @@ def test_stream_usage_arrives_once_as_openai_sends_it(server, path, body):
     assert chunks[-1]["usage"]["completion_tokens"] == chunks[-1]["usage"]["speculative"]["generated_tokens"] > 0
 
 
+def test_system_fingerprint_names_the_build_in_every_answer(server, client, monkeypatch):
+    """OpenAI's system_fingerprint (it was null): the same in every answer of a server, streamed or not; it
+    changes with what decides the bits (the llama.cpp build, its CPU kernels), so a seed reproduces an answer
+    where the fingerprint is the same."""
+    import re
+
+    from speculant import native, server as srv
+
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=2)
+    text = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2)
+    chunks = _sse(server + "/v1/completions", {"model": MODEL, "prompt": PROMPT, "max_tokens": 2, "stream": True})
+    assert re.fullmatch(r"fp_[0-9a-f]{10}", chat.system_fingerprint), chat.system_fingerprint
+    assert {text.system_fingerprint, *(c["system_fingerprint"] for c in chunks)} == {chat.system_fingerprint}
+
+    class Target:  # the llama.cpp backend's part of it
+        pass
+
+    monkeypatch.setattr(native, "loaded_variant", lambda: "zen4")
+    zen4 = srv._system_fingerprint(Target(), {"key": "84d9ba2c3578"})
+    assert zen4 == srv._system_fingerprint(Target(), {"key": "84d9ba2c3578"})
+    assert zen4 != srv._system_fingerprint(Target(), {"key": "0123456789ab"})
+    monkeypatch.setattr(native, "loaded_variant", lambda: "haswell")
+    assert zen4 != srv._system_fingerprint(Target(), {"key": "84d9ba2c3578"})
+
+
 def test_stream_wire_format_ends_with_done(server):
     with httpx.stream("POST", server + "/v1/chat/completions", headers={"Authorization": f"Bearer {KEY}"},
                       json={"model": MODEL, "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 4,
