@@ -33,7 +33,7 @@ import subprocess
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Optional, Sequence
 
 from . import api, models, native, quantize
 from .errors import ModelError, SettingsError
@@ -52,6 +52,11 @@ RUNTIME_PER_VOCAB = 366
 # Qwen: fit to peaks measured with 64-token prompt chunks (SmolLM2 at n_ctx 1024-8192 with prompts of 200 to
 # n_ctx tokens, the Qwen pair at 4096); until then the 512-token chunks' attention buffers, overstated, hid it
 RUNTIME_PER_MODEL = 30 * MiB
+# a target split over RPC workers: its part here runs in a child process (backends/supervised.py) with an interpreter
+# and llama.cpp's libraries of its own; a `speculant worker` process holds the same beside its layers (both fit to
+# peaks measured with Qwen 1.5B and SmolLM2 split over one and two workers, below)
+RUNTIME_SPLIT_CHILD = RUNTIME_BASE
+RUNTIME_WORKER = 60 * MiB
 
 
 @dataclass
@@ -91,15 +96,36 @@ class ModelMemory:
 
 
 @dataclass
+class WorkerMemory:
+    """A `speculant worker`'s share of a target split over RPC (resident at peak, bytes): its layers' weights in
+    llama.cpp's plain layout (RPC offers no repacked buffers), their KV cache, the compute buffers its part of a
+    pass touches (no logits: the output layer stays on the machine that runs the model) and the process."""
+
+    endpoint: str
+    first_layer: int
+    layers: int
+    weights: int
+    kv: int
+    compute: int
+    other: int = RUNTIME_WORKER
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.kv + self.compute + self.other
+
+
+@dataclass
 class Plan:
     n_ctx: int
     models: list[ModelMemory]
     runtime: int = RUNTIME_BASE
     n_prompt: Optional[int] = None  # None: a prompt that fills the context
     parallel: int = 1  # request slots (serve -np): a KV cache of n_ctx each
+    workers: list[WorkerMemory] = field(default_factory=list)  # --rpc: the target's last layers are theirs
 
     @property
     def total(self) -> int:
+        """This machine's total (with --rpc: without the workers' shares)."""
         return self.runtime + sum(m.total for m in self.models)
 
     def to_dict(self) -> dict:
@@ -111,7 +137,11 @@ class Plan:
                             **{f"{k}_mb": _mb(getattr(m, k)) for k in ("mapped", "loaded", "repacked", "kv", "compute",
                                                                          "output", "vocab_tables", "other", "total",
                                                                          "anonymous")},
-                            "types_mb": {k: _mb(v) for k, v in sorted(m.types.items())}} for m in self.models]}
+                            "types_mb": {k: _mb(v) for k, v in sorted(m.types.items())}} for m in self.models],
+                **({"workers": [{"endpoint": w.endpoint, "first_layer": w.first_layer, "layers": w.layers,
+                                 **{f"{k}_mb": _mb(getattr(w, k)) for k in ("weights", "kv", "compute", "other",
+                                                                             "total")}} for w in self.workers]}
+                   if self.workers else {})}
 
 
 def _mb(n: int) -> float:
@@ -269,11 +299,19 @@ def _pulled(model: str) -> Path:
     return models.resolve(model)
 
 
+def _layer(tensor_name: str) -> Optional[int]:
+    """The repeating layer a tensor belongs to (blk.N.*); None for the embeddings, the output layer and its norm."""
+    m = re.match(r"blk\.(\d+)\.", tensor_name)
+    return int(m.group(1)) if m else None
+
+
 def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
-               as_type: Optional[str] = None, parallel: int = 1) -> ModelMemory:
+               as_type: Optional[str] = None, parallel: int = 1, layers_here: Optional[int] = None) -> ModelMemory:
     """One model's plan. as_type: the same model quantized to that type (what `speculant quantize` would make,
     tensor by tensor: quantized_facts) instead of the file as it is. parallel: request slots, each with a KV stream of
-    n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64)."""
+    n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64). layers_here: a target
+    split over RPC workers keeps only its first layers_here repeating layers (and the rest but the layers) here,
+    in a child process of its own (worker_plans: the workers' part)."""
     path = _pulled(model)
     f = gguf_facts(path)
     n_ctx = n_ctx or f["n_ctx_train"]
@@ -281,6 +319,9 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
         n_ctx = min(n_ctx, f["n_ctx_train"])
     as_type = None if as_type == f["file_type"] else as_type
     tensors = quantized_facts(path, as_type) if as_type else f["tensors"]
+    split = layers_here is not None
+    if split:
+        tensors = [t for t in tensors if (_layer(t[0]) is None or _layer(t[0]) < layers_here)]
     types: dict[str, int] = {}
     repacked = 0
     repack = api.repack_weights()
@@ -293,7 +334,7 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
             repacked += nbytes
     file_bytes = f["file_bytes"] - f["data_bytes"] + sum(types.values())
     data_bytes = sum(types.values())
-    kv_per_token = f["n_layer"] * f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES
+    kv_per_token = (layers_here if split else f["n_layer"]) * f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES
     n_kv = _padded(n_ctx) * parallel
     outputs = min(64, (verify_positions if role == "target" else 1) * parallel)
     return ModelMemory(
@@ -304,7 +345,28 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
         compute_reserved=compute_reserved(f, n_ctx), output=outputs * f["n_vocab"] * 4,
         vocab_tables=RUNTIME_PER_VOCAB * f["n_vocab"], n_params=sum(t[4] for t in f["tensors"]),
         n_layer=f["n_layer"], n_vocab=f["n_vocab"], types=types,
-        unbatched=native.unbatched_share([t[:4] for t in tensors])[0])
+        unbatched=native.unbatched_share([t[:4] for t in tensors])[0],
+        other=RUNTIME_PER_MODEL + (RUNTIME_SPLIT_CHILD if split else 0))
+
+
+def worker_plans(model: str, endpoints: list, device_layers: list, n_ctx: int, *, n_prompt: Optional[int] = None,
+                 as_type: Optional[str] = None) -> list[WorkerMemory]:
+    """What each RPC worker holds of a target split as rpc.layer_plan splits it: device_layers[i] repeating layers
+    on endpoints[i], the last ones, in order."""
+    path = _pulled(model)
+    f = gguf_facts(path)
+    n_ctx = min(n_ctx, f["n_ctx_train"]) if f["n_ctx_train"] else n_ctx
+    as_type = None if as_type == f["file_type"] else as_type
+    tensors = quantized_facts(path, as_type) if as_type else f["tensors"]
+    kv_per_layer = f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES * _padded(n_ctx)
+    out, first = [], f["n_layer"] - sum(device_layers)
+    for endpoint, n in zip(endpoints, device_layers):
+        held = range(first, first + n)
+        out.append(WorkerMemory(endpoint=endpoint, first_layer=first, layers=n,
+                                weights=sum(t[3] for t in tensors if _layer(t[0]) in held), kv=kv_per_layer * n,
+                                compute=compute_resident(f, n_ctx, 0, n_prompt)))
+        first += n
+    return out
 
 
 def quantized_facts(path: Path, type_name: str) -> list:
@@ -316,12 +378,22 @@ def quantized_facts(path: Path, type_name: str) -> list:
 
 def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_max: int = 4,
          n_prompt: Optional[int] = None, target_type: Optional[str] = None, draft_type: Optional[str] = None,
-         parallel: int = 1) -> Plan:
+         parallel: int = 1, rpc: Sequence[str] = (), tensor_split: Optional[str] = None) -> Plan:
     """The memory plan of a target (and a draft model) at a context of n_ctx tokens, at its peak: once a
     prompt of n_prompt tokens (default: one that fills the context, the worst case) has been processed.
-    parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache."""
+    parallel: request slots (`serve -np`), each with its own n_ctx tokens of KV cache. rpc, tensor_split: the
+    target split over these RPC workers as generate and serve split it (the workers are not contacted): this
+    machine's part in the plan's models, each worker's in its workers."""
     api.check_parallel(parallel)
     api.check_ctx_size(n_ctx)
+    layers_here, device_layers = None, []
+    if rpc:
+        if parallel > 1:
+            raise SettingsError("a target split over --rpc workers serves one request at a time: plan it with -np 1")
+        from .rpc import layer_plan, parse_tensor_split
+
+        device_layers = layer_plan(gguf_facts(_pulled(target))["n_layer"], parse_tensor_split(tensor_split, len(rpc)))
+        layers_here = gguf_facts(_pulled(target))["n_layer"] - sum(device_layers)
     n_ctx_train = gguf_facts(_pulled(target))["n_ctx_train"]
     if n_ctx == 0:  # the target's training context, as generate's -c 0
         n_ctx = n_ctx_train or 4096
@@ -332,10 +404,12 @@ def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_m
     if n_prompt is not None and not (isinstance(n_prompt, int) and 1 <= n_prompt <= n_ctx):
         raise SettingsError(f"--prompt-tokens must be an integer in [1, --ctx-size], got {n_prompt!r}")
     out = [plan_model(target, "target", n_ctx, verify_positions=draft_max + 1, n_prompt=n_prompt,
-                      as_type=target_type, parallel=parallel)]
+                      as_type=target_type, parallel=parallel, layers_here=layers_here)]
     if draft:
         out.append(plan_model(draft, "draft", n_ctx, n_prompt=n_prompt, as_type=draft_type, parallel=parallel))
-    return Plan(n_ctx, out, n_prompt=n_prompt, parallel=parallel)
+    workers = worker_plans(target, list(rpc), device_layers, n_ctx, n_prompt=n_prompt, as_type=target_type) \
+        if rpc else []
+    return Plan(n_ctx, out, n_prompt=n_prompt, parallel=parallel, workers=workers)
 
 
 # -- measuring (tests and `plan --measure`) ---------------------------------------------------------------
@@ -346,12 +420,14 @@ MARK = "SPECULANT_PLAN "
 
 
 def measure(target: str, draft: Optional[str], n_ctx: int, *, n_prompt: Optional[int] = None, n_tokens: int = 4,
-            timeout: float = 900, parallel: int = 1) -> dict:
+            timeout: float = 900, parallel: int = 1, rpc: Sequence[str] = (),
+            tensor_split: Optional[str] = None) -> dict:
     """Peak RSS (VmHWM) of a fresh child process that loads the pair the way `speculant generate` does (with
     `parallel` slots, as `serve -np` does: every slot's KV cache is resident once made) and generates n_tokens
-    after a prompt of n_prompt tokens (default: one that fills the rest of the context, the plan's worst case)."""
+    after a prompt of n_prompt tokens (default: one that fills the rest of the context, the plan's worst case).
+    With rpc: plus the peak of the process the target's part here runs in (the workers' are theirs to read)."""
     spec = json.dumps({"target": target, "draft": draft, "n_ctx": n_ctx, "n_tokens": n_tokens, "n_prompt": n_prompt,
-                       "parallel": parallel})
+                       "parallel": parallel, "rpc": list(rpc), "tensor_split": tensor_split})
     try:
         proc = subprocess.run([sys.executable, "-m", "speculant.plan", spec], capture_output=True, text=True,
                               timeout=timeout)
@@ -369,16 +445,21 @@ def _child(spec: dict) -> dict:
     from .bench.memory import _mb_status
     from .verify import SamplingParams
 
+    from .memory import engine_peak_rss_mb
+
     start = _mb_status()
     engine = load_engine(spec["target"], spec["draft"], n_ctx=spec["n_ctx"], draft_max=4, adaptive=False,
-                         lookup=False, parallel=spec.get("parallel", 1))
+                         lookup=False, parallel=spec.get("parallel", 1), rpc=spec.get("rpc", ()),
+                         tensor_split=spec.get("tensor_split"))
     try:
         n_prompt = min(spec.get("n_prompt") or engine.target.n_ctx, engine.target.n_ctx - spec["n_tokens"] - 8)
         prompt = engine.target.tokenize(MEASURE_TEXT * (n_prompt // 50 + 1))[:n_prompt]
         res = engine.generate(prompt, max_tokens=spec["n_tokens"], params=SamplingParams(0.0))
+        peak = engine_peak_rss_mb(engine)  # with a split target: while its process is there to read
     finally:
         engine.close()
-    return {**_mb_status(), "startup_rss_mb": start.get("rss_mb"), "prompt_tokens": res.stats.prompt_tokens}
+    return {**_mb_status(), "peak_rss_mb": peak, "startup_rss_mb": start.get("rss_mb"),
+            "prompt_tokens": res.stats.prompt_tokens}
 
 
 # -- what fits in a memory budget ---------------------------------------------------------------------------
@@ -459,7 +540,19 @@ def table(p: Plan) -> str:
                      " | ".join(f"{getattr(m, k) / MiB:.0f}" for _, k in cols) + " |")
         lines.append(f"|  KV per token: {m.kv_per_token / 1024:.1f} KiB |" + " |" * (len(cols) + 1))
     lines.append(f"| runtime (interpreter, libraries) |" + " |" * len(cols) + f" {p.runtime / MiB:.0f} |")
-    lines.append(f"| **total** |" + " |" * len(cols) + f" **{p.total / MiB:.0f}** |")
+    lines.append(f"| **total{' on this machine' if p.workers else ''}** |" + " |" * len(cols) +
+                 f" **{p.total / MiB:.0f}** |")
+    if p.workers:
+        n_layer = p.models[0].n_layer
+        here = n_layer - sum(w.layers for w in p.workers)
+        lines += ["", f"The target's {n_layer} layers: {here} here (with the embeddings and the output layer; the "
+                      "target runs in a child process, its \"other\" counts that process), the last "
+                      f"{n_layer - here} on the RPC workers:", "",
+                  "| worker | layers | weights (plain layout) | KV cache | compute | other | total |", "|---" * 7 + "|"]
+        for w in p.workers:
+            lines.append(f"| {w.endpoint} | {w.first_layer}-{w.first_layer + w.layers - 1} ({w.layers}) | " +
+                         " | ".join(f"{getattr(w, k) / MiB:.0f}" for k in ("weights", "kv", "compute", "other")) +
+                         f" | **{w.total / MiB:.0f}** |")
     shared = sum(m.mapped for m in p.models)
     if shared:
         lines += ["", f"Of the total, {shared / MiB:.0f} MiB are mmapped weights: file-backed pages shared with "
@@ -491,6 +584,12 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
     p.add_argument("-np", "--parallel", type=int, default=1,
                    help="request slots, as `serve -np N` (serve's default is 2): a KV cache of -c tokens each "
                         "(default 1, as generate)")
+    p.add_argument("--rpc", default=None, metavar="HOST:PORT[,...]",
+                   help="plan the target split over these `speculant worker`s as generate and serve split it: "
+                        "this machine's part and each worker's (the workers are not contacted)")
+    p.add_argument("-ts", "--tensor-split", dest="tensor_split", default=None,
+                   help="with --rpc: share of the target's layers per worker and optionally this machine, as "
+                        "generate's")
     p.add_argument("--backend", default="llama.cpp", help="backend (llama.cpp; the only one planned)")
     p.add_argument("--measure", action="store_true",
                    help="also load the models in a child process and report its measured peak RSS")
@@ -506,10 +605,20 @@ def cmd_plan(args) -> int:
     if args.draft_max < 0:
         raise SettingsError(f"--draft-max must be >= 0, got {args.draft_max}")
     mem = parse_size(args.mem) if args.mem is not None else None
+    rpc = []
+    if args.tensor_split is not None and args.rpc is None:
+        raise SettingsError("--tensor-split splits the target over --rpc workers: pass --rpc too")
+    if args.rpc is not None:
+        from .rpc import parse_endpoints
+
+        rpc = parse_endpoints(args.rpc)
+        if mem is not None or args.measure:
+            raise SettingsError(f"{'--mem' if mem is not None else '--measure'} plans one machine; with --rpc the "
+                                "plan gives each machine's part: leave it out")
     if args.model_draft in api.FREE_DRAFTERS:  # prompt lookup and history hold no model: the target's plan
         args.model_draft = None
     p = plan(args.model, args.model_draft, n_ctx=4096 if args.ctx is None else args.ctx, draft_max=args.draft_max,
-             n_prompt=args.prompt_tokens, parallel=args.parallel)
+             n_prompt=args.prompt_tokens, parallel=args.parallel, rpc=rpc, tensor_split=args.tensor_split)
     out = p.to_dict()
     if mem is not None:
         out["mem_mb"] = _mb(mem)

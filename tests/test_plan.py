@@ -280,3 +280,66 @@ def test_a_truncated_registered_model_is_refused_by_name(tmp_path, monkeypatch):
                           timeout=300, env={**__import__("os").environ, "SPECULANT_HOME": str(tmp_path)})
     assert proc.returncode == 1 and "Traceback" not in proc.stderr
     assert "damaged or incomplete" in proc.stderr and f"speculant pull {SMALL}" in proc.stderr, proc.stderr
+
+
+def test_a_split_target_plans_each_machine_and_its_layers():
+    """--rpc/-ts: this machine's part (embeddings, output layer, first layers) and each worker's (the last layers,
+    in --rpc order), split as generate splits them; together they hold the whole model's weights and KV cache."""
+    need(TARGET)
+    whole = json.loads(run("plan", "-c", "2048", "--json").stdout)["models"][0]
+    r = run("plan", "-c", "2048", "--rpc", "10.0.0.2:50052,10.0.0.3:50052", "-ts", "2,1,1", "--json")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    here, workers = out["models"][0], out["workers"]
+    # 28 layers, three quarters on the workers (21), split 2:1 among them
+    assert [(w["endpoint"], w["first_layer"], w["layers"]) for w in workers] == [
+        ("10.0.0.2:50052", 7, 14), ("10.0.0.3:50052", 21, 7)]
+    assert here["kv_mb"] + sum(w["kv_mb"] for w in workers) == pytest.approx(whole["kv_mb"], abs=0.5)
+    weights = here["loaded_mb"] + here["repacked_mb"] + sum(w["weights_mb"] for w in workers)
+    assert weights == pytest.approx(whole["loaded_mb"] + whole["repacked_mb"], abs=1.0)
+    assert 0.4 < workers[1]["weights_mb"] / workers[0]["weights_mb"] < 0.6  # half the layers, half the bytes
+    assert here["output_mb"] == whole["output_mb"] and here["compute_mb"] == whole["compute_mb"]  # logits made here
+    assert all(w["compute_mb"] < whole["compute_mb"] + 1 for w in workers)
+    text = run("plan", "-c", "2048", "--rpc", "10.0.0.2:50052,10.0.0.3:50052", "-ts", "2,1,1").stdout
+    assert "The target's 28 layers: 7 here (with the embeddings and the output layer" in text
+    assert re.search(r"\| 10\.0\.0\.2:50052 \| 7-20 \(14\) \| \d+ \| \d+ \| \d+ \| \d+ \| \*\*\d+\*\* \|", text), text
+    assert "**total on this machine**" in text
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["-ts", "1,1"], "--tensor-split splits the target over --rpc workers: pass --rpc too"),
+    (["--rpc", "a:1", "--mem", "2G"], "--mem plans one machine"),
+    (["--rpc", "a:1", "--measure"], "--measure plans one machine"),
+    (["--rpc", "a:1", "-ts", "1e-9,1"], "leaves --rpc worker 1 no layer"),
+    (["--rpc", "a:1", "-np", "2"], "serves one request at a time"),
+    (["--rpc", "a:1 b:2"], "separated by commas"),
+])
+def test_split_plans_refuse_what_cannot_be_planned(args, needle):
+    need(TARGET)
+    proc = run("plan", *args)
+    lines = [s for s in proc.stderr.splitlines() if s.strip()]
+    assert proc.returncode != 0 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+def test_a_split_target_plan_within_10_percent_of_measured_peaks():
+    """SmolLM2 split over two real workers, a prompt filling most of the context: this machine's peak (the
+    process and the target's own) and each worker's, against the plan."""
+    from test_rpc import _free_ports, _start_worker, _stop
+
+    from speculant.memory import proc_status_mb
+
+    need(SMALL)
+    ports = _free_ports(2)
+    workers = [_start_worker(port) for port in ports]
+    try:
+        rpc = [f"127.0.0.1:{port}" for port in ports]
+        p = plan.plan(SMALL, None, n_ctx=4096, rpc=rpc)
+        measured = plan.measure(SMALL, None, 4096, rpc=rpc)
+        assert measured["prompt_tokens"] > 4000
+        assert abs(p.total / 2 ** 20 / measured["peak_rss_mb"] - 1) < 0.10, (p.total / 2 ** 20, measured)
+        for w, proc in zip(p.workers, workers):
+            peak = proc_status_mb(proc.pid)["peak_rss_mb"]
+            assert abs(w.total / 2 ** 20 / peak - 1) < 0.10, (w, peak)
+    finally:
+        for proc in workers:
+            _stop(proc)
