@@ -295,29 +295,42 @@ class MaskedRows:
 # llama.cpp's GBNF grammars
 
 
+_STDERR_CAUGHT = threading.Lock()  # one catch of fd 2 at a time
+
+
 @contextlib.contextmanager
-def _stderr_caught():
-    """What C code writes to stderr meanwhile, as a callable giving its lines (then, not on the terminal). Only on
-    the main thread (a command's one grammar); elsewhere (a server's) another thread's lines would be lost with it,
-    so there it goes to stderr as it comes."""
-    if threading.current_thread() is not threading.main_thread():
-        yield lambda: []
-        return
-    try:
-        sys.stderr.flush()
-        saved = os.dup(2)
-    except (OSError, ValueError, AttributeError):  # no stderr to catch (a daemon's closed fd 2)
-        yield lambda: []
-        return
-    with tempfile.TemporaryFile() as sink:
-        os.dup2(sink.fileno(), 2)
+def _grammar_error_caught(grammar: str):
+    """llama.cpp prints a grammar it cannot parse to stderr, whole, after its error: catch that, as a callable giving
+    the error (None if there was none), and keep it off the terminal. C code writes fd 2 from any thread, so every
+    thread's stderr is caught while the grammar is parsed (a server's log lines); all but the dump is written out
+    afterwards."""
+    error: Optional[str] = None
+    with _STDERR_CAUGHT:
         try:
-            yield lambda: sink_lines
-        finally:
-            os.dup2(saved, 2)
-            os.close(saved)
-            sink.seek(0)
-            sink_lines = sink.read().decode("utf-8", errors="replace").splitlines()
+            sys.stderr.flush()
+            saved = os.dup(2)
+        except (OSError, ValueError, AttributeError):  # no stderr to catch (a daemon's closed fd 2)
+            yield lambda: None
+            return
+        with tempfile.TemporaryFile() as sink:
+            os.dup2(sink.fileno(), 2)
+            try:
+                yield lambda: error
+            finally:
+                try:
+                    sys.stderr.flush()
+                except (OSError, ValueError, AttributeError):
+                    pass
+                os.dup2(saved, 2)
+                os.close(saved)
+                sink.seek(0)
+                text = sink.read().decode("utf-8", errors="replace")
+                # llama_grammar_parser::parse: "parse: error parsing grammar: <what>\n\n<grammar>\n", one fprintf
+                m = re.search(r"[^\n]*error parsing grammar: ([^\n]*)\n\n" + re.escape(grammar) + r"\n", text)
+                if m:
+                    error, text = m.group(1).strip(), text[:m.start()] + text[m.end():]
+                if text:
+                    os.write(2, text.encode("utf-8"))
 
 
 class GrammarConstraint(Constraint):
@@ -341,12 +354,11 @@ class GrammarConstraint(Constraint):
 
         if not grammar.strip():
             raise SettingsError("the grammar is empty")
-        with _stderr_caught() as printed:  # llama.cpp prints a parse error with the whole grammar to stderr
+        with _grammar_error_caught(grammar) as parse_error:
             sampler = ll.llama_sampler_init_grammar(vocab, grammar.encode("utf-8"), root.encode("utf-8"))
         if not sampler:
-            said = [line.split("error parsing grammar:", 1)[1].strip() for line in printed()
-                    if "error parsing grammar:" in line]
-            lines = said or [line.strip() for line in list(log or [])[-4:] if "pars" in line or "error" in line]
+            lines = [parse_error()] if parse_error() else \
+                [line.strip() for line in list(log or [])[-4:] if "pars" in line or "error" in line]
             raise SettingsError("invalid grammar (GBNF)" + (f": {lines[-1]}" if lines else ""))
         return cls(sampler, vocab_size, eog)
 

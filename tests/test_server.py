@@ -972,6 +972,24 @@ BAD = [
 ]
 
 
+def test_a_bad_grammar_is_a_400_naming_its_fault_and_stays_out_of_the_log():
+    """llama.cpp prints an unparsable grammar, whole, to stderr: the server's answer said only "failed to parse
+    grammar" and its log got the dump (the fault was caught on a command's main thread alone)."""
+    proc, url = _start()
+    try:
+        r = httpx.post(url + "/completion", json={"prompt": "hi", "grammar": "root ::= foo", "n_predict": 2},
+                       timeout=60)
+        assert r.status_code == 400 and "Undefined rule identifier 'foo'" in r.json()["error"]["message"], r.text
+        ok = httpx.post(url + "/completion", json={"prompt": "hi", "grammar": 'root ::= " yes"', "n_predict": 8},
+                        timeout=60)
+        assert ok.status_code == 200 and ok.json()["content"] == " yes"
+    finally:
+        _stop(proc)
+    out = proc.stdout.read()
+    assert "error parsing grammar" not in out and "root ::= foo" not in out, out
+    assert "POST /completion 200" in out, out  # the rest of the log is there
+
+
 @pytest.mark.parametrize("path,body,status,param", BAD, ids=range(len(BAD)))
 def test_bad_input_is_a_clear_4xx(server, path, body, status, param):
     r = _post(server, path, body)
