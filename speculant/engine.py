@@ -243,7 +243,7 @@ class Engine:
         each after a "--- snippet ---" line; then fim_prompt(prefix + middle, suffix), `middle` being the text of
         the cursor's line before it. To leave `room` positions of the context for the output, the prefix keeps
         its end and the suffix its start (at least a quarter of the code's share, which is at least half of what
-        is left), and of the chunks those at the end that fit whole. spm: the suffix before the prefix
+        is left), and of the chunks those at the end that fit whole; room they leave goes to the code. spm: the suffix before the prefix
         (llama-server's --spm-infill, for models trained that way: as the user types, only the cursor's line
         changes at the end of the prompt, so the rest stays cached). Returns the tokens and whether anything was
         cut."""
@@ -272,10 +272,15 @@ class Engine:
         if len(head) + len(tail) >= avail // 2:  # a tiny context: the code around the cursor first
             head, tail, chunks = [], [], []
         overhead = len(head) + len(tail)
+
+        def code_split(code: int) -> tuple[int, int]:
+            """(suffix, prefix) tokens kept of `code` positions: the suffix at least a quarter."""
+            n_suffix = min(len(suffix_ids), max(code // 4, code - len(prefix_ids)))
+            return n_suffix, min(len(prefix_ids), code - n_suffix)
+
         # the code around the cursor gets at least half, the chunks what they need of the rest
-        code = avail - overhead if not chunks else max(avail // 2, avail - overhead - sum(map(len, chunks)))
-        n_suffix = min(len(suffix_ids), max(code // 4, code - len(prefix_ids)))
-        n_prefix = min(len(prefix_ids), code - n_suffix)
+        n_suffix, n_prefix = code_split(avail - overhead if not chunks else
+                                        max(avail // 2, avail - overhead - sum(map(len, chunks))))
         left = avail - n_suffix - n_prefix - overhead
         kept = []  # the chunks at the end that fit whole
         for chunk in reversed(chunks):
@@ -283,6 +288,8 @@ class Engine:
                 break
             kept.insert(0, chunk)
             left -= len(chunk)
+        # what no whole chunk could use goes back to the code (a chunk left out used to leave it empty)
+        n_suffix, n_prefix = code_split(avail - overhead - sum(map(len, kept)))
         cut = n_prefix < len(prefix_ids) or n_suffix < len(suffix_ids) or len(kept) < len(chunks)
         context = head + [t for c in kept for t in c] + tail  # llama-server writes the header with no chunks too
         before, after = [pre] + prefix_ids[len(prefix_ids) - n_prefix:], [suf] + suffix_ids[:n_suffix]

@@ -93,6 +93,10 @@ def test_cut_to_fit_keeps_the_code_nearest_the_cursor():
     assert cut and tokens[:tokens.index(PRE)] == [REPO] + chars("myproject\n") + [SEP] + chars("y\nYYY") + [SEP] \
         + chars("filename\n")
     assert len(tokens) - tokens.index(PRE) - 3 >= (100 - 20 - 3) // 2  # prefix and suffix
+    assert len(tokens) == 100 - 20  # the room the left-out chunk would have had is the code's
+    # one chunk too long for its share: the code takes all the room (it used to get half, the rest left empty)
+    tokens, cut = engine.infill_prompt(prefix, suffix, extra=[("x", "X" * 60)], room=20)
+    assert cut and len(tokens) == 100 - 20 and tokens[:tokens.index(PRE)] == HEADER
     # nothing to cut: all kept; a long prefix without chunks takes all the room the header leaves
     tokens, cut = engine.infill_prompt("p", suffix[:50], room=20)
     assert not cut and tokens == HEADER + [PRE] + chars("p") + [SUF] + chars(suffix[:50]) + [MID]
