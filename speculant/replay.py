@@ -29,7 +29,8 @@ def write_trace(result: dict, path: str | Path) -> Path:
     doc = {"format": TRACE_FORMAT, "models": result.get("models"), "machine": result.get("machine", {}).get("cpu"),
            "settings": {k: result["settings"].get(k) for k in ("n_predict", "temps", "top_k", "top_p", "min_p",
                                                                "seed", "suite")},
-           "step_fields": STEP_FIELDS, "runs": result.get("trace", [])}
+           "step_fields": STEP_FIELDS, "runs": result.get("trace", []),
+           **({"partial": True} if result.get("partial") else {})}  # an interrupted bench: its finished prompts
     path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
     return path
 

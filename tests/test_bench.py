@@ -325,6 +325,43 @@ def test_an_interrupted_bench_writes_the_prompts_it_finished(tmp_path, monkeypat
     # the first prompt whole (plain and lookup, 2 repeats), nothing of the second, whose first repeat had finished
     assert len({r["prompt_id"] for r in result["rows"]}) == 1 and len(result["rows"]) == 4
     assert "interrupted after 1 of 2 prompts" in capsys.readouterr().err
+    # the summary says so too (it said "2 prompts" as if whole)
+    assert "**interrupted: 1 of 2 prompts finished**" in (out / "summary.md").read_text()
+
+
+def test_a_file_it_cannot_write_loses_nothing_else(tmp_path, capsys):
+    """A file that cannot be written (here summary.md, a directory; a full disk alike) is one line naming it,
+    after the table is printed and results.json and the trace are written; no temporary is left. A full disk used
+    to lose the whole run, results.json too when the trace came first."""
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    out = tmp_path / "bench"
+    (out / "summary.md").mkdir(parents=True)
+    rc = main(["bench", "-m", SMALL, "-md", "lookup", "--methods", "plain,lookup", "--categories", "qa",
+               "--limit", "1", "-n", "4", "-c", "1024", "-t", "1", "--cost-repeats", "1", "--out", str(out),
+               "--trace", str(tmp_path / "trace.json"), "--no-progress", "--no-plots"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert "| T | method | category |" in captured.out  # the table
+    assert json.loads((out / "results.json").read_text())["rows"]
+    assert json.loads((tmp_path / "trace.json").read_text())["runs"]
+    errors = [line for line in captured.err.splitlines() if line.startswith("speculant: error:")]
+    assert len(errors) == 1 and f"could not write {out / 'summary.md'}: Is a directory" in errors[0], captured.err
+    assert sorted(p.name for p in out.iterdir()) == ["results.json", "summary.md"]  # no summary.md.tmp
+
+
+def test_settings_it_cannot_run_with_are_refused_before_the_banner(capsys):
+    from speculant.cli import main
+
+    if not models.cached_path(SMALL).exists():
+        pytest.skip(f"{SMALL} not pulled (run `make models`)")
+    for bad in (["-n", "0"], ["--repeats", "0"], ["--temp", "-1"], ["-c", "10"], ["--seed", "-5"]):
+        assert main(["bench", "-m", SMALL, "-md", "lookup", "--methods", "plain,lookup", "--limit", "1",
+                     "--no-progress", *bad]) == 1, bad
+        err = capsys.readouterr().err
+        assert "speculant bench:" not in err and err.startswith("speculant: error:"), (bad, err)
 
 
 LLAMA_SPEC_OUTPUT = """

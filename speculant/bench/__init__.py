@@ -167,7 +167,7 @@ def _rpc_kwargs(args) -> dict:
 
 def cmd_bench(args) -> int:
     from . import report
-    from .runner import check_draft, run
+    from .runner import check_config, run
 
     if args.costs:
         from . import costs
@@ -191,10 +191,14 @@ def cmd_bench(args) -> int:
     if args.trace:
         writable_file(args.trace, "--trace")
     models.check_name(args.model)  # an unknown -m before the methods' need of a draft model
-    check_draft(cfg)  # before the banner: an error is all that is printed
-    print(f"speculant bench: {len(prompts)} prompts x {len(cfg.variants)} methods "
-          f"({', '.join(v.label for v in cfg.variants)}) x {len(cfg.temps)} temperature(s) x {cfg.repeats} "
-          f"repeat(s), -n {cfg.n_predict}", file=sys.stderr)
+    check_config(cfg, prompts)  # before the banner: an error is all that is printed
+
+    def count(n: int, what: str) -> str:
+        return f"{n} {what}{'' if n == 1 else 's'}"
+
+    print(f"speculant bench: {count(len(prompts), 'prompt')} x {count(len(cfg.variants), 'method')} "
+          f"({', '.join(v.label for v in cfg.variants)}) x {count(len(cfg.temps), 'temperature')} x "
+          f"{count(cfg.repeats, 'repeat')}, -n {cfg.n_predict}", file=sys.stderr)
     result = run(cfg, prompts, progress=not args.no_progress, keep_partial=True)
     interrupted = result.pop("interrupted", None)
     if interrupted is not None:  # Ctrl-C / SIGTERM: what was finished is written, then the exit code is the signal's
@@ -206,17 +210,25 @@ def cmd_bench(args) -> int:
 
         result["peers"] = peers_mod.run_peers(peers, cfg, prompts, result, tools_dir=args.llama_tools,
                                               progress=not args.no_progress)
+    # the table first: a file that cannot be written (a full disk) must not lose the run
+    sys.stdout.write(report.markdown(result))
+    sys.stdout.flush()
+    files, failed = report.write_all(result, out, make_plots=not args.no_plots)
     if args.trace:
         from ..replay import write_trace
 
-        print(f"wrote trace {write_trace(result, args.trace)}", file=sys.stderr)
-    files = report.write_all(result, out, make_plots=not args.no_plots)
-    sys.stdout.write(report.markdown(result))
-    print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
+        try:
+            files["trace"] = write_trace(result, args.trace)
+        except OSError as e:
+            failed.append(f"{args.trace}: {e.strerror or e}")
+    if files:
+        print("wrote " + ", ".join(str(p) for p in files.values()), file=sys.stderr)
     bad = [r for r in result["rows"] if r.get("greedy_equal") is False]
     if bad:
         print(f"speculant bench: {len(bad)} run(s) differ from plain output (see greedy_equal in "
-              f"{files['json']})", file=sys.stderr)
+              f"{out / 'results.json'})", file=sys.stderr)
     if interrupted is not None:
         raise interrupted
+    if failed:
+        raise SettingsError("could not write " + "; ".join(failed) + " (the table above is the run's summary)")
     return 0

@@ -31,7 +31,10 @@ def markdown(result: dict) -> str:
         f"{m.get('llama.cpp', {}).get('variant', '?')} (invariant kernels for passes of <= 64 tokens); peers = "
         f"llama.cpp's own defaults, native build (scripts/build_llama_tools.sh)",
         f"- versions: " + ", ".join(f"{k} {val}" for k, val in v.items() if val),
-        f"- settings: suite {st['suite']}, {result['n_prompts']} prompts, -n {st['n_predict']}, repeats "
+        f"- settings: suite {st['suite']}, " + (
+            f"**interrupted: {len({r['prompt_id'] for r in result['rows']})} of {result['n_prompts']} prompts "
+            f"finished** (\"partial\": true)" if result.get("partial") else f"{result['n_prompts']} prompts")
+        + f", -n {st['n_predict']}, repeats "
         f"{st['repeats']}, temps {', '.join(f'{t:g}' for t in st['temps'])}, top-k {st['top_k']}, top-p "
         f"{st['top_p']}, min-p {st['min_p']}, seed {st['seed']}, draft-p-min {st['draft_p_min']}, ctx {st['n_ctx']}",
         f"- measured costs: target pass over n tokens (ms) "
@@ -146,10 +149,19 @@ def _jsonable(x):
     return x
 
 
+def write_text(text: str, path: Path) -> None:
+    """Atomically: the file is whole or as it was (a temporary that could not be finished is removed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
 def write_json(result: dict, path: Path) -> None:
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(_jsonable(result), indent=1, ensure_ascii=False), encoding="utf-8")
-    tmp.replace(path)
+    write_text(json.dumps(_jsonable(result), indent=1, ensure_ascii=False), path)
 
 
 def plots(result: dict, out: Path) -> list[Path]:
@@ -234,12 +246,22 @@ def _save(fig, path: Path, plt) -> Path:
     return path
 
 
-def write_all(result: dict, out: Path, *, make_plots: bool = True) -> dict[str, Path]:
-    out.mkdir(parents=True, exist_ok=True)
-    files = {"json": out / "results.json", "markdown": out / "summary.md"}
-    write_json(result, files["json"])
-    files["markdown"].write_text(markdown(result), encoding="utf-8")
-    if make_plots:
-        for p in plots(result, out):
-            files[p.stem] = p
-    return files
+def write_all(result: dict, out: Path, *, make_plots: bool = True) -> tuple[dict[str, Path], list[str]]:
+    """results.json, summary.md and the plots into out, each whole or not at all: (what was written, "PATH: why"
+    for each file that could not be, e.g. on a full disk). results.json first: it holds everything."""
+    written, failed = {}, []
+    for key, path, write in (("json", out / "results.json", lambda p: write_json(result, p)),
+                             ("markdown", out / "summary.md", lambda p: write_text(markdown(result), p))):
+        try:
+            out.mkdir(parents=True, exist_ok=True)
+            write(path)
+            written[key] = path
+        except OSError as e:
+            failed.append(f"{path}: {e.strerror or e}")
+    if make_plots and not failed:
+        try:
+            for p in plots(result, out):
+                written[p.stem] = p
+        except OSError as e:
+            failed.append(f"the plots in {out}: {e.strerror or e}")
+    return written, failed

@@ -174,12 +174,11 @@ def _token_hash(tokens: list[int]) -> str:
     return hashlib.sha1(",".join(map(str, tokens)).encode()).hexdigest()[:16]
 
 
-def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print,
-        keep_partial: bool = False) -> dict:
-    """Run the benchmark; returns {machine, versions, settings, models, costs, rows, summary} (and costs_torch,
-    notes, memory when they apply). keep_partial: a Ctrl-C or SIGTERM while decoding ends the runs there and
-    returns what was finished (whole prompts), with "interrupted" holding the exception to raise once the
-    results are written; nothing finished re-raises at once."""
+def check_config(cfg: BenchConfig, prompts: list[Prompt]) -> dict[float, SamplingParams]:
+    """Settings the run cannot start with are a SettingsError (before anything is printed or loaded); returns the
+    sampling parameters per temperature."""
+    from ..api import check_ctx_size
+
     if not prompts:
         raise SettingsError("no prompts selected")
     if cfg.repeats < 1:
@@ -188,6 +187,7 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
         raise SettingsError(f"--cost-repeats must be >= 1, got {cfg.cost_repeats}")
     if cfg.n_predict < 1:
         raise SettingsError(f"-n must be >= 1, got {cfg.n_predict}")
+    check_ctx_size(cfg.n_ctx)
     check_draft(cfg)
     params_by_temp = {t: SamplingParams(t, cfg.top_k, cfg.top_p, cfg.min_p, cfg.seed) for t in cfg.temps}  # validates
     methods = list({v.method.name: v.method for v in cfg.variants}.values())
@@ -197,6 +197,17 @@ def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=p
     if cfg.interleave == "step" and any(m.backend == "torch" for m in methods):
         raise SettingsError("--interleave step loads the target once per method, too much for torch-target "
                             "methods: use --interleave prompt")
+    return params_by_temp
+
+
+def run(cfg: BenchConfig, prompts: list[Prompt], *, progress: bool = True, log=print,
+        keep_partial: bool = False) -> dict:
+    """Run the benchmark; returns {machine, versions, settings, models, costs, rows, summary} (and costs_torch,
+    notes, memory when they apply). keep_partial: a Ctrl-C or SIGTERM while decoding ends the runs there and
+    returns what was finished (whole prompts), with "interrupted" holding the exception to raise once the
+    results are written; nothing finished re-raises at once."""
+    params_by_temp = check_config(cfg, prompts)
+    methods = list({v.method.name: v.method for v in cfg.variants}.values())
 
     t_start = time.time()
     contexts: list[MethodContext] = []
