@@ -268,7 +268,8 @@ def dry_run(model: "str | Path", type_name: str, *, output_tensor_type: Optional
     fallback = re.search(r"(\d+) of \d+ tensor\(s\) required fallback", proc.stderr)
     return DryRun(source=str(src), type_name=type_name.upper(), tensors=tensors, source_bytes=source_bytes,
                   source_quantized=source_quantized,
-                  needs_imatrix="will require an imatrix" in proc.stderr,
+                  # llama.cpp's own need, or ours (make() refuses those types without one)
+                  needs_imatrix="will require an imatrix" in proc.stderr or type_name.upper() in NEEDS_IMATRIX,
                   fallbacks=int(fallback.group(1)) if fallback else 0)
 
 
@@ -461,6 +462,13 @@ def dry_run_report(model: str, d: DryRun, allow_requantize: bool = False) -> str
 
 
 def cmd_quantize(args) -> int:
+    if args.type.upper() == "MXFP4_MOE":
+        from .native import gguf_tensors
+
+        if not any(len(t.shape) == 3 for t in gguf_tensors(models.resolve(args.model))):
+            print(f"speculant: warning: MXFP4_MOE puts a mixture of experts' expert matrices in MXFP4 and the rest in "
+                  f"Q8_0; {args.model} has no expert matrices, so it comes out all Q8_0 (--type Q8_0 says so)",
+                  file=sys.stderr)
     if args.dry_run:
         if args.output or args.name or args.imatrix:
             raise SettingsError("--dry-run writes nothing: -o, --name and --imatrix have no use with it")

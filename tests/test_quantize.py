@@ -127,6 +127,14 @@ def test_dry_run_says_what_a_type_would_cost_speculation_and_needs(home):
     imatrix = run("quantize", SMALL, "--type", "IQ2_XXS", "--dry-run", env=env)
     assert imatrix.returncode == 0 and "needs an importance matrix: pass --imatrix FILE" in imatrix.stdout
     assert "IQ2_XXS" in imatrix.stdout and "at batch cost" in imatrix.stdout
+    for ours in ("IQ3_XS", "IQ3_XXS"):  # llama.cpp makes them without; the real run refuses them without one
+        said = run("quantize", SMALL, "--type", ours, "--dry-run", env=env)
+        assert said.returncode == 0 and "needs an importance matrix: pass --imatrix FILE" in said.stdout, said.stdout
+        assert_clean_error(run("quantize", SMALL, "--type", ours, "--allow-requantize", env=env),
+                           f"{ours} needs an importance matrix")
+    assert "needs an importance" not in run("quantize", SMALL, "--type", "IQ3_S", "--dry-run", env=env).stdout
+    dense = run("quantize", SMALL, "--type", "MXFP4_MOE", "--dry-run", env=env)  # was silently all Q8_0
+    assert dense.returncode == 0 and "has no expert matrices, so it comes out all Q8_0" in dense.stderr
     assert_clean_error(run("quantize", SMALL, "--type", "Q4_0", "--dry-run", "-o", str(home / "x.gguf"), env=env),
                        "--dry-run writes nothing")
     assert_clean_error(run("quantize", SMALL, "--type", "Q9_9", "--dry-run", env=env), "unknown quantization type")
