@@ -520,7 +520,8 @@ def fits(target: str, draft: Optional[str], mem: int, *, n_ctx: Optional[int] = 
                 row["why"] = (f"the weights alone take {_mb(weights):.0f} MiB" if weights > mem
                               else f"at n_ctx {smallest.n_ctx} it needs {_mb(smallest.total):.0f} MiB (weights "
                               f"{_mb(weights):.0f}, KV cache {_mb(sum(m.kv for m in smallest.models)):.0f}, compute "
-                              f"buffers {_mb(sum(m.compute for m in smallest.models)):.0f}, runtime and vocabularies "
+                              f"and output buffers {_mb(sum(m.compute + m.output for m in smallest.models)):.0f}, "
+                              f"runtime and vocabularies "
                               f"{_mb(smallest.runtime + sum(m.vocab_tables + m.other for m in smallest.models)):.0f})")
             rows.append(row)
     return rows
@@ -636,7 +637,7 @@ def cmd_plan(args) -> int:
         print(f"\nmeasured in a fresh process: peak RSS {m['peak_rss_mb']:.0f} MiB (planned {out['total_mb']:.0f}, "
               f"{out['total_mb'] / m['peak_rss_mb'] - 1:+.1%})")
     if mem is not None:
-        print(f"\nin {mem / MiB:.0f} MiB:")
+        print(f"\nin {mem / MiB:.0f} MiB:" if mem >= MiB else f"\nin {mem} bytes:")
         for r in out["fits"]:
             pair = f"target {r['target_type']}" + (
                 " alone (plain decoding, -md lookup or -md history)" if r["draft_type"] == "no draft"
