@@ -104,6 +104,8 @@ def add_cli(sub, add_model_args=None, add_sampling_args=None) -> None:
 def writable_dir(path: str, flag: str) -> Path:
     """The directory `path` (made if missing), checked writable; a clear error otherwise."""
     out = Path(path)
+    if out.exists() and not out.is_dir():
+        raise SettingsError(f"{flag} {path} is not a directory (it names where the results go: a directory)")
     try:
         out.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryFile(dir=out):
