@@ -103,6 +103,30 @@ def test_summary_acceptance_tau_positions_and_greedy():
     assert overall["predicted_speedup"] == pytest.approx(bstats.expected_tokens(a, 2) / (2 * 0.1 + 1.4))
     plain = by(s, "plain", "overall")
     assert plain["acceptance"] is None and plain["predicted_speedup"] is None and plain["tau"] == 1.0
+    # a method that decoded steps plainly (lookup without a match, an adaptive k = 0) drafts another mix than k
+    # every step, which the formula misprices (a probe saw 2.73x predicted at tau 1.20): none predicted
+    mixed = hand_rows()
+    mixed[3]["plain_steps"] = 1
+    assert by(bstats.summarize(mixed, COSTS), "draft-k2", "overall")["predicted_speedup"] is None
+    assert by(bstats.summarize(mixed, COSTS), "draft-k2", "code")["predicted_speedup"] is not None
+
+
+def _result(rows) -> dict:
+    """A bench result around rows, with what the report reads beside them."""
+    return {"summary": bstats.summarize(rows, COSTS), "rows": rows, "n_prompts": len({r["prompt_id"] for r in rows}),
+            "machine": {}, "versions": {}, "costs": COSTS, "models": {"target": "t"},
+            "settings": {"suite": "builtin", "n_predict": 8, "repeats": 1, "temps": [0.0], "top_k": 0, "top_p": 1.0,
+                         "min_p": 0.0, "seed": 0, "draft_p_min": 0.0, "n_ctx": 512}}
+
+
+def test_a_speedup_of_a_method_that_drafted_nothing_is_marked_as_noise():
+    from speculant.bench.report import markdown
+
+    rows = [row("a", "qa", "plain", 10.0), row("a", "qa", "adaptive-lookup", 4.0),
+            row("b", "qa", "plain", 10.0), row("b", "qa", "lookup-k2", 20.0, k=2, drafted=4, accepted=3, calls=6)]
+    table = [line for line in markdown(_result(rows)).splitlines() if line.startswith("| 0 |")]
+    assert any("| adaptive-lookup | qa |" in line and "0.40x† |" in line for line in table), table
+    assert not any("†" in line for line in table if "| plain |" in line or "| lookup-k2 |" in line), table
 
 
 def test_in_run_draft_cost_and_repeats_averaged_per_prompt():

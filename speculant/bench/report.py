@@ -61,7 +61,10 @@ def markdown(result: dict) -> str:
         "",
         "Speedup = mean tokens/s of the method / mean tokens/s of plain over the same prompts (Spec-Bench); "
         "q1/median/q3 are quartiles of the per-prompt ratios; τ = tokens per target pass; predicted = "
-        "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs; equal = runs whose tokens are plain "
+        "Leviathan E/(k·c+V(k+1)) from the measured acceptance and costs, for methods that drafted k at every "
+        "step (– where steps were decoded plainly: the formula does not price that mix); a speedup marked † is of "
+        "a method that drafted nothing, the same passes as plain, so its distance from 1.00x is the machine's noise "
+        "(and the adaptive policy's bookkeeping); equal = runs whose tokens are plain "
         "decoding's (at T > 0 too: seeded requests draw with coupled noise, the same tokens whatever is drafted).",
     ]
     if own:
@@ -88,7 +91,7 @@ def markdown(result: dict) -> str:
         vs_base = r.get("speedup_vs_baseline") if base != BASELINE else None
         lines.append(
             f"| {r['temp']:g} | {r['variant']} | {name} | {r['n_prompts']} | {_f(r['tokens_per_s'])} | "
-            f"{_f(r['speedup'], '{:.2f}x')} | "
+            f"{_f(r['speedup'], '{:.2f}x')}{'†' if r['variant'] not in (BASELINE, r.get('baseline')) and not r.get('drafted') else ''} | "
             + (f"{base} | {_f(vs_base, '{:.2f}x')} | " if own else "")
             + f"{spread} | {_f(r['acceptance'], '{:.1%}')} | {_f(r['tau'])} | "
             f"{_f(r['predicted_speedup'], '{:.2f}x')} | {eq} |"

@@ -108,7 +108,10 @@ def aggregate(rows: list[dict], base_rows: list[dict], *, k: int, costs: Optiona
     out["acceptance_by_position"] = [a / d if d else None for a, d in zip(a_pos, d_pos)]
     out["predicted_speedup"] = None
     out["c"] = None
-    if costs and k > 0 and out["acceptance"] is not None:
+    # Leviathan's formula is for k drafted at every step: a method that decoded steps plainly (an adaptive policy's
+    # k = 0, lookup finding no match) drafts another mix, which it would misprice (2.73x predicted at tau 1.20)
+    every_step = all(r.get("plain_steps", 0) == 0 for r in rows)
+    if costs and k > 0 and out["acceptance"] is not None and every_step:
         c = draft_cost(rows, costs)
         out["c"] = c
         out["predicted_speedup"] = predicted_speedup(out["acceptance"], k, c, verify_cost(costs, k + 1))
