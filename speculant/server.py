@@ -165,6 +165,7 @@ class Job:
     n: int = 1  # choices: generations of the same prompt, each on a slot of its own (they decode at once)
     tools: Any = None  # tools.Tools when the request gives tools the model may call
     cut: bool = False  # generation stopped early because the server is shutting down
+    slot: int = -1  # the slot that generates it (llama-server's id_slot), once it has one
     more_prompts: list = field(default_factory=list)  # /v1/completions: the batch's other prompts (str or ids)
     echo: bool = False  # /v1/completions: the prompt comes back before the completion (and its logprobs)
     suffix: Optional[str] = None  # /v1/completions: fill in the middle, between the prompt and this
@@ -1346,7 +1347,7 @@ class Worker:
             self.metrics.cancelled.inc()
             return
         held = self._held(job.tokens)
-        slot = self._pick_slot(held)
+        slot = job.slot = self._pick_slot(held)
         self.free.remove(slot)
         self.last_used[slot] = next(self._uses)
         self.last_task[slot] = SlotTask(next(self._tasks), len(job.tokens), job.max_tokens, job.params, job.stream,
@@ -1996,6 +1997,10 @@ def create_app(engine, cfg: ServerConfig):
         job = None
         try:
             job, fields = parse_native(body, cfg, engine.target.n_ctx, infill=infill)
+            if infill and engine.target.fim_tokens() is None:  # llama-server's answer: 501 not_supported
+                raise APIError(501, f"Infill is not supported by this model: {engine.target.name} has no "
+                               "fill-in-the-middle tokens; a code model has them (qwen2.5-coder-1.5b-instruct)",
+                               type="not_supported_error", code="not_supported")
             worker.admit(job)  # a 503 at once when full, before tokenizing
             await worker.tokenize(job)
         except SpeculantError as e:
@@ -2012,7 +2017,7 @@ def create_app(engine, cfg: ServerConfig):
             else:
                 stop_type = "word" if result.stop_string else "eos" if stats.ended_by_eog else "none"
             out = {"index": 0, "content": content, "tokens": list(tokens) if job.return_tokens else [],
-                   "id_slot": -1, "stop": final,
+                   "id_slot": job.slot, "stop": final,
                    "model": cfg.model_id, "tokens_predicted": stats.generated_tokens,
                    "tokens_evaluated": len(job.tokens)}
             if job.logprobs is not None:

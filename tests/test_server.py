@@ -935,7 +935,8 @@ BAD = [
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "grammar": 'root ::= "a"',
                          "response_format": {"type": "json_object"}}, 400, "grammar"),
     # llama-server's /infill (SmolLM2 has no fill-in-the-middle tokens: the first; the others fail before that)
-    ("/infill", {"input_prefix": "def f():\n", "input_suffix": "\nf()\n"}, 400, None),
+    # (501 not_supported, as llama-server answers a model without those tokens; it was a 400)
+    ("/infill", {"input_prefix": "def f():\n", "input_suffix": "\nf()\n"}, 501, None),
     ("/infill", "not json", 400, None),
     ("/infill", [], 400, None),
     ("/infill", {"input_suffix": ""}, 400, "input_prefix"),
@@ -970,6 +971,18 @@ BAD = [
     ("/completion", {"prompt": "hi", "n_cmpl": "2"}, 400, "n_cmpl"),
     ("/infill", {"input_prefix": "", "input_suffix": "", "n_cmpl": 3}, 400, "n_cmpl"),
 ]
+
+
+def test_native_answers_name_the_slot_that_generated_them(server):
+    """id_slot: the slot used, as llama-server answers (it was always -1), in a stream's events too."""
+    headers = {"Authorization": f"Bearer {KEY}"}
+    r = httpx.post(server + "/completion", headers=headers, json={"prompt": PROMPT, "n_predict": 2}, timeout=60)
+    slots = httpx.get(server + "/slots", headers=headers).json()
+    assert r.status_code == 200 and r.json()["id_slot"] in {s["id"] for s in slots}, (r.json(), slots)
+    with httpx.stream("POST", server + "/completion", headers=headers, timeout=60,
+                      json={"prompt": PROMPT, "n_predict": 3, "stream": True}) as streamed:
+        events = [json.loads(line[6:]) for line in streamed.iter_lines() if line.startswith("data: {")]
+    assert events and len({e["id_slot"] for e in events}) == 1 and events[0]["id_slot"] in {s["id"] for s in slots}
 
 
 def test_a_bad_grammar_is_a_400_naming_its_fault_and_stays_out_of_the_log():
