@@ -2480,8 +2480,10 @@ def cmd_serve(args) -> int:
             if self.started:
                 drafts = (f" with {SELF_SPEC}" if cfg.draft_id == SELF_SPEC  # the target drafts with its own layers
                           else f" with draft {cfg.draft_id}" if cfg.draft_id else "")
-                if drafts and getattr(args, "lookup", False):
-                    drafts += " (prompt lookup first)"
+                first = (["history drafting"] if drafts and getattr(args, "history", False) else []) + \
+                    (["prompt lookup"] if drafts and getattr(args, "lookup", False) else [])
+                if first:
+                    drafts += f" ({', then '.join(first)} first)"
                 print(f"speculant: serving {cfg.model_id}{drafts} on {where}", file=sys.stderr, flush=True)
 
         def handle_exit(self, sig, frame):  # SIGINT/SIGTERM: refuse new work, give in-flight work `grace` s

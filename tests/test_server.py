@@ -987,8 +987,9 @@ def test_native_answers_name_the_slot_that_generated_them(server):
 
 def test_a_bad_grammar_is_a_400_naming_its_fault_and_stays_out_of_the_log():
     """llama.cpp prints an unparsable grammar, whole, to stderr: the server's answer said only "failed to parse
-    grammar" and its log got the dump (the fault was caught on a command's main thread alone)."""
-    proc, url = _start()
+    grammar" and its log got the dump (the fault was caught on a command's main thread alone). (--history: the
+    banner names it, before lookup; it did not.)"""
+    proc, url = _start("--history")
     try:
         r = httpx.post(url + "/completion", json={"prompt": "hi", "grammar": "root ::= foo", "n_predict": 2},
                        timeout=60)
@@ -1001,6 +1002,7 @@ def test_a_bad_grammar_is_a_400_naming_its_fault_and_stays_out_of_the_log():
     out = proc.stdout.read()
     assert "error parsing grammar" not in out and "root ::= foo" not in out, out
     assert "POST /completion 200" in out, out  # the rest of the log is there
+    assert f"with draft {MODEL} (history drafting, then prompt lookup first) on {url}/v1" in out, out
 
 
 @pytest.mark.parametrize("path,body,status,param", BAD, ids=range(len(BAD)))
