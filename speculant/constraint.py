@@ -296,6 +296,33 @@ class MaskedRows:
 
 
 _STDERR_CAUGHT = threading.Lock()  # one catch of fd 2 at a time
+_PARSE_ERROR = "error parsing grammar: "
+
+
+def _cut_grammar_dump(text: str, grammar: str) -> tuple[Optional[str], str]:
+    """llama_grammar_parser::parse's one fprintf, "parse: error parsing grammar: <what>\n\n<grammar>\n" (<what> may
+    run over lines: "expecting ::= at <the rest of the grammar>"), found in `text` -> (its first line of <what>, text
+    without the dump); (None, text) where there is none."""
+    at = text.find(_PARSE_ERROR)
+    if at < 0:
+        return None, text
+    dump = "\n\n" + grammar + "\n"
+    end = text.rfind(dump, at)
+    if end < 0:
+        return None, text
+    line_start = text.rfind("\n", 0, at) + 1
+    what = text[at + len(_PARSE_ERROR):end].strip().splitlines()
+    return (what[0].strip() if what else None), text[:line_start] + text[end + len(dump):]
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    """All of data to fd, or as much as it takes (stderr closed or full: what other threads wrote is lost, never the
+    request)."""
+    try:
+        while data:
+            data = data[os.write(fd, data):]
+    except OSError:
+        pass
 
 
 @contextlib.contextmanager
@@ -303,16 +330,21 @@ def _grammar_error_caught(grammar: str):
     """llama.cpp prints a grammar it cannot parse to stderr, whole, after its error: catch that, as a callable giving
     the error (None if there was none), and keep it off the terminal. C code writes fd 2 from any thread, so every
     thread's stderr is caught while the grammar is parsed (a server's log lines); all but the dump is written out
-    afterwards."""
+    afterwards. Without a temporary file or a stderr to catch, nothing is caught (the dump goes to stderr)."""
     error: Optional[str] = None
     with _STDERR_CAUGHT:
         try:
             sys.stderr.flush()
-            saved = os.dup(2)
-        except (OSError, ValueError, AttributeError):  # no stderr to catch (a daemon's closed fd 2)
+            sink = tempfile.TemporaryFile()
+        except (OSError, ValueError, AttributeError):  # no stderr (a daemon's closed fd 2), no temporary directory
             yield lambda: None
             return
-        with tempfile.TemporaryFile() as sink:
+        with sink:
+            try:
+                saved = os.dup(2)
+            except OSError:
+                yield lambda: None
+                return
             os.dup2(sink.fileno(), 2)
             try:
                 yield lambda: error
@@ -325,12 +357,9 @@ def _grammar_error_caught(grammar: str):
                 os.close(saved)
                 sink.seek(0)
                 text = sink.read().decode("utf-8", errors="replace")
-                # llama_grammar_parser::parse: "parse: error parsing grammar: <what>\n\n<grammar>\n", one fprintf
-                m = re.search(r"[^\n]*error parsing grammar: ([^\n]*)\n\n" + re.escape(grammar) + r"\n", text)
-                if m:
-                    error, text = m.group(1).strip(), text[:m.start()] + text[m.end():]
                 if text:
-                    os.write(2, text.encode("utf-8"))
+                    error, text = _cut_grammar_dump(text, grammar)
+                    _write_all(2, text.encode("utf-8"))
 
 
 class GrammarConstraint(Constraint):

@@ -521,6 +521,56 @@ def test_bad_grammars_are_clear_errors(small_target):
     assert r.text in ("yes", "no") and r.finish_reason == "stop"
 
 
+@pytest.mark.models
+def test_a_bad_grammar_names_its_fault_on_any_thread_and_its_dump_stays_off_stderr(small_target, capfd):
+    """The parse error of a grammar file (several lines, a trailing newline: llama.cpp's message runs over lines)
+    on the main thread and on a server's; without a temporary directory a valid grammar still works, no fd lost."""
+    import os
+    import tempfile
+    import threading
+
+    def on_thread(grammar):
+        said = []
+
+        def build():
+            try:
+                small_target.grammar(grammar)
+                said.append("ok")
+            except SettingsError as e:
+                said.append(str(e))
+
+        t = threading.Thread(target=build)
+        t.start()
+        t.join()
+        return said[0]
+
+    for grammar, fault in (('root = "a"\n', "expecting ::= at = \"a\""),
+                           ('root ::= "a" x\nx ::= "b" )\n', "expecting newline or end at )"),
+                           ("root ::= foo", "Undefined rule identifier 'foo'")):
+        with pytest.raises(SettingsError) as e:
+            small_target.grammar(grammar)
+        assert str(e.value) == f"invalid grammar (GBNF): {fault}"
+        assert on_thread(grammar) == f"invalid grammar (GBNF): {fault}"
+    assert "error parsing grammar" not in capfd.readouterr().err
+    fds = len(os.listdir("/proc/self/fd"))
+    saved, tempfile.tempdir = tempfile.tempdir, "/nonexistent-directory"
+    try:
+        assert on_thread('root ::= "yes"') == "ok"
+    finally:
+        tempfile.tempdir = saved
+    assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_the_grammar_dump_is_cut_and_other_lines_kept():
+    from speculant.constraint import _cut_grammar_dump
+
+    grammar = 'root ::= "a" x\nx ::= "b" )\n'
+    text = ("another thread's line\n" + "parse: error parsing grammar: expecting newline or end at )\n\n\n"
+            + grammar + "\n" + "a later line\n")
+    assert _cut_grammar_dump(text, grammar) == ("expecting newline or end at )", "another thread's line\na later line\n")
+    assert _cut_grammar_dump("just a log line\n", grammar) == (None, "just a log line\n")
+
+
 def test_schema_answers_parse_and_hold_to_the_schema(small_target):
     """Schemas that the converter got wrong: strings took raw newlines (JSON forbids control characters, so the
     answer did not parse), a $defs entry named like a built-in rule ("char", "number") was replaced by it, and
