@@ -581,6 +581,8 @@ def rpc_kwargs(args) -> dict:
     """--rpc / --tensor-split -> load_engine's rpc and tensor_split (checked before anything loads)."""
     from .rpc import parse_endpoints, parse_tensor_split
 
+    if getattr(args, "rpc", None) is not None and not args.rpc.strip():  # an unset variable in a script
+        raise SettingsError("--rpc is empty: name the workers (HOST:PORT[,HOST:PORT...]), or leave --rpc out")
     if not getattr(args, "rpc", None):
         if getattr(args, "tensor_split", None):
             raise SettingsError("--tensor-split splits the target over --rpc workers: pass --rpc too")

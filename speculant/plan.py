@@ -612,6 +612,9 @@ def cmd_plan(args) -> int:
     if args.rpc is not None:
         from .rpc import parse_endpoints
 
+        if not args.rpc.strip():
+            raise SettingsError("--rpc is empty: name the workers (HOST:PORT[,HOST:PORT...]), or leave --rpc out")
+
         rpc = parse_endpoints(args.rpc)
         if mem is not None or args.measure:
             raise SettingsError(f"{'--mem' if mem is not None else '--measure'} plans one machine; with --rpc the "

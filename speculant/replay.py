@@ -31,7 +31,17 @@ def write_trace(result: dict, path: str | Path) -> Path:
                                                                "seed", "suite")},
            "step_fields": STEP_FIELDS, "runs": result.get("trace", []),
            **({"partial": True} if result.get("partial") else {})}  # an interrupted bench: its finished prompts
-    path.write_text(json.dumps(doc, separators=(",", ":")) + "\n")
+    text = json.dumps(doc, separators=(",", ":")) + "\n"
+    if path.exists() and not path.is_file():  # /dev/stdout and the like: written as they are
+        path.write_text(text)
+        return path
+    tmp = path.with_name(path.name + ".tmp")
+    try:  # whole or not at all (a full disk)
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 

@@ -54,8 +54,9 @@ def parse_endpoints(text: str) -> list[str]:
         if twin is not None:  # a second connection to a worker waits for the first to end: it would hang
             raise SettingsError(f"--rpc: {twin} and {part} are the same worker")
         endpoints.append(part)
-    if len(endpoints) > 16:  # GGML_RPC_MAX_SERVERS
-        raise SettingsError(f"--rpc: at most 16 workers, got {len(endpoints)}")
+    if len(endpoints) > 15:  # GGML_SCHED_MAX_BACKENDS (16) counts this machine's CPU too; 16 workers aborted
+        raise SettingsError(f"--rpc: at most 15 workers (llama.cpp's scheduler takes 16 devices, this machine's "
+                            f"CPU one of them), got {len(endpoints)}")
     return endpoints
 
 
@@ -107,8 +108,9 @@ def layer_plan(n_layer: int, weights: Sequence[float]) -> list[int]:
         layers[i] += 1
     if 0 in layers:
         i = layers.index(0)
-        raise SettingsError(f"--tensor-split leaves --rpc worker {i + 1} no layer (a share of {ideal[i]:.2g} of "
-                            f"{n_layer} layers): give it a larger share or leave it out of --rpc")
+        share = n_layer * weights[i] / sum(weights)
+        raise SettingsError(f"the layer split leaves --rpc worker {i + 1} no layer (its share: {share:.2g} of "
+                            f"{n_layer} layers): give it a larger --tensor-split share or leave it out of --rpc")
     return layers
 
 

@@ -1542,20 +1542,26 @@ async def _run_all(coros: list) -> None:
 
 
 def _system_fingerprint(target, build: Optional[dict]) -> str:
-    """OpenAI's system_fingerprint: what decides an answer's bits beside the model and the request (speculant's
-    version, the llama.cpp build and its CPU kernels, or torch, its device and dtype). A seeded request answers
-    the same wherever the fingerprint is the same."""
+    """OpenAI's system_fingerprint: what decides an answer's bits beside the model and the request, as far as the
+    server knows them (speculant's version, the llama.cpp build, its version and CPU kernels, repacking, whether the
+    numerics are exact; or torch, its device, GPU and dtype). Where it differs, a seed may answer differently."""
     from . import __version__
 
-    parts = [__version__, type(target).__name__]
+    parts = [__version__, type(target).__name__, str(getattr(target, "exact_numerics", ""))]
     if hasattr(target, "device"):  # the torch backend
         import torch
 
-        parts += [torch.__version__, str(target.device), str(getattr(target, "dtype", ""))]
+        device = getattr(target, "device", None)
+        gpu = torch.cuda.get_device_name(device) if getattr(device, "type", "") == "cuda" else ""
+        parts += [torch.__version__, str(device), gpu, str(getattr(target, "dtype", ""))]
     else:
+        import llama_cpp
+
+        from .api import repack_weights
         from .native import loaded_variant
 
-        parts += [(build or {}).get("key", "stock llama-cpp-python"), loaded_variant() or ""]
+        parts += [(build or {}).get("key", "stock"), llama_cpp.__version__, loaded_variant() or "",
+                  str(repack_weights())]
     return "fp_" + hashlib.sha256("|".join(parts).encode()).hexdigest()[:10]
 
 

@@ -340,10 +340,11 @@ def test_an_interrupted_bench_writes_the_prompts_it_finished(tmp_path, monkeypat
     try:
         rc = main(["bench", "-m", SMALL, "-md", "lookup", "--methods", "plain,lookup", "--categories", "qa,coding",
                    "--limit", "1", "-n", "8", "-c", "1024", "-t", "1", "--cost-repeats", "1", "--repeats", "2",
-                   "--out", str(out), "--no-progress", "--no-plots"])
+                   "--out", str(out), "--no-progress", "--no-plots", "--trace", str(tmp_path / "trace.json")])
     except SystemExit as e:
         rc = e.code
     assert rc == code
+    assert json.loads((tmp_path / "trace.json").read_text())["partial"] is True
     result = json.loads((out / "results.json").read_text())
     assert result["partial"] is True
     # the first prompt whole (plain and lookup, 2 repeats), nothing of the second, whose first repeat had finished

@@ -313,6 +313,7 @@ def test_a_split_target_plans_each_machine_and_its_layers():
     (["--rpc", "a:1", "-ts", "1e-9,1"], "leaves --rpc worker 1 no layer"),
     (["--rpc", "a:1", "-np", "2"], "serves one request at a time"),
     (["--rpc", "a:1 b:2"], "separated by commas"),
+    (["--rpc", ""], "--rpc is empty"),  # generate ran locally without a word
 ])
 def test_split_plans_refuse_what_cannot_be_planned(args, needle):
     need(TARGET)

@@ -93,6 +93,9 @@ def test_endpoint_and_split_parsing():
                 "127.0.0.1:\u0665\u0660\u0666\u0660\u0661"):
         with pytest.raises(SettingsError):
             parse_endpoints(bad)
+    with pytest.raises(SettingsError, match="at most 15 workers"):  # 16 passed, then llama.cpp's scheduler aborted
+        parse_endpoints(",".join(f"127.0.0.1:{50000 + i}" for i in range(16)))
+    assert len(parse_endpoints(",".join(f"127.0.0.1:{50000 + i}" for i in range(15)))) == 15
     with pytest.raises(SettingsError, match="is not HOST:PORT .*separated by commas"):  # (was: a name not resolving)
         parse_endpoints("127.0.0.1:8810 127.0.0.1:8811")
     assert parse_tensor_split(None, 2) == [1.0, 1.0, 1.0]  # two workers and this machine, equal shares
@@ -155,8 +158,9 @@ def test_the_output_layer_stays_here_so_a_token_crosses_the_network_as_one_hidde
             proxy.terminate()
             carried = proxy.communicate(timeout=30)[0]
         assert r.returncode == 0, r.stderr
-        assert r.stderr.startswith(f"speculant: the target's 30 layers: 15 here (with the embeddings and the output "
-                                   f"layer), 15 on 127.0.0.1:{listen}\n"), r.stderr
+        assert r.stderr.count("the target's 30 layers") == 1 and (
+            f"speculant: the target's 30 layers: 15 here (with the embeddings and the output layer), 15 on "
+            f"127.0.0.1:{listen}\n") in r.stderr, r.stderr
         received[n] = json.loads(carried.splitlines()[-1])[route]["from_upstream"]
     per_token = (received[24] - received[4]) / 20
     assert per_token < 2 * 576 * 4, per_token  # 576: SmolLM2's n_embd
@@ -308,6 +312,12 @@ def test_cli_exits_with_one_line_naming_the_killed_worker(workers):
 
 def _cli(*args, timeout=60) -> subprocess.CompletedProcess:
     return subprocess.run([*CLI, *args], env=ENV, capture_output=True, text=True, timeout=timeout)
+
+
+def test_an_empty_rpc_is_refused_not_run_locally():
+    r = _cli("generate", "-m", MODEL, "--rpc", "", "-p", "hi", "-n", "1")
+    assert r.returncode == 1 and r.stderr.strip() == ("speculant: error: --rpc is empty: name the workers "
+                                                      "(HOST:PORT[,HOST:PORT...]), or leave --rpc out"), r.stderr
 
 
 @pytest.mark.parametrize("command", ["generate", "serve"])

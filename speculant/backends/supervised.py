@@ -134,10 +134,9 @@ class SupervisedBackend(Backend):
         self._inexact: set[str] = set()  # workers of another build or settings, used anyway
         n_layer = gguf_block_count(self.path)
         self.device_layers = layer_plan(n_layer, weights)  # checked before any worker is held
-        print(f"speculant: the target's {n_layer} layers: {n_layer - sum(self.device_layers)} here (with the "
-              f"embeddings and the output layer), " + ", ".join(
-                  f"{n} on {endpoint}" for n, endpoint in zip(self.device_layers, self.endpoints)),
-              file=sys.stderr, flush=True)
+        self._split = (f"the target's {n_layer} layers: {n_layer - sum(self.device_layers)} here (with the "
+                       f"embeddings and the output layer), " + ", ".join(
+                           f"{n} on {endpoint}" for n, endpoint in zip(self.device_layers, self.endpoints)))
         self._start()
 
     @property
@@ -162,6 +161,9 @@ class SupervisedBackend(Backend):
                     self._warned.add((endpoint, line))
                     print(f"speculant: warning: {line}", file=sys.stderr, flush=True)
         self.down = {}
+        if self._split:  # once, when every worker has answered (not at a restart)
+            print(f"speculant: {self._split}", file=sys.stderr, flush=True)
+            self._split = ""
         ctx = mp.get_context("spawn")
         parent, child = ctx.Pipe()
         self._stop_prompt = ctx.Event()

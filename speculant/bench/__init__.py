@@ -212,10 +212,11 @@ def cmd_bench(args) -> int:
 
         result["peers"] = peers_mod.run_peers(peers, cfg, prompts, result, tools_dir=args.llama_tools,
                                               progress=not args.no_progress)
-    # the table first: a file that cannot be written (a full disk) must not lose the run
+    # every file whole or not at all, results.json first, then the table (it needs no disk): a file that cannot be
+    # written (a full disk) is said at the end and loses nothing else
+    files, failed = report.write_all(result, out, make_plots=not args.no_plots)
     sys.stdout.write(report.markdown(result))
     sys.stdout.flush()
-    files, failed = report.write_all(result, out, make_plots=not args.no_plots)
     if args.trace:
         from ..replay import write_trace
 
@@ -228,9 +229,12 @@ def cmd_bench(args) -> int:
     bad = [r for r in result["rows"] if r.get("greedy_equal") is False]
     if bad:
         print(f"speculant bench: {len(bad)} run(s) differ from plain output (see greedy_equal in "
-              f"{out / 'results.json'})", file=sys.stderr)
+              f"{files.get('json', 'the table above')})", file=sys.stderr)
+    if failed:
+        error = "could not write " + "; ".join(failed) + " (the table above is the run's summary)"
+        if interrupted is None:
+            raise SettingsError(error)
+        print(f"speculant: error: {error}", file=sys.stderr)
     if interrupted is not None:
         raise interrupted
-    if failed:
-        raise SettingsError("could not write " + "; ".join(failed) + " (the table above is the run's summary)")
     return 0

@@ -244,8 +244,12 @@ def plots(result: dict, out: Path) -> list[Path]:
 
 
 def _save(fig, path: Path, plt) -> Path:
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        fig.savefig(tmp, dpi=110, format="png")
+        tmp.replace(path)
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -265,6 +269,8 @@ def write_all(result: dict, out: Path, *, make_plots: bool = True) -> tuple[dict
         try:
             for p in plots(result, out):
                 written[p.stem] = p
-        except OSError as e:
+        except OSError as e:  # a plot cut short is removed: whole or not at all
+            for png in out.glob("*.png.tmp"):
+                png.unlink(missing_ok=True)
             failed.append(f"the plots in {out}: {e.strerror or e}")
     return written, failed
