@@ -65,7 +65,8 @@ def _close_unfinished() -> None:
 @dataclass
 class TokenEvent:
     """One emitted token and the text it completes (may be '' while a UTF-8 sequence or a possible
-    stop string is pending)."""
+    stop string is pending; the token that reaches max_tokens carries all that was held back; after an
+    end-of-generation token, text held back as the start of a stop string is in the result's text only)."""
 
     token: int
     text: str
@@ -677,6 +678,8 @@ class _Output:
             if n_top is not None:
                 result.logprobs.append(new_logprobs[i])
             piece, stopped = text.add(token)
+            if not stopped and stats.generated_tokens >= self.max_tokens:  # the last token: nothing is held back
+                piece += text.release()
             if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
                 del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
                     result.sources[text.n_tokens_kept:]
@@ -766,6 +769,10 @@ class _TextTracker:
         if not self.stopped:  # flush a trailing partial UTF-8 sequence
             self.text += self.decoder.decode(b"", final=True)
         return self.text
+
+    def release(self) -> str:
+        """The generation ends here: all the text not handed out yet (held back as the start of a stop string)."""
+        return self._emit(len(self.finish()))
 
 
 def _overlap(text: str, stop: str) -> int:

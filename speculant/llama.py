@@ -329,25 +329,31 @@ class Llama:
     def _completion_chunks(run: "_Run", meta: dict, head: str, head_logprobs, fmt) -> Iterator[dict]:
         if head:
             yield {**meta, "choices": [{"text": head, "index": 0, "logprobs": head_logprobs, "finish_reason": None}]}
+        sent = 0
         for event in run.events:
+            sent += len(event.text)
             if event.text or fmt is not None and event.logprobs:
                 yield {**meta, "choices": [{"text": event.text, "index": 0,
                                             "logprobs": fmt(event.logprobs) if fmt is not None else None,
                                             "finish_reason": None}]}
-        result = run.result
-        yield {**meta, "choices": [{"text": "", "index": 0, "logprobs": None, "finish_reason": result.finish_reason}]}
+        result = run.result  # text held back as the start of a stop string that never came ends the answer
+        yield {**meta, "choices": [{"text": result.text[sent:], "index": 0, "logprobs": None,
+                                    "finish_reason": result.finish_reason}]}
 
     @staticmethod
     def _chat_chunks(run: "_Run", meta: dict, fmt) -> Iterator[dict]:
         meta = {**meta, "object": "chat.completion.chunk"}
         yield {**meta, "choices": [{"index": 0, "delta": {"role": "assistant"}, "logprobs": None,
                                     "finish_reason": None}]}
+        sent = 0
         for event in run.events:
+            sent += len(event.text)
             if event.text or fmt is not None and event.logprobs:
                 yield {**meta, "choices": [{"index": 0, "delta": {"content": event.text} if event.text else {},
                                             "logprobs": fmt(event.logprobs) if fmt is not None else None,
                                             "finish_reason": None}]}
-        yield {**meta, "choices": [{"index": 0, "delta": {}, "logprobs": None,
+        rest = run.result.text[sent:]  # held back as the start of a stop string that never came
+        yield {**meta, "choices": [{"index": 0, "delta": {"content": rest} if rest else {}, "logprobs": None,
                                     "finish_reason": run.result.finish_reason}]}
 
 

@@ -115,6 +115,17 @@ def test_streams_join_to_the_answer_and_sampling_is_plain_decodings(plain, spec,
     assert all(c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks)
     assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == answer
     assert chunks[-1]["choices"][0]["finish_reason"] == "length" and spec.last_stats.generated_tokens == 20
+    # an answer cut by max_tokens after the start of a stop string ("\n" of "\n\n"): that text was never streamed
+    from speculant.engine import Result
+    from speculant.stats import SpecStats
+
+    for llm in (plain, spec):
+        whole = llm(PROMPT, max_tokens=3, temperature=0, stop=["\n\n"])["choices"][0]["text"]
+        chunks = list(llm(PROMPT, max_tokens=3, temperature=0, stop=["\n\n"], stream=True))
+        assert whole.endswith("\n") and "".join(c["choices"][0]["text"] for c in chunks) == whole, chunks
+        result = Result("", [], SpecStats())
+        events = list(llm.engine.stream(PROMPT, max_tokens=3, stop=["\n\n"], result=result))
+        assert "".join(e.text for e in events) == result.text == whole
     # seeded sampling (llama-cpp-python's defaults: T 0.8, top-k 40, top-p 0.95, min-p 0.05): the same text
     # every time, speculative or not; llama-cpp-python's prompt lookup object drafts the same way
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
