@@ -462,6 +462,9 @@ def dry_run_report(model: str, d: DryRun, allow_requantize: bool = False) -> str
 
 
 def cmd_quantize(args) -> int:
+    if args.dry_run and (args.output or args.name or args.imatrix):
+        raise SettingsError("--dry-run writes nothing: -o, --name and --imatrix have no use with it")
+    file_type(args.type)  # an unknown type before the model is read
     if args.type.upper() == "MXFP4_MOE":
         from .native import gguf_tensors
 
@@ -470,8 +473,6 @@ def cmd_quantize(args) -> int:
                   f"Q8_0; {args.model} has no expert matrices, so it comes out all Q8_0 (--type Q8_0 says so)",
                   file=sys.stderr)
     if args.dry_run:
-        if args.output or args.name or args.imatrix:
-            raise SettingsError("--dry-run writes nothing: -o, --name and --imatrix have no use with it")
         d = dry_run(args.model, args.type, output_tensor_type=args.output_tensor_type,
                     token_embedding_type=args.token_embedding_type)
         print(dry_run_report(args.model, d, args.allow_requantize), end="")
