@@ -145,15 +145,15 @@ def save(backend, times_ms: dict[int, float], source: str, share: Optional[float
             "ratio": {str(n): round(v, 4) for n, v in from_times(times_ms).items()}}
     if share is not None:
         data["cpu_share"] = round(share, 3)
-    _write_atomic(path, json.dumps(data, indent=1))
+    write_atomic(path, json.dumps(data, indent=1))
     return path
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     """text into path through a temporary file beside it, which is removed whatever fails (OSError raised)."""
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
     try:
-        tmp.write_text(text)
+        tmp.write_text(text, encoding="utf-8")
         os.replace(tmp, path)
     finally:
         try:
@@ -306,7 +306,7 @@ def observe_prompt_ratio(draft, target, draft_pass: tuple[float, int], target_pa
         ratio = old + PROMPT_RATIO_RATE * (ratio - old)
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_atomic(path, json.dumps({"draft": str(draft.path), "target": str(target.path),
+        write_atomic(path, json.dumps({"draft": str(draft.path), "target": str(target.path),
                                         "ratio": round(ratio, 4)}))
     except OSError:
         pass  # a read-only cache only loses the prior

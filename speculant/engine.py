@@ -678,7 +678,8 @@ class _Output:
             if n_top is not None:
                 result.logprobs.append(new_logprobs[i])
             piece, stopped = text.add(token)
-            if not stopped and stats.generated_tokens >= self.max_tokens:  # the last token: nothing is held back
+            last = not stopped and stats.generated_tokens >= self.max_tokens
+            if last:  # nothing is held back any more
                 piece += text.release()
             if stopped:  # `tokens` stay the tokens of `text`: drop those that only spelled the stop string
                 del result.tokens[text.n_tokens_kept:], result.from_draft[text.n_tokens_kept:], \
@@ -695,7 +696,7 @@ class _Output:
             if stopped:
                 result.finish_reason, result.stop_string = "stop", text.matched
                 return True
-            if stats.generated_tokens >= self.max_tokens:
+            if last:
                 result.finish_reason = "length"
                 return True
         return False

@@ -305,6 +305,18 @@ def _layer(tensor_name: str) -> Optional[int]:
     return int(m.group(1)) if m else None
 
 
+def _model_facts(model: str, n_ctx: int, as_type: Optional[str]) -> tuple[Path, dict, int, Optional[str], list]:
+    """(path, facts, n_ctx within the training context (0: that context), the type to plan or None for the file's
+    own, its tensor list) of a model to plan."""
+    path = _pulled(model)
+    f = gguf_facts(path)
+    n_ctx = n_ctx or f["n_ctx_train"]
+    if f["n_ctx_train"]:
+        n_ctx = min(n_ctx, f["n_ctx_train"])
+    as_type = None if as_type == f["file_type"] else as_type
+    return path, f, n_ctx, as_type, quantized_facts(path, as_type) if as_type else f["tensors"]
+
+
 def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, n_prompt: Optional[int] = None,
                as_type: Optional[str] = None, parallel: int = 1, layers_here: Optional[int] = None) -> ModelMemory:
     """One model's plan. as_type: the same model quantized to that type (what `speculant quantize` would make,
@@ -312,13 +324,7 @@ def plan_model(model: str, role: str, n_ctx: int, *, verify_positions: int = 5, 
     n_ctx cells; a merged pass returns the logits of every slot's positions (at most 64). layers_here: a target
     split over RPC workers keeps only its first layers_here repeating layers (and the rest but the layers) here,
     in a child process of its own (worker_plans: the workers' part)."""
-    path = _pulled(model)
-    f = gguf_facts(path)
-    n_ctx = n_ctx or f["n_ctx_train"]
-    if f["n_ctx_train"]:
-        n_ctx = min(n_ctx, f["n_ctx_train"])
-    as_type = None if as_type == f["file_type"] else as_type
-    tensors = quantized_facts(path, as_type) if as_type else f["tensors"]
+    path, f, n_ctx, as_type, tensors = _model_facts(model, n_ctx, as_type)
     split = layers_here is not None
     if split:
         tensors = [t for t in tensors if (_layer(t[0]) is None or _layer(t[0]) < layers_here)]
@@ -353,11 +359,7 @@ def worker_plans(model: str, endpoints: list, device_layers: list, n_ctx: int, *
                  as_type: Optional[str] = None) -> list[WorkerMemory]:
     """What each RPC worker holds of a target split as rpc.layer_plan splits it: device_layers[i] repeating layers
     on endpoints[i], the last ones, in order."""
-    path = _pulled(model)
-    f = gguf_facts(path)
-    n_ctx = min(n_ctx, f["n_ctx_train"]) if f["n_ctx_train"] else n_ctx
-    as_type = None if as_type == f["file_type"] else as_type
-    tensors = quantized_facts(path, as_type) if as_type else f["tensors"]
+    _, f, n_ctx, as_type, tensors = _model_facts(model, n_ctx, as_type)
     kv_per_layer = f["n_head_kv"] * (f["head_k"] + f["head_v"]) * KV_BYTES * _padded(n_ctx)
     out, first = [], f["n_layer"] - sum(device_layers)
     for endpoint, n in zip(endpoints, device_layers):
@@ -392,8 +394,9 @@ def plan(target: str, draft: Optional[str] = None, *, n_ctx: int = 4096, draft_m
             raise SettingsError("a target split over --rpc workers serves one request at a time: plan it with -np 1")
         from .rpc import layer_plan, parse_tensor_split
 
-        device_layers = layer_plan(gguf_facts(_pulled(target))["n_layer"], parse_tensor_split(tensor_split, len(rpc)))
-        layers_here = gguf_facts(_pulled(target))["n_layer"] - sum(device_layers)
+        n_layer = gguf_facts(_pulled(target))["n_layer"]
+        device_layers = layer_plan(n_layer, parse_tensor_split(tensor_split, len(rpc)))
+        layers_here = n_layer - sum(device_layers)
     n_ctx_train = gguf_facts(_pulled(target))["n_ctx_train"]
     if n_ctx == 0:  # the target's training context, as generate's -c 0
         n_ctx = n_ctx_train or 4096

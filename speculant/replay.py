@@ -35,13 +35,9 @@ def write_trace(result: dict, path: str | Path) -> Path:
     if path.exists() and not path.is_file():  # /dev/stdout and the like: written as they are
         path.write_text(text)
         return path
-    tmp = path.with_name(path.name + ".tmp")
-    try:  # whole or not at all (a full disk)
-        tmp.write_text(text)
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    from .costprofile import write_atomic
+
+    write_atomic(path, text)  # whole or not at all (a full disk)
     return path
 
 

@@ -7,7 +7,7 @@ import math
 from pathlib import Path
 from typing import Optional
 
-from ..costprofile import QUIET_SHARE
+from ..costprofile import QUIET_SHARE, write_atomic
 from .stats import BASELINE, OVERALL
 
 
@@ -152,19 +152,8 @@ def _jsonable(x):
     return x
 
 
-def write_text(text: str, path: Path) -> None:
-    """Atomically: the file is whole or as it was (a temporary that could not be finished is removed)."""
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        tmp.write_text(text, encoding="utf-8")
-        tmp.replace(path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-
-
 def write_json(result: dict, path: Path) -> None:
-    write_text(json.dumps(_jsonable(result), indent=1, ensure_ascii=False), path)
+    write_atomic(path, json.dumps(_jsonable(result), indent=1, ensure_ascii=False))
 
 
 def plots(result: dict, out: Path) -> list[Path]:
@@ -258,7 +247,7 @@ def write_all(result: dict, out: Path, *, make_plots: bool = True) -> tuple[dict
     for each file that could not be, e.g. on a full disk). results.json first: it holds everything."""
     written, failed = {}, []
     for key, path, write in (("json", out / "results.json", lambda p: write_json(result, p)),
-                             ("markdown", out / "summary.md", lambda p: write_text(markdown(result), p))):
+                             ("markdown", out / "summary.md", lambda p: write_atomic(p, markdown(result)))):
         try:
             out.mkdir(parents=True, exist_ok=True)
             write(path)
